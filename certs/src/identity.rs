@@ -1,0 +1,69 @@
+//! The node identity in an edge certificate.
+//!
+//! An edge certificate names its node as CN `system:node:<name>` (the
+//! Kubernetes convention, also KubeEdge's); a bare CN or a DNS SAN is accepted
+//! when the CN has no such prefix. The name must be a valid Kubernetes node
+//! name (DNS-1123 subdomain).
+
+use rustls::pki_types::CertificateDer;
+use x509_parser::prelude::*;
+
+use crate::CertError;
+
+/// Whether `s` is a DNS-1123 subdomain (what Kubernetes allows as a node name).
+pub fn valid_node_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        })
+}
+
+/// The node name an edge certificate carries.
+pub fn node_name_from_cert(der: &CertificateDer<'_>) -> Result<String, CertError> {
+    let (_, cert) = X509Certificate::from_der(der.as_ref()).map_err(|e| CertError::Parse(e.to_string()))?;
+    let cn = cert
+        .subject()
+        .iter_common_name()
+        .next()
+        .and_then(|c| c.as_str().ok())
+        .map(str::to_string);
+    let name = match cn {
+        Some(cn) if cn.starts_with("system:node:") => cn["system:node:".len()..].to_string(),
+        other => {
+            let san = cert.subject_alternative_name().ok().flatten().and_then(|s| {
+                s.value.general_names.iter().find_map(|g| match g {
+                    GeneralName::DNSName(d) => Some(d.to_string()),
+                    _ => None,
+                })
+            });
+            match san.or(other) {
+                Some(n) => n,
+                None => return Err(CertError::NoNode("no CN and no DNS name".into())),
+            }
+        }
+    };
+    if !valid_node_name(&name) {
+        return Err(CertError::NoNode(format!("{name:?} is not a valid node name")));
+    }
+    Ok(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_names() {
+        assert!(valid_node_name("edge-1"));
+        assert!(valid_node_name("a.b.c"));
+        assert!(!valid_node_name("Edge"));
+        assert!(!valid_node_name("-x"));
+        assert!(!valid_node_name(""));
+        assert!(!valid_node_name("a..b"));
+    }
+}

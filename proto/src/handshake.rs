@@ -1,0 +1,106 @@
+//! The control stream's messages and the protocol version.
+//!
+//! A connection's life: the edge opens the first bidirectional QUIC stream and
+//! sends [`Hello`]; the cloud checks the node name against the edge's
+//! certificate and answers [`Welcome`] (or [`Refusal`] and closes). After that
+//! the edge sends a [`PodReport`] whenever its kubelet's pod list changes, and
+//! either side may send `GoAway`. Logical streams travel on their own QUIC
+//! streams (see [`frame`](crate::frame)).
+
+use serde::{Deserialize, Serialize};
+
+use crate::limits::Limits;
+use crate::token::{ResumeToken, SessionId};
+use crate::StreamId;
+
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// ALPN of the tunnel connection between edge and cloud.
+pub const ALPN_TUNNEL: &[u8] = b"tether/1";
+
+/// Picks the version both sides speak: the highest of the edge's offers that
+/// this build supports.
+pub fn negotiate_version(offered: &[u16]) -> Option<u16> {
+    offered.iter().copied().filter(|v| *v == PROTOCOL_VERSION).max()
+}
+
+/// Edge → cloud, first frame on the control stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Protocol versions the edge speaks.
+    pub versions: Vec<u16>,
+    /// The node name; must equal the name in the edge's certificate.
+    pub node: String,
+    /// Addresses (IPs or DNS names) by which the apiserver may know this node.
+    pub addresses: Vec<String>,
+    /// The token from the last welcome, to resume that session's streams.
+    pub resume: Option<ResumeToken>,
+    /// The edge's own limits (what it accepts).
+    pub limits: Limits,
+}
+
+/// Cloud → edge, answer to an accepted hello.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    pub version: u16,
+    /// The session this connection belongs to (new, or the resumed one).
+    pub session: SessionId,
+    /// Present this on the next connection to resume. Single use.
+    pub resume_token: ResumeToken,
+    /// True if the hello's token resumed an existing session.
+    pub resumed: bool,
+    /// Logical streams the cloud still holds for this session; the cloud
+    /// re-attaches each on a new QUIC stream. Empty for a new session.
+    pub streams: Vec<StreamId>,
+    /// How long the cloud keeps a disconnected session's streams, in ms.
+    pub grace_ms: u64,
+    /// The cloud's limits (what it accepts).
+    pub limits: Limits,
+}
+
+/// Why a hello was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RefusalCode {
+    /// No common protocol version.
+    Version,
+    /// The hello's node name is not the certificate's.
+    NodeMismatch,
+    /// The hello broke the protocol or a limit.
+    BadHello,
+    /// The cloud is shutting down; try another replica.
+    Shutdown,
+}
+
+/// Cloud → edge, answer to a refused hello.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refusal {
+    pub code: RefusalCode,
+    pub message: String,
+}
+
+/// One pod the edge's kubelet runs.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+/// Edge → cloud: the complete list of the kubelet's pods.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodReport {
+    pub pods: Vec<PodRef>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn negotiates_only_known_versions() {
+        assert_eq!(negotiate_version(&[PROTOCOL_VERSION, 99]), Some(PROTOCOL_VERSION));
+        assert_eq!(negotiate_version(&[99]), None);
+        assert_eq!(negotiate_version(&[]), None);
+    }
+}

@@ -1,0 +1,525 @@
+//! The tokio adapter: a [`StreamState`] as `AsyncRead + AsyncWrite`, driven
+//! over whatever transport is attached at the moment.
+//!
+//! - [`ResumableIo`] is what the application holds: the cloud puts the
+//!   apiserver's connection on one side of it, the edge the kubelet's. Reads
+//!   and writes only touch the shared state; they never wait on the network,
+//!   except that a write waits while the replay buffer is full
+//!   (backpressure).
+//! - [`drive`] moves frames between the shared state and one transport (a
+//!   QUIC stream pair, or anything `AsyncRead + AsyncWrite` in tests). When
+//!   the transport dies it returns an error and the stream stays intact;
+//!   calling [`drive`] again with a new transport re-attaches it, and both
+//!   ends replay from each other's delivered offset.
+//! - [`FrameReader`] / [`write_frame`] read and write single frames.
+//!
+//! The state lives behind a `std::sync::Mutex` held only for bookkeeping,
+//! never across an `.await`.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::sync::Notify;
+
+use crate::frame::{self, Frame, FrameError, ResetCode};
+use crate::stream::{ReadOutcome, StreamError, StreamState};
+
+/// Reads length-delimited frames from a byte stream.
+pub struct FrameReader {
+    buf: BytesMut,
+    max: usize,
+}
+
+impl FrameReader {
+    /// A reader that refuses frames over `max` bytes.
+    pub fn new(max: usize) -> Self {
+        FrameReader { buf: BytesMut::with_capacity(16 * 1024), max }
+    }
+
+    /// The next frame; `Ok(None)` at a clean end of the stream. Cancel-safe.
+    pub async fn next<R: AsyncRead + Unpin>(&mut self, r: &mut R) -> Result<Option<Frame>, TransportError> {
+        loop {
+            if let Some(f) = frame::decode(&mut self.buf, self.max)? {
+                return Ok(Some(f));
+            }
+            if self.buf.capacity() - self.buf.len() < 4096 {
+                self.buf.reserve(16 * 1024);
+            }
+            if r.read_buf(&mut self.buf).await? == 0 {
+                if self.buf.is_empty() {
+                    return Ok(None);
+                }
+                return Err(FrameError::Truncated { have: self.buf.len(), need: 0 }.into());
+            }
+        }
+    }
+}
+
+/// Writes one frame.
+pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, f: &Frame, max: usize) -> Result<(), TransportError> {
+    let bytes = frame::encode_to_bytes(f, max)?;
+    w.write_all(&bytes).await?;
+    Ok(())
+}
+
+/// Why a transport under a stream stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("transport I/O: {0}")]
+    Io(#[from] io::Error),
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error("stream protocol: {0}")]
+    Stream(#[from] StreamError),
+    #[error("transport closed before the stream ended")]
+    Closed,
+    #[error("expected an attach frame, got {0}")]
+    NoAttach(&'static str),
+}
+
+struct Inner {
+    state: StreamState,
+    read_waker: Option<Waker>,
+    write_waker: Option<Waker>,
+}
+
+/// The state shared by a stream's application handle and its driver.
+pub struct SharedStream {
+    inner: Mutex<Inner>,
+    /// Wakes the transmit loop: something may be ready to send.
+    tx: Notify,
+    /// Wakes the receive loop: the local reader made room.
+    rx_room: Notify,
+    /// Wakes whoever waits for the stream to finish.
+    done: Notify,
+}
+
+impl SharedStream {
+    /// Wraps a fresh stream state.
+    pub fn new(state: StreamState) -> Arc<Self> {
+        Arc::new(SharedStream {
+            inner: Mutex::new(Inner { state, read_waker: None, write_waker: None }),
+            tx: Notify::new(),
+            rx_room: Notify::new(),
+            done: Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding this lock is a bug in this module; the state
+        // is still consistent bookkeeping, so keep going with it.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the state, then wakes everyone who may now make progress.
+    pub fn with_state<T>(&self, f: impl FnOnce(&mut StreamState) -> T) -> T {
+        let mut g = self.lock();
+        let out = f(&mut g.state);
+        self.wake_all(&mut g);
+        out
+    }
+
+    fn wake_all(&self, g: &mut Inner) {
+        if let Some(w) = g.read_waker.take() {
+            w.wake();
+        }
+        if let Some(w) = g.write_waker.take() {
+            w.wake();
+        }
+        self.tx.notify_one();
+        self.rx_room.notify_one();
+        if g.state.is_done() {
+            self.done.notify_waiters();
+        }
+    }
+
+    /// Resets the stream (the peer is told if a transport is attached now or
+    /// later).
+    pub fn reset(&self, code: ResetCode, message: impl Into<String>) {
+        let message = message.into();
+        self.with_state(|s| s.reset(code, message));
+    }
+
+    /// Whether the stream is over in both directions.
+    pub fn is_done(&self) -> bool {
+        self.lock().state.is_done()
+    }
+
+    /// Waits until the stream is over.
+    pub async fn wait_done(&self) {
+        loop {
+            let n = self.done.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.is_done() {
+                return;
+            }
+            n.await;
+        }
+    }
+}
+
+/// The application's end of a resumable stream.
+pub struct ResumableIo {
+    shared: Arc<SharedStream>,
+}
+
+impl ResumableIo {
+    pub fn new(shared: Arc<SharedStream>) -> Self {
+        ResumableIo { shared }
+    }
+
+    pub fn shared(&self) -> &Arc<SharedStream> {
+        &self.shared
+    }
+}
+
+fn reset_error(code: ResetCode, message: &str) -> io::Error {
+    let kind = match code {
+        ResetCode::Cancelled => io::ErrorKind::ConnectionAborted,
+        _ => io::ErrorKind::ConnectionReset,
+    };
+    io::Error::new(kind, format!("stream reset ({code:?}): {message}"))
+}
+
+impl AsyncRead for ResumableIo {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let shared = &self.shared;
+        let mut g = shared.lock();
+        match g.state.read(buf.remaining()) {
+            ReadOutcome::Data(b) => {
+                buf.put_slice(&b);
+                shared.tx.notify_one();
+                shared.rx_room.notify_one();
+                Poll::Ready(Ok(()))
+            }
+            ReadOutcome::Eof => {
+                shared.tx.notify_one();
+                Poll::Ready(Ok(()))
+            }
+            ReadOutcome::Reset(code, msg) => Poll::Ready(Err(reset_error(code, &msg))),
+            ReadOutcome::Pending => {
+                g.read_waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl AsyncWrite for ResumableIo {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let shared = &self.shared;
+        let mut g = shared.lock();
+        if let Some((code, msg)) = g.state.reset_reason() {
+            return Poll::Ready(Err(reset_error(code, msg)));
+        }
+        if g.state.is_finished() {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "stream already shut down")));
+        }
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let n = g.state.write(buf);
+        if n > 0 {
+            shared.tx.notify_one();
+            return Poll::Ready(Ok(n));
+        }
+        g.write_waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let g = &mut *self.shared.lock();
+        if let Some((code, msg)) = g.state.reset_reason() {
+            return Poll::Ready(Err(reset_error(code, msg)));
+        }
+        g.state.finish();
+        self.shared.tx.notify_one();
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for ResumableIo {
+    /// Dropping the handle after shutting down our direction lets the peer
+    /// finish (its remaining bytes are discarded); dropping it earlier aborts
+    /// the stream, so the far side sees an error rather than a clean end.
+    fn drop(&mut self) {
+        self.shared.with_state(|s| {
+            if s.is_finished() {
+                s.discard_incoming();
+            } else {
+                s.reset(ResetCode::Cancelled, "the local side closed the stream");
+            }
+        });
+    }
+}
+
+/// How the peer's `Attach` is obtained on a new transport.
+#[derive(Debug, Clone, Copy)]
+pub enum PeerAttach {
+    /// Already read by the caller (the acceptor read it to learn the stream id).
+    Known { delivered: u64, fin_received: bool },
+    /// Read it as the first frame.
+    Read,
+}
+
+/// Attaches the stream to a transport and moves frames until the stream is
+/// done (`Ok`) or the transport fails (`Err`; the stream is detached and can be
+/// re-attached by calling `drive` again with a new transport).
+///
+/// Sends our `Attach` first. `max_frame` bounds frames both ways.
+pub async fn drive<R, W>(
+    shared: Arc<SharedStream>,
+    mut recv: R,
+    mut send: W,
+    peer: PeerAttach,
+    max_frame: usize,
+) -> Result<(), TransportError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let result = drive_inner(&shared, &mut recv, &mut send, peer, max_frame).await;
+    match result {
+        // Once the stream is done, the transport closing under the last
+        // frames (the peer dropped its end first) is no failure.
+        Err(_) if shared.is_done() => Ok(()),
+        Err(e) => {
+            shared.with_state(|s| s.detach());
+            Err(e)
+        }
+        Ok(()) => Ok(()),
+    }
+}
+
+async fn drive_inner<R, W>(
+    shared: &Arc<SharedStream>,
+    recv: &mut R,
+    send: &mut W,
+    peer: PeerAttach,
+    max_frame: usize,
+) -> Result<(), TransportError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let ours = shared.with_state(|s| s.attach_frame());
+    write_frame(send, &ours, max_frame).await?;
+    let mut reader = FrameReader::new(max_frame);
+    let (delivered, fin_received) = match peer {
+        PeerAttach::Known { delivered, fin_received } => (delivered, fin_received),
+        PeerAttach::Read => match reader.next(recv).await? {
+            Some(Frame::Attach { delivered, fin_received, .. }) => (delivered, fin_received),
+            Some(other) => return Err(TransportError::NoAttach(other.kind())),
+            None => return Err(TransportError::Closed),
+        },
+    };
+    if let Err(e) = shared.with_state(|s| s.attach(delivered, fin_received)) {
+        shared.reset(ResetCode::ProtocolError, e.to_string());
+        // Best effort: tell the peer before giving up on this transport.
+        let _ = transmit_loop(shared, send, max_frame).await;
+        return Err(e.into());
+    }
+    let rx = receive_loop(shared, recv, &mut reader);
+    let tx = transmit_loop(shared, send, max_frame);
+    tokio::pin!(rx, tx);
+    tokio::select! {
+        r = &mut tx => r,
+        r = &mut rx => match r {
+            // The peer closed its side cleanly: finish transmitting.
+            Ok(()) => tx.await,
+            Err(e) => Err(e),
+        },
+    }
+}
+
+async fn receive_loop<R: AsyncRead + Unpin>(
+    shared: &Arc<SharedStream>,
+    recv: &mut R,
+    reader: &mut FrameReader,
+) -> Result<(), TransportError> {
+    loop {
+        // Wait for room in the receive queue before taking more from QUIC, so
+        // a slow local reader pushes back through QUIC flow control.
+        loop {
+            let room = shared.rx_room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            if shared.lock().state.recv_has_room() {
+                break;
+            }
+            room.await;
+        }
+        match reader.next(recv).await? {
+            Some(f) => {
+                if let Err(e) = shared.with_state(|s| s.on_frame(f)) {
+                    shared.reset(ResetCode::ProtocolError, e.to_string());
+                    return Err(e.into());
+                }
+            }
+            None => {
+                return if shared.is_done() { Ok(()) } else { Err(TransportError::Closed) };
+            }
+        }
+    }
+}
+
+async fn transmit_loop<W: AsyncWrite + Unpin>(
+    shared: &Arc<SharedStream>,
+    send: &mut W,
+    max_frame: usize,
+) -> Result<(), TransportError> {
+    let mut out = BytesMut::new();
+    loop {
+        let wake = shared.tx.notified();
+        tokio::pin!(wake);
+        wake.as_mut().enable();
+        let done = {
+            let mut g = shared.lock();
+            // Batch whatever is ready into one write.
+            while out.len() < 256 * 1024 {
+                match g.state.poll_transmit() {
+                    Some(f) => frame::encode(&f, &mut out, max_frame)?,
+                    None => break,
+                }
+            }
+            if !out.is_empty() {
+                // Writing made room in nobody's buffer, but acks may have let
+                // writers continue; wake them cheaply.
+                if let Some(w) = g.write_waker.take() {
+                    w.wake();
+                }
+            }
+            g.state.is_done()
+        };
+        if !out.is_empty() {
+            send.write_all(&out).await?;
+            out.clear();
+            continue;
+        }
+        if done {
+            send.shutdown().await?;
+            return Ok(());
+        }
+        wake.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stream::StreamLimits;
+    use std::time::Duration;
+    use tokio::io::{duplex, split};
+
+    const L: StreamLimits = StreamLimits { replay_bytes: 64 * 1024, recv_bytes: 64 * 1024, max_payload: 8 * 1024 };
+
+    fn pair() -> (Arc<SharedStream>, Arc<SharedStream>) {
+        (SharedStream::new(StreamState::new(5, L)), SharedStream::new(StreamState::new(5, L)))
+    }
+
+    /// Connects both ends over an in-memory transport; returns the drivers.
+    fn connect(
+        a: &Arc<SharedStream>,
+        b: &Arc<SharedStream>,
+    ) -> (tokio::task::JoinHandle<Result<(), TransportError>>, tokio::task::JoinHandle<Result<(), TransportError>>) {
+        let (x, y) = duplex(16 * 1024);
+        let (xr, xw) = split(x);
+        let (yr, yw) = split(y);
+        (
+            tokio::spawn(drive(a.clone(), xr, xw, PeerAttach::Read, 1 << 20)),
+            tokio::spawn(drive(b.clone(), yr, yw, PeerAttach::Read, 1 << 20)),
+        )
+    }
+
+    fn pattern(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 7 % 251) as u8).collect()
+    }
+
+    #[tokio::test]
+    async fn bytes_exactly_once_across_reattach() {
+        let (a, b) = pair();
+        let data = pattern(2 * 1024 * 1024);
+        let ia = ResumableIo::new(a.clone());
+        let ib = ResumableIo::new(b.clone());
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            let mut ia = ia;
+            for chunk in send.chunks(50_000) {
+                ia.write_all(chunk).await.unwrap();
+            }
+            ia.shutdown().await.unwrap();
+            ia
+        });
+        let reader = tokio::spawn(async move {
+            let mut ib = ib;
+            let mut got = Vec::new();
+            ib.read_to_end(&mut got).await.unwrap();
+            ib.shutdown().await.unwrap();
+            (got, ib)
+        });
+        // Three transports in a row; the first two are cut mid-transfer.
+        for round in 0..3 {
+            let (x, y) = duplex(8 * 1024);
+            let (xr, xw) = split(x);
+            let (yr, yw) = split(y);
+            let da = tokio::spawn(drive(a.clone(), xr, xw, PeerAttach::Read, 1 << 20));
+            let db = tokio::spawn(drive(b.clone(), yr, yw, PeerAttach::Read, 1 << 20));
+            if round < 2 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                da.abort();
+                db.abort();
+                let _ = da.await;
+                let _ = db.await;
+                a.with_state(|s| s.detach());
+                b.with_state(|s| s.detach());
+            } else {
+                let (ra, rb) = tokio::join!(da, db);
+                ra.unwrap().unwrap();
+                rb.unwrap().unwrap();
+            }
+        }
+        let (got, _ib) = reader.await.unwrap();
+        let _ia = writer.await.unwrap();
+        assert_eq!(got.len(), data.len());
+        assert!(got == data, "bytes differ after re-attach");
+        assert!(a.is_done() && b.is_done());
+    }
+
+    #[tokio::test]
+    async fn reset_surfaces_as_io_error() {
+        let (a, b) = pair();
+        let (_da, _db) = connect(&a, &b);
+        let mut ib = ResumableIo::new(b.clone());
+        a.reset(ResetCode::KubeletUnreachable, "dial tcp 127.0.0.1:10350: connection refused");
+        let mut buf = [0u8; 8];
+        let err = tokio::time::timeout(Duration::from_secs(5), ib.read(&mut buf)).await.unwrap().unwrap_err();
+        assert!(err.to_string().contains("connection refused"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn slow_reader_applies_backpressure() {
+        let (a, b) = pair();
+        let (_da, _db) = connect(&a, &b);
+        let mut ia = ResumableIo::new(a.clone());
+        let _ib = ResumableIo::new(b.clone());
+        // Nobody reads b: a can write at most its replay buffer, then blocks.
+        let wrote = tokio::time::timeout(Duration::from_millis(300), async {
+            loop {
+                ia.write_all(&[1u8; 4096]).await.unwrap();
+            }
+        })
+        .await;
+        assert!(wrote.is_err(), "writer must block");
+        assert!(a.with_state(|s| s.replay_buffered()) <= L.replay_bytes);
+        assert!(b.with_state(|s| s.recv_buffered()) <= L.recv_bytes + L.max_payload);
+    }
+}

@@ -1,0 +1,34 @@
+//! # tether-proto — Tether's wire protocol
+//!
+//! Everything the cloud and the edge must agree on, and nothing that does I/O
+//! except the thin adapters in [`io`] and [`quic`]:
+//!
+//! - [`frame`]: the one frame type that travels on every QUIC stream, its
+//!   length-delimited postcard encoding and the hard size limit on decoding.
+//! - [`handshake`]: the control stream's messages (edge hello, cloud welcome,
+//!   pod reports, go-away) and the protocol version.
+//! - [`head`]: the HTTP request head the cloud sends at the start of a logical
+//!   stream and the response head the edge answers with.
+//! - [`route`]: which kubelet API paths Tether forwards, and how a path names
+//!   its pod; shared so that the edge refuses exactly what the cloud refuses.
+//! - [`stream`]: the sans-IO state of one *resumable* logical stream: offsets
+//!   written, sent, acknowledged, received and delivered; the replay buffer;
+//!   what to transmit next and what to replay after a re-attach.
+//! - [`token`]: resume tokens and session ids.
+//! - [`limits`]: every bound, with its default.
+//! - [`io`]: the tokio adapter that makes a [`stream::StreamState`] an
+//!   `AsyncRead + AsyncWrite` and drives it over a QUIC stream.
+//! - [`quic`]: QUIC transport settings both binaries share.
+
+pub mod frame;
+pub mod handshake;
+pub mod head;
+pub mod io;
+pub mod limits;
+pub mod quic;
+pub mod route;
+pub mod stream;
+pub mod token;
+
+pub use frame::{Frame, FrameError, StreamId};
+pub use limits::Limits;

@@ -1,0 +1,684 @@
+//! The sans-IO state machine of one resumable logical stream.
+//!
+//! A logical stream is a reliable bidirectional byte pipe between the cloud and
+//! the edge that survives the QUIC connection under it. This module owns its
+//! bookkeeping and nothing else: no sockets, no clocks, no tasks. The tokio
+//! adapter ([`crate::io`]) feeds it frames and local reads/writes and asks it
+//! what to transmit, the way `quinn` drives `quinn-proto`.
+//!
+//! Offsets, per direction, all cumulative byte counts since the stream began:
+//!
+//! ```text
+//! sender:    acked ≤ sent ≤ written        replay buffer = [acked, written)
+//! receiver:  delivered ≤ received          receive queue = [delivered, received)
+//! ```
+//!
+//! `delivered` means handed to the local side (read by the application);
+//! acknowledgements carry it, so a byte leaves the sender's replay buffer only
+//! once the far side has really taken it. When the transport dies, both ends
+//! [`detach`](StreamState::detach); on a new transport each sends an
+//! [`Attach`](Frame::Attach) with its `delivered` and, on receiving the peer's,
+//! rewinds `sent` to the peer's `delivered` and transmits again from there. So
+//! every byte arrives exactly once and in order, whatever was in flight when
+//! the link died. The replay buffer is bounded ([`StreamLimits::replay_bytes`]):
+//! when full, [`write_room`](StreamState::write_room) is zero and the adapter
+//! stops reading its source — backpressure, not memory growth.
+//!
+//! The end of a direction ([`Frame::End`]) counts as acknowledged only when an
+//! `Ack` says `fin_received`, so a half-close is never lost across a resume
+//! either.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+
+use crate::frame::{Frame, ResetCode, StreamId};
+
+/// Buffer bounds of one stream (from [`crate::Limits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamLimits {
+    /// Cap of unacknowledged bytes we keep for replay.
+    pub replay_bytes: usize,
+    /// Cap of received bytes not yet read locally.
+    pub recv_bytes: usize,
+    /// Largest payload of one `Data` frame we send.
+    pub max_payload: usize,
+}
+
+impl From<&crate::Limits> for StreamLimits {
+    fn from(l: &crate::Limits) -> Self {
+        StreamLimits {
+            replay_bytes: l.replay_buffer_bytes as usize,
+            recv_bytes: l.recv_buffer_bytes as usize,
+            max_payload: l.max_data_payload as usize,
+        }
+    }
+}
+
+/// A violation of the stream protocol by the peer (or a lost peer state).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StreamError {
+    #[error("data at offset {got} leaves a gap after offset {expected}")]
+    Gap { expected: u64, got: u64 },
+    #[error("data beyond the announced end at offset {end}")]
+    DataAfterEnd { end: u64 },
+    #[error("acknowledgement of offset {acked} beyond the {written} bytes written")]
+    AckBeyondWritten { acked: u64, written: u64 },
+    #[error("end acknowledged before it was sent")]
+    FinAckedEarly,
+    #[error("end moved from offset {was} to {now}")]
+    EndMoved { was: u64, now: u64 },
+    #[error("peer resumed at offset {peer} but had acknowledged {acked}: it lost state")]
+    PeerLostState { peer: u64, acked: u64 },
+    #[error("frame for stream {got} on stream {expected}")]
+    WrongStream { expected: StreamId, got: StreamId },
+    #[error("unexpected {0} frame on a logical stream")]
+    Unexpected(&'static str),
+}
+
+/// What a local read gets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// Bytes, now counted as delivered.
+    Data(Bytes),
+    /// The peer's direction ended and everything was delivered.
+    Eof,
+    /// The stream was reset (by either side).
+    Reset(ResetCode, String),
+    /// Nothing yet.
+    Pending,
+}
+
+/// Who reset the stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ResetState {
+    code: ResetCode,
+    message: String,
+    /// `true` if we reset it and must tell the peer.
+    local: bool,
+    sent: bool,
+}
+
+/// The complete state of one logical stream at one end.
+#[derive(Debug)]
+pub struct StreamState {
+    id: StreamId,
+    limits: StreamLimits,
+    // Our direction.
+    replay: VecDeque<u8>,
+    acked: u64,
+    sent: u64,
+    written: u64,
+    fin: bool,
+    fin_sent: bool,
+    fin_acked: bool,
+    // The peer's direction.
+    recv: VecDeque<Bytes>,
+    delivered: u64,
+    received: u64,
+    peer_end: Option<u64>,
+    ack_due: bool,
+    fin_ack_sent: bool,
+    // The local reader is gone: incoming data is counted as delivered and
+    // dropped, so the peer can still finish cleanly.
+    discard_incoming: bool,
+    // Life cycle.
+    attached: bool,
+    reset: Option<ResetState>,
+}
+
+impl StreamState {
+    /// A new stream, not yet attached to a transport.
+    pub fn new(id: StreamId, limits: StreamLimits) -> Self {
+        StreamState {
+            id,
+            limits,
+            replay: VecDeque::new(),
+            acked: 0,
+            sent: 0,
+            written: 0,
+            fin: false,
+            fin_sent: false,
+            fin_acked: false,
+            recv: VecDeque::new(),
+            delivered: 0,
+            received: 0,
+            peer_end: None,
+            ack_due: false,
+            fin_ack_sent: false,
+            discard_incoming: false,
+            attached: false,
+            reset: None,
+        }
+    }
+
+    pub fn id(&self) -> StreamId {
+        self.id
+    }
+
+    /// Bytes the local side may write now (0 when the replay buffer is full,
+    /// the direction is finished, or the stream is reset).
+    pub fn write_room(&self) -> usize {
+        if self.fin || self.reset.is_some() {
+            return 0;
+        }
+        self.limits.replay_bytes.saturating_sub(self.replay.len())
+    }
+
+    /// Takes up to [`write_room`](Self::write_room) bytes of `data`; returns how many.
+    pub fn write(&mut self, data: &[u8]) -> usize {
+        let n = data.len().min(self.write_room());
+        self.replay.extend(&data[..n]);
+        self.written += n as u64;
+        n
+    }
+
+    /// Ends our direction after the bytes written so far.
+    pub fn finish(&mut self) {
+        if self.reset.is_none() {
+            self.fin = true;
+        }
+    }
+
+    /// Whether the local side has finished writing.
+    pub fn is_finished(&self) -> bool {
+        self.fin
+    }
+
+    /// Aborts the stream in both directions; the peer is told on the next
+    /// transmit. A second reset, or a reset after the peer's, changes nothing.
+    pub fn reset(&mut self, code: ResetCode, message: impl Into<String>) {
+        if self.reset.is_none() {
+            self.reset = Some(ResetState { code, message: message.into(), local: true, sent: false });
+        }
+    }
+
+    /// The reset, if any: code and message.
+    pub fn reset_reason(&self) -> Option<(ResetCode, &str)> {
+        self.reset.as_ref().map(|r| (r.code, r.message.as_str()))
+    }
+
+    /// Received bytes not yet read locally.
+    pub fn recv_buffered(&self) -> usize {
+        (self.received - self.delivered) as usize
+    }
+
+    /// Whether the receive queue has room for more data from the transport.
+    pub fn recv_has_room(&self) -> bool {
+        self.recv_buffered() < self.limits.recv_bytes
+    }
+
+    /// Bytes kept for replay (written, not yet acknowledged).
+    pub fn replay_buffered(&self) -> usize {
+        self.replay.len()
+    }
+
+    /// The local reader is gone for good: drop what was received and count all
+    /// further data as delivered, so the peer's direction can still end
+    /// cleanly (used when the application finished its own direction and no
+    /// longer cares about the peer's).
+    pub fn discard_incoming(&mut self) {
+        self.discard_incoming = true;
+        self.drop_received();
+    }
+
+    fn drop_received(&mut self) {
+        if self.received > self.delivered {
+            self.recv.clear();
+            self.delivered = self.received;
+            self.ack_due = true;
+        }
+        if self.fin_received() && !self.fin_ack_sent {
+            self.ack_due = true;
+        }
+    }
+
+    /// Reads up to `max` delivered bytes.
+    pub fn read(&mut self, max: usize) -> ReadOutcome {
+        if let Some(r) = &self.reset {
+            return ReadOutcome::Reset(r.code, r.message.clone());
+        }
+        if let Some(front) = self.recv.front_mut() {
+            let chunk = if front.len() <= max {
+                self.recv.pop_front().unwrap_or_default()
+            } else {
+                front.split_to(max)
+            };
+            self.delivered += chunk.len() as u64;
+            self.ack_due = true;
+            return ReadOutcome::Data(chunk);
+        }
+        if self.peer_end == Some(self.delivered) {
+            if !self.fin_ack_sent {
+                self.ack_due = true;
+            }
+            return ReadOutcome::Eof;
+        }
+        ReadOutcome::Pending
+    }
+
+    fn fin_received(&self) -> bool {
+        self.peer_end == Some(self.delivered)
+    }
+
+    /// Drops acknowledged bytes from the replay buffer.
+    fn apply_ack(&mut self, delivered: u64, fin_received: bool) -> Result<(), StreamError> {
+        if delivered > self.written {
+            return Err(StreamError::AckBeyondWritten { acked: delivered, written: self.written });
+        }
+        if fin_received && (!self.fin || delivered != self.written) {
+            return Err(StreamError::FinAckedEarly);
+        }
+        if delivered > self.acked {
+            let n = (delivered - self.acked) as usize;
+            self.replay.drain(..n);
+            self.acked = delivered;
+        }
+        if self.sent < self.acked {
+            self.sent = self.acked;
+        }
+        if fin_received {
+            self.fin_acked = true;
+        }
+        Ok(())
+    }
+
+    /// Handles a stream frame from the peer (anything but `Attach`).
+    pub fn on_frame(&mut self, frame: Frame) -> Result<(), StreamError> {
+        if let Some(id) = frame.stream_id() {
+            if id != self.id {
+                return Err(StreamError::WrongStream { expected: self.id, got: id });
+            }
+        }
+        match frame {
+            Frame::Data { offset, payload, .. } => {
+                if self.reset.is_some() {
+                    return Ok(());
+                }
+                let end = offset + payload.len() as u64;
+                if offset > self.received {
+                    return Err(StreamError::Gap { expected: self.received, got: offset });
+                }
+                if let Some(e) = self.peer_end {
+                    if end > e {
+                        return Err(StreamError::DataAfterEnd { end: e });
+                    }
+                }
+                if end > self.received {
+                    let skip = (self.received - offset) as usize;
+                    self.recv.push_back(payload.slice(skip..));
+                    self.received = end;
+                }
+                if self.discard_incoming {
+                    self.drop_received();
+                }
+                Ok(())
+            }
+            Frame::Ack { delivered, fin_received, .. } => self.apply_ack(delivered, fin_received),
+            Frame::End { offset, .. } => {
+                if offset < self.received {
+                    return Err(StreamError::DataAfterEnd { end: offset });
+                }
+                if let Some(was) = self.peer_end {
+                    if was != offset {
+                        return Err(StreamError::EndMoved { was, now: offset });
+                    }
+                }
+                self.peer_end = Some(offset);
+                if self.discard_incoming {
+                    self.drop_received();
+                }
+                if self.fin_received() {
+                    self.ack_due = true;
+                }
+                Ok(())
+            }
+            Frame::Reset { code, message, .. } => {
+                if self.reset.is_none() {
+                    self.reset = Some(ResetState { code, message, local: false, sent: true });
+                }
+                Ok(())
+            }
+            other => Err(StreamError::Unexpected(other.kind())),
+        }
+    }
+
+    /// The `Attach` frame to send first on a new transport.
+    pub fn attach_frame(&self) -> Frame {
+        Frame::Attach { stream: self.id, delivered: self.delivered, fin_received: self.fin_received() }
+    }
+
+    /// The transport under this stream is gone; stop transmitting.
+    pub fn detach(&mut self) {
+        self.attached = false;
+    }
+
+    /// Whether a transport is attached.
+    pub fn is_attached(&self) -> bool {
+        self.attached
+    }
+
+    /// The peer's `Attach` arrived on a new transport: resume transmitting
+    /// from what it has delivered.
+    pub fn attach(&mut self, peer_delivered: u64, peer_fin_received: bool) -> Result<(), StreamError> {
+        if peer_delivered < self.acked {
+            return Err(StreamError::PeerLostState { peer: peer_delivered, acked: self.acked });
+        }
+        self.apply_ack(peer_delivered, peer_fin_received)?;
+        self.sent = peer_delivered;
+        self.fin_sent = self.fin_acked;
+        // Our `delivered` travelled in our own Attach; an ack is due only if
+        // the fin state must be re-confirmed.
+        self.fin_ack_sent = false;
+        self.ack_due = self.fin_received();
+        if let Some(r) = &mut self.reset {
+            r.sent = !r.local;
+        }
+        self.attached = true;
+        Ok(())
+    }
+
+    /// The next frame to transmit on the attached transport, if any.
+    pub fn poll_transmit(&mut self) -> Option<Frame> {
+        if !self.attached {
+            return None;
+        }
+        if let Some(r) = &mut self.reset {
+            if r.local && !r.sent {
+                r.sent = true;
+                return Some(Frame::Reset { stream: self.id, code: r.code, message: r.message.clone() });
+            }
+            return None;
+        }
+        if self.ack_due {
+            self.ack_due = false;
+            let fin_received = self.fin_received();
+            if fin_received {
+                self.fin_ack_sent = true;
+            }
+            return Some(Frame::Ack { stream: self.id, delivered: self.delivered, fin_received });
+        }
+        if self.sent < self.written {
+            let start = (self.sent - self.acked) as usize;
+            let len = ((self.written - self.sent) as usize).min(self.limits.max_payload);
+            let payload: Vec<u8> = self.replay.range(start..start + len).copied().collect();
+            let offset = self.sent;
+            self.sent += len as u64;
+            return Some(Frame::Data { stream: self.id, offset, payload: Bytes::from(payload) });
+        }
+        if self.fin && !self.fin_sent {
+            self.fin_sent = true;
+            return Some(Frame::End { stream: self.id, offset: self.written });
+        }
+        None
+    }
+
+    /// Both directions are over and the peer knows it: the stream can be
+    /// forgotten once this is true and the last transmit went out.
+    pub fn is_done(&self) -> bool {
+        match &self.reset {
+            Some(r) => !r.local || r.sent,
+            None => self.fin_acked && self.fin_received() && self.fin_ack_sent && !self.ack_due,
+        }
+    }
+
+    /// Offsets for logs and tests: (written, acked, received, delivered).
+    pub fn offsets(&self) -> (u64, u64, u64, u64) {
+        (self.written, self.acked, self.received, self.delivered)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const L: StreamLimits = StreamLimits { replay_bytes: 64, recv_bytes: 64, max_payload: 16 };
+
+    fn pair() -> (StreamState, StreamState) {
+        let mut a = StreamState::new(1, L);
+        let mut b = StreamState::new(1, L);
+        a.attach(0, false).unwrap();
+        b.attach(0, false).unwrap();
+        (a, b)
+    }
+
+    fn pump(from: &mut StreamState, to: &mut StreamState) {
+        while let Some(f) = from.poll_transmit() {
+            to.on_frame(f).unwrap();
+        }
+    }
+
+    fn read_all(s: &mut StreamState) -> (Vec<u8>, bool) {
+        let mut out = Vec::new();
+        loop {
+            match s.read(usize::MAX) {
+                ReadOutcome::Data(b) => out.extend_from_slice(&b),
+                ReadOutcome::Eof => return (out, true),
+                _ => return (out, false),
+            }
+        }
+    }
+
+    #[test]
+    fn bytes_flow_and_backpressure_holds() {
+        let (mut a, mut b) = pair();
+        assert_eq!(a.write(&[7u8; 100]), 64, "replay buffer caps writes");
+        assert_eq!(a.write_room(), 0);
+        pump(&mut a, &mut b);
+        assert_eq!(a.write_room(), 0, "sent but unacknowledged bytes still count");
+        let (got, eof) = read_all(&mut b);
+        assert_eq!((got.len(), eof), (64, false));
+        pump(&mut b, &mut a);
+        assert_eq!(a.write_room(), 64, "ack of delivered bytes frees the buffer");
+    }
+
+    #[test]
+    fn lost_frames_are_replayed_after_reattach() {
+        let (mut a, mut b) = pair();
+        a.write(b"hello world");
+        a.finish();
+        // Everything a transmits is lost with the transport.
+        while a.poll_transmit().is_some() {}
+        a.detach();
+        b.detach();
+        let Frame::Attach { delivered, fin_received, .. } = b.attach_frame() else { unreachable!() };
+        a.attach(delivered, fin_received).unwrap();
+        let Frame::Attach { delivered, fin_received, .. } = a.attach_frame() else { unreachable!() };
+        b.attach(delivered, fin_received).unwrap();
+        pump(&mut a, &mut b);
+        assert_eq!(read_all(&mut b), (b"hello world".to_vec(), true));
+    }
+
+    #[test]
+    fn duplicates_are_dropped_and_gaps_refused() {
+        let (_, mut b) = pair();
+        let d = |o: u64, p: &'static [u8]| Frame::Data { stream: 1, offset: o, payload: Bytes::from_static(p) };
+        b.on_frame(d(0, b"abc")).unwrap();
+        b.on_frame(d(1, b"bcde")).unwrap();
+        b.on_frame(d(0, b"ab")).unwrap();
+        assert_eq!(read_all(&mut b).0, b"abcde");
+        assert_eq!(b.on_frame(d(9, b"x")), Err(StreamError::Gap { expected: 5, got: 9 }));
+    }
+
+    #[test]
+    fn bad_acks_and_state_loss_are_errors() {
+        let (mut a, _) = pair();
+        a.write(b"abc");
+        assert!(matches!(
+            a.on_frame(Frame::Ack { stream: 1, delivered: 4, fin_received: false }),
+            Err(StreamError::AckBeyondWritten { .. })
+        ));
+        assert_eq!(a.on_frame(Frame::Ack { stream: 1, delivered: 3, fin_received: true }), Err(StreamError::FinAckedEarly));
+        a.on_frame(Frame::Ack { stream: 1, delivered: 2, fin_received: false }).unwrap();
+        a.detach();
+        assert_eq!(a.attach(0, false), Err(StreamError::PeerLostState { peer: 0, acked: 2 }));
+        assert!(matches!(
+            a.on_frame(Frame::Ack { stream: 2, delivered: 0, fin_received: false }),
+            Err(StreamError::WrongStream { .. })
+        ));
+    }
+
+    #[test]
+    fn discarding_reader_still_lets_the_peer_finish() {
+        let (mut a, mut b) = pair();
+        b.finish();
+        b.discard_incoming();
+        a.write(b"ignored");
+        a.finish();
+        pump(&mut a, &mut b);
+        pump(&mut b, &mut a);
+        assert_eq!(read_all(&mut a), (vec![], true));
+        pump(&mut a, &mut b);
+        assert!(a.is_done() && b.is_done());
+    }
+
+    #[test]
+    fn reset_reaches_both_sides() {
+        let (mut a, mut b) = pair();
+        a.reset(ResetCode::KubeletUnreachable, "connection refused");
+        assert_eq!(a.write(b"x"), 0);
+        pump(&mut a, &mut b);
+        assert!(a.is_done());
+        assert!(b.is_done());
+        assert_eq!(b.read(10), ReadOutcome::Reset(ResetCode::KubeletUnreachable, "connection refused".into()));
+    }
+
+    #[test]
+    fn clean_close_needs_both_ends_acknowledged() {
+        let (mut a, mut b) = pair();
+        a.write(b"req");
+        a.finish();
+        b.write(b"resp");
+        b.finish();
+        pump(&mut a, &mut b);
+        pump(&mut b, &mut a);
+        assert!(!a.is_done() && !b.is_done());
+        assert_eq!(read_all(&mut a), (b"resp".to_vec(), true));
+        assert_eq!(read_all(&mut b), (b"req".to_vec(), true));
+        pump(&mut a, &mut b);
+        pump(&mut b, &mut a);
+        assert!(a.is_done() && b.is_done());
+    }
+
+    /// One action of the random interleaving.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Write(bool, usize),
+        Read(bool, usize),
+        Transmit(bool),
+        Deliver(bool),
+        Finish(bool),
+        Disconnect,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (any::<bool>(), 1usize..40).prop_map(|(s, n)| Op::Write(s, n)),
+            (any::<bool>(), 1usize..40).prop_map(|(s, n)| Op::Read(s, n)),
+            any::<bool>().prop_map(Op::Transmit),
+            any::<bool>().prop_map(Op::Transmit),
+            any::<bool>().prop_map(Op::Deliver),
+            any::<bool>().prop_map(Op::Deliver),
+            any::<bool>().prop_map(Op::Finish),
+            Just(Op::Disconnect),
+        ]
+    }
+
+    /// A side of the simulation: its state, what its application wrote and read.
+    struct Side {
+        s: StreamState,
+        wrote: Vec<u8>,
+        read: Vec<u8>,
+        eof: bool,
+        counter: u8,
+    }
+
+    impl Side {
+        fn new() -> Self {
+            Side { s: StreamState::new(9, L), wrote: vec![], read: vec![], eof: false, counter: 0 }
+        }
+        fn write(&mut self, n: usize) {
+            let data: Vec<u8> = (0..n).map(|i| self.counter.wrapping_add(i as u8)).collect();
+            let took = self.s.write(&data);
+            self.counter = self.counter.wrapping_add(took as u8);
+            self.wrote.extend_from_slice(&data[..took]);
+        }
+        fn read(&mut self, n: usize) {
+            match self.s.read(n) {
+                ReadOutcome::Data(b) => self.read.extend_from_slice(&b),
+                ReadOutcome::Eof => self.eof = true,
+                ReadOutcome::Reset(..) => panic!("unexpected reset"),
+                ReadOutcome::Pending => {}
+            }
+        }
+    }
+
+    fn reattach(a: &mut Side, b: &mut Side, ab: &mut VecDeque<Frame>, ba: &mut VecDeque<Frame>) {
+        ab.clear();
+        ba.clear();
+        a.s.detach();
+        b.s.detach();
+        let (Frame::Attach { delivered: ad, fin_received: af, .. }, Frame::Attach { delivered: bd, fin_received: bf, .. }) =
+            (a.s.attach_frame(), b.s.attach_frame())
+        else {
+            unreachable!()
+        };
+        a.s.attach(bd, bf).unwrap();
+        b.s.attach(ad, af).unwrap();
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+        /// Random interleavings of writes, reads, transmits, deliveries and
+        /// transport losses: every byte arrives exactly once and in order, the
+        /// ends arrive, and both states finish.
+        #[test]
+        fn every_byte_exactly_once_across_disconnects(ops in proptest::collection::vec(op(), 0..300)) {
+            let mut a = Side::new();
+            let mut b = Side::new();
+            let (mut ab, mut ba) = (VecDeque::new(), VecDeque::new());
+            reattach(&mut a, &mut b, &mut ab, &mut ba);
+            for op in ops {
+                match op {
+                    Op::Write(side, n) => if side { a.write(n) } else { b.write(n) },
+                    Op::Read(side, n) => if side { a.read(n) } else { b.read(n) },
+                    Op::Transmit(side) => {
+                        let (s, q) = if side { (&mut a, &mut ab) } else { (&mut b, &mut ba) };
+                        if let Some(f) = s.s.poll_transmit() { q.push_back(f) }
+                    }
+                    Op::Deliver(side) => {
+                        let (q, to) = if side { (&mut ab, &mut b) } else { (&mut ba, &mut a) };
+                        if to.s.recv_has_room() {
+                            if let Some(f) = q.pop_front() { to.s.on_frame(f).unwrap() }
+                        }
+                    }
+                    Op::Finish(side) => if side { a.s.finish() } else { b.s.finish() },
+                    Op::Disconnect => reattach(&mut a, &mut b, &mut ab, &mut ba),
+                }
+                prop_assert!(a.s.replay_buffered() <= L.replay_bytes);
+                prop_assert!(b.s.replay_buffered() <= L.replay_bytes);
+                prop_assert!(a.read.len() <= b.wrote.len() && b.wrote[..a.read.len()] == a.read[..]);
+                prop_assert!(b.read.len() <= a.wrote.len() && a.wrote[..b.read.len()] == b.read[..]);
+            }
+            // Drain: finish both, then run the loop to quiescence.
+            a.s.finish();
+            b.s.finish();
+            for _ in 0..10_000 {
+                if a.s.is_done() && b.s.is_done() && ab.is_empty() && ba.is_empty() { break; }
+                if let Some(f) = a.s.poll_transmit() { ab.push_back(f) }
+                if let Some(f) = b.s.poll_transmit() { ba.push_back(f) }
+                if let Some(f) = ab.pop_front() { b.s.on_frame(f).unwrap() }
+                if let Some(f) = ba.pop_front() { a.s.on_frame(f).unwrap() }
+                a.read(64);
+                b.read(64);
+            }
+            a.read(64);
+            b.read(64);
+            prop_assert_eq!(&a.read, &b.wrote);
+            prop_assert_eq!(&b.read, &a.wrote);
+            prop_assert!(a.eof && b.eof);
+            prop_assert!(a.s.is_done() && b.s.is_done());
+        }
+    }
+}

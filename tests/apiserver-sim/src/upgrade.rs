@@ -1,0 +1,100 @@
+//! The upgrade-aware pass-through of kube-apiserver (`upgradeaware.go` `tryUpgrade`):
+//! clone the client's request (its `Host` kept, `X-Forwarded-For` added), point it at the
+//! kubelet location, dial with ALPN `http/1.1`, and on `101` splice both connections;
+//! non-101 below 400 is an "invalid upgrade response", ≥400 is copied to the client.
+//! Used for SPDY (kubectl ≤1.29) and WebSocket (≥1.30 exec/attach, legacy protocols).
+
+use std::net::SocketAddr;
+
+use http::{header, HeaderMap, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+
+use crate::body::{self, Body};
+use crate::headers;
+use crate::kubelet::{Kubelets, Location};
+use crate::status::ApiError;
+
+/// Proxies an upgrade request to `loc`. `extra` headers are set on the cloned request.
+pub async fn proxy(
+    mut req: Request<Incoming>,
+    loc: Location,
+    peer: SocketAddr,
+    extra: HeaderMap,
+    kubelets: &Kubelets,
+) -> Response<Body> {
+    let client_upgrade = hyper::upgrade::on(&mut req);
+
+    let mut out_headers = req.headers().clone();
+    if !out_headers.contains_key(header::HOST) {
+        if let Some(h) = headers::client_host(&req) {
+            out_headers.insert(header::HOST, h);
+        }
+    }
+    headers::strip_credentials(&mut out_headers);
+    // The clone carries no body: let the HTTP/1.1 client frame it.
+    out_headers.remove(header::CONTENT_LENGTH);
+    out_headers.remove(header::TRANSFER_ENCODING);
+    headers::append_forwarded_for(&mut out_headers, peer.ip());
+    for (k, v) in extra.iter() {
+        out_headers.insert(k.clone(), v.clone());
+    }
+    let mut out = Request::new(body::empty());
+    *out.method_mut() = req.method().clone();
+    *out.headers_mut() = out_headers;
+
+    let mut resp = match kubelets.send(&loc, out).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("apiserver-sim: upgrade to {} failed: {e:#}", loc.log_url());
+            return ApiError::backend(format!("error dialing backend: {e:#}")).into_response();
+        }
+    };
+    let status = resp.status();
+    if status != StatusCode::SWITCHING_PROTOCOLS {
+        if status.as_u16() < 400 {
+            eprintln!(
+                "apiserver-sim: invalid upgrade response from {}: status code {}",
+                loc.log_url(),
+                status.as_u16()
+            );
+            return ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "InternalError",
+                format!("invalid upgrade response: status code {}", status.as_u16()),
+            )
+            .into_response();
+        }
+        let (mut parts, incoming) = resp.into_parts();
+        headers::strip_hop_by_hop(&mut parts.headers);
+        return Response::from_parts(parts, body::boxed(incoming));
+    }
+
+    let kubelet_upgrade = hyper::upgrade::on(&mut resp);
+    let mut to_client = Response::new(body::empty());
+    *to_client.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    *to_client.headers_mut() = resp.headers().clone();
+    let url = loc.log_url();
+    tokio::spawn(async move {
+        let (client, kubelet) = match tokio::join!(client_upgrade, kubelet_upgrade) {
+            (Ok(c), Ok(k)) => (c, k),
+            (c, k) => {
+                eprintln!(
+                    "apiserver-sim: upgrade {url}: client {:?} kubelet {:?}",
+                    c.err(),
+                    k.err()
+                );
+                return;
+            }
+        };
+        let mut client = TokioIo::new(client);
+        let mut kubelet = TokioIo::new(kubelet);
+        match tokio::io::copy_bidirectional(&mut client, &mut kubelet).await {
+            Ok((up, down)) => {
+                eprintln!("apiserver-sim: stream {url} closed ({up} bytes up, {down} down)")
+            }
+            Err(e) => eprintln!("apiserver-sim: stream {url} ended: {e}"),
+        }
+    });
+    to_client
+}
