@@ -1,1 +1,22 @@
-//! placeholder
+//! # tether-edge — the edge end of the tunnel
+//!
+//! Read in order:
+//! - [`dial`]: connect to the cloud over QUIC with mutual TLS, say hello
+//!   (resuming the session with its token when it has one), report pods,
+//!   accept the streams the cloud opens, and reconnect with capped
+//!   exponential backoff and jitter when the connection dies;
+//! - [`streams`]: the logical streams of the edge's session, which survive
+//!   reconnections, and how an incoming QUIC stream is attached to one;
+//! - [`forward`]: one logical stream → one request replayed against the
+//!   kubelet, upgrade-aware;
+//! - [`kubelet`]: the one kubelet endpoint the edge may reach (plain HTTP
+//!   edged-style or HTTPS with its own client certificate), and its `/pods`;
+//! - [`addrs`]: the addresses the edge announces by default;
+//! - [`config`]: the typed configuration `main` parses once.
+
+pub mod addrs;
+pub mod config;
+pub mod dial;
+pub mod forward;
+pub mod kubelet;
+pub mod streams;

@@ -19,6 +19,20 @@ pub const PROTOCOL_VERSION: u16 = 1;
 /// ALPN of the tunnel connection between edge and cloud.
 pub const ALPN_TUNNEL: &[u8] = b"tether/1";
 
+/// QUIC application close codes.
+pub mod close_code {
+    /// Normal close (shutdown of a stream-free connection).
+    pub const NORMAL: u32 = 0;
+    /// A newer connection of the same node replaced this one.
+    pub const REPLACED: u32 = 1;
+    /// The hello was refused.
+    pub const REFUSED: u32 = 2;
+    /// The peer is shutting down; reconnect (to another replica).
+    pub const SHUTDOWN: u32 = 3;
+    /// The peer broke the protocol on the control stream.
+    pub const PROTOCOL: u32 = 4;
+}
+
 /// Picks the version both sides speak: the highest of the edge's offers that
 /// this build supports.
 pub fn negotiate_version(offered: &[u16]) -> Option<u16> {

@@ -22,6 +22,9 @@ pub struct RequestHead {
     pub path_and_query: String,
     /// End-to-end headers, plus `connection`/`upgrade` for upgrade requests.
     pub headers: Vec<Header>,
+    /// Whether a request body follows the head (else the cloud's direction
+    /// ends right after it, or carries upgraded bytes after a `101`).
+    pub has_body: bool,
 }
 
 /// The kubelet's answer, passed back unchanged (hop-by-hop headers aside).
@@ -117,6 +120,7 @@ mod tests {
             method: "POST".into(),
             path_and_query: "/exec/ns/p/c?command=sh".into(),
             headers: vec![("upgrade".into(), b"SPDY/3.1".to_vec())],
+            has_body: false,
         };
         let b = encode_head(&h, 1024).unwrap();
         let got: RequestHead = read_head(&mut &b[..], 1024).await.unwrap();

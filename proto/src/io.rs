@@ -59,6 +59,34 @@ impl FrameReader {
     }
 }
 
+impl FrameReader {
+    /// Turns this reader back into a byte stream: the bytes it buffered but
+    /// did not decode yet, then the rest of `r`. Used when the caller read
+    /// the first frame itself and hands the stream on.
+    pub fn into_prefixed<R: AsyncRead + Unpin>(self, r: R) -> Prefixed<R> {
+        Prefixed { buf: self.buf, inner: r }
+    }
+}
+
+/// A byte stream with some bytes already read in front; see
+/// [`FrameReader::into_prefixed`].
+pub struct Prefixed<R> {
+    buf: BytesMut,
+    inner: R,
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for Prefixed<R> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        if !self.buf.is_empty() {
+            let n = self.buf.len().min(out.remaining());
+            let chunk = self.buf.split_to(n);
+            out.put_slice(&chunk);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, out)
+    }
+}
+
 /// Writes one frame.
 pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, f: &Frame, max: usize) -> Result<(), TransportError> {
     let bytes = frame::encode_to_bytes(f, max)?;
@@ -178,12 +206,28 @@ impl ResumableIo {
     }
 }
 
+/// The error inside the `io::Error` a reset stream returns; recover it with
+/// [`StreamReset::from_io`] to map the reset code to an HTTP outcome.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("stream reset ({code:?}): {message}")]
+pub struct StreamReset {
+    pub code: ResetCode,
+    pub message: String,
+}
+
+impl StreamReset {
+    /// The reset behind an I/O error, if it is one.
+    pub fn from_io(e: &io::Error) -> Option<&StreamReset> {
+        e.get_ref().and_then(|inner| inner.downcast_ref::<StreamReset>())
+    }
+}
+
 fn reset_error(code: ResetCode, message: &str) -> io::Error {
     let kind = match code {
         ResetCode::Cancelled => io::ErrorKind::ConnectionAborted,
         _ => io::ErrorKind::ConnectionReset,
     };
-    io::Error::new(kind, format!("stream reset ({code:?}): {message}"))
+    io::Error::new(kind, StreamReset { code, message: message.to_string() })
 }
 
 impl AsyncRead for ResumableIo {
@@ -503,6 +547,7 @@ mod tests {
         let mut buf = [0u8; 8];
         let err = tokio::time::timeout(Duration::from_secs(5), ib.read(&mut buf)).await.unwrap().unwrap_err();
         assert!(err.to_string().contains("connection refused"), "{err}");
+        assert_eq!(StreamReset::from_io(&err).unwrap().code, ResetCode::KubeletUnreachable);
     }
 
     #[tokio::test]

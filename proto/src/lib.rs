@@ -16,10 +16,13 @@
 //!   what to transmit next and what to replay after a re-attach.
 //! - [`token`]: resume tokens and session ids.
 //! - [`limits`]: every bound, with its default.
+//! - [`units`]: parsing durations and sizes in configuration.
 //! - [`io`]: the tokio adapter that makes a [`stream::StreamState`] an
 //!   `AsyncRead + AsyncWrite` and drives it over a QUIC stream.
 //! - [`quic`]: QUIC transport settings both binaries share.
+//! - [`cli`]: flag groups both binaries share (limits, QUIC tuning, logging).
 
+pub mod cli;
 pub mod frame;
 pub mod handshake;
 pub mod head;
@@ -29,6 +32,7 @@ pub mod quic;
 pub mod route;
 pub mod stream;
 pub mod token;
+pub mod units;
 
 pub use frame::{Frame, FrameError, StreamId};
 pub use limits::Limits;

@@ -1,0 +1,126 @@
+//! The cloud's configuration: flags and `TETHER_*` environment variables,
+//! parsed once in `main` and passed down as [`CloudConfig`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use tether_proto::cli::{LimitArgs, LogArgs, QuicArgs};
+use tether_proto::quic::QuicSettings;
+use tether_proto::units::{parse_bytes_u32, parse_duration};
+use tether_proto::Limits;
+
+/// Command-line flags of `tether-cloud`.
+#[derive(Debug, Parser)]
+#[command(name = "tether-cloud", version, about = "Tether cloud: serves the kubelet API to the kube-apiserver and forwards it to edge nodes over QUIC")]
+pub struct CloudArgs {
+    /// UDP address of the QUIC listener edges dial.
+    #[arg(long, env = "TETHER_TUNNEL_LISTEN", default_value = "0.0.0.0:10004")]
+    pub tunnel_listen: SocketAddr,
+    /// Certificate (PEM chain) of the QUIC listener.
+    #[arg(long, env = "TETHER_TUNNEL_CERT")]
+    pub tunnel_cert: PathBuf,
+    /// Private key (PEM) of the QUIC listener.
+    #[arg(long, env = "TETHER_TUNNEL_KEY")]
+    pub tunnel_key: PathBuf,
+    /// CA (PEM) that signs edge certificates; the node name comes from the edge's certificate.
+    #[arg(long, env = "TETHER_EDGE_CA")]
+    pub edge_ca: PathBuf,
+    /// TCP address of the kubelet-API listener the apiserver reaches (DNAT target).
+    #[arg(long, env = "TETHER_KUBELET_LISTEN", default_value = "0.0.0.0:10003")]
+    pub kubelet_listen: SocketAddr,
+    /// Serving certificate (PEM chain) of the kubelet-API listener.
+    #[arg(long, env = "TETHER_KUBELET_CERT")]
+    pub kubelet_cert: PathBuf,
+    /// Private key (PEM) of the kubelet-API listener.
+    #[arg(long, env = "TETHER_KUBELET_KEY")]
+    pub kubelet_key: PathBuf,
+    /// CA (PEM) of the apiserver's kubelet-client certificate (`--kubelet-client-certificate`).
+    #[arg(long, env = "TETHER_APISERVER_CLIENT_CA", required_unless_present = "insecure_skip_client_auth")]
+    pub apiserver_client_ca: Option<PathBuf>,
+    /// Accept apiserver connections without a client certificate. Local development only.
+    #[arg(long, env = "TETHER_INSECURE_SKIP_CLIENT_AUTH")]
+    pub insecure_skip_client_auth: bool,
+    /// How long to wait for the kubelet's response head before answering 504.
+    #[arg(long, env = "TETHER_RESPONSE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub response_timeout: Duration,
+    /// How long a disconnected edge's streams wait for it to resume before they end.
+    #[arg(long, env = "TETHER_GRACE", default_value = "5m", value_parser = parse_duration)]
+    pub grace: Duration,
+    /// Time allowed for an edge's QUIC handshake and hello.
+    #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub handshake_timeout: Duration,
+    /// Time allowed for an apiserver's TLS handshake and request head.
+    #[arg(long, env = "TETHER_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub http_header_timeout: Duration,
+    /// Largest HTTP request head from the apiserver (at least 8KiB).
+    #[arg(long, env = "TETHER_MAX_HTTP_HEADER_BYTES", default_value = "64KiB", value_parser = parse_bytes_u32)]
+    pub max_http_header_bytes: u32,
+    /// Concurrent apiserver connections.
+    #[arg(long, env = "TETHER_MAX_APISERVER_CONNECTIONS", default_value_t = 4096)]
+    pub max_apiserver_connections: usize,
+    /// Concurrent edge connections (handshaking or established).
+    #[arg(long, env = "TETHER_MAX_EDGES", default_value_t = 20000)]
+    pub max_edges: usize,
+    #[command(flatten)]
+    pub limits: LimitArgs,
+    #[command(flatten)]
+    pub quic: QuicArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct CloudConfig {
+    pub tunnel_listen: SocketAddr,
+    pub tunnel_cert: PathBuf,
+    pub tunnel_key: PathBuf,
+    pub edge_ca: PathBuf,
+    pub kubelet_listen: SocketAddr,
+    pub kubelet_cert: PathBuf,
+    pub kubelet_key: PathBuf,
+    /// `None` only with the insecure opt-out.
+    pub apiserver_client_ca: Option<PathBuf>,
+    pub response_timeout: Duration,
+    pub grace: Duration,
+    pub handshake_timeout: Duration,
+    pub http_header_timeout: Duration,
+    pub max_http_header_bytes: usize,
+    pub max_apiserver_connections: usize,
+    pub max_edges: usize,
+    pub limits: Limits,
+    pub quic: QuicSettings,
+}
+
+impl CloudArgs {
+    /// Checks the flags and builds the configuration.
+    pub fn into_config(self) -> Result<CloudConfig, String> {
+        let limits = self.limits.limits()?;
+        let quic = self.quic.settings(&limits)?;
+        if self.max_http_header_bytes < 8192 {
+            return Err("--max-http-header-bytes must be at least 8KiB".into());
+        }
+        let apiserver_client_ca = if self.insecure_skip_client_auth { None } else { self.apiserver_client_ca };
+        Ok(CloudConfig {
+            tunnel_listen: self.tunnel_listen,
+            tunnel_cert: self.tunnel_cert,
+            tunnel_key: self.tunnel_key,
+            edge_ca: self.edge_ca,
+            kubelet_listen: self.kubelet_listen,
+            kubelet_cert: self.kubelet_cert,
+            kubelet_key: self.kubelet_key,
+            apiserver_client_ca,
+            response_timeout: self.response_timeout,
+            grace: self.grace,
+            handshake_timeout: self.handshake_timeout,
+            http_header_timeout: self.http_header_timeout,
+            max_http_header_bytes: self.max_http_header_bytes as usize,
+            max_apiserver_connections: self.max_apiserver_connections,
+            max_edges: self.max_edges,
+            limits,
+            quic,
+        })
+    }
+}

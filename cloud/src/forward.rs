@@ -1,0 +1,346 @@
+//! One apiserver request → one logical stream → the edge's kubelet.
+//!
+//! 1. Classify the path ([`tether_proto::route`]); anything not forwarded is
+//!    answered here with 404.
+//! 2. Pick the node: pod-scoped paths by the pod, node-scoped paths by
+//!    `X-Forwarded-Uri`, SNI or `Host` ([`crate::registry`]). Failures name
+//!    what was looked up (404 unknown, 409 ambiguous, 502 edge not connected).
+//! 3. Open a logical stream and write the [`RequestHead`]; stream the request
+//!    body after it (none for upgrades).
+//! 4. Wait for the [`ResponseHead`] (504 after `--response-timeout`; 502 if
+//!    the edge cannot reach its kubelet or goes away).
+//! 5. `101`: answer 101 with the kubelet's headers and pipe the upgraded
+//!    connection through the stream, bytes untouched. Otherwise pass status
+//!    and headers through and stream the body; if the stream breaks, the
+//!    body ends with an error, so hyper aborts the response (no terminating
+//!    chunk on HTTP/1.1, RST_STREAM on HTTP/2) — a cut log never looks
+//!    complete.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Body, Frame, Incoming};
+use tether_proto::frame::ResetCode;
+use tether_proto::head::{encode_head, is_hop_by_hop, read_head, RequestHead, ResponseHead};
+use tether_proto::io::{ResumableIo, SharedStream, StreamReset};
+use tether_proto::route::{classify, Route};
+use tokio::io::{AsyncWriteExt, ReadHalf};
+use tracing::{debug, info, warn, Instrument};
+
+use crate::config::CloudConfig;
+use crate::registry::{node_from_forwarded_uri, Registry, RouteError};
+use crate::session::OpenError;
+
+/// What the front knows about the apiserver connection a request came on.
+#[derive(Debug)]
+pub struct ConnInfo {
+    pub peer: SocketAddr,
+    pub sni: Option<String>,
+    pub client_cert: bool,
+}
+
+/// The response body type of the front.
+pub type ResBody = BoxBody<Bytes, std::io::Error>;
+
+/// Forwards requests; shared by all apiserver connections.
+pub struct Forwarder {
+    cfg: Arc<CloudConfig>,
+    registry: Arc<Registry>,
+}
+
+fn error_response(status: StatusCode, message: impl std::fmt::Display) -> Response<ResBody> {
+    let body = format!("tether-cloud: {message}\n");
+    let mut r = Response::new(Full::new(Bytes::from(body)).map_err(|never| match never {}).boxed());
+    *r.status_mut() = status;
+    r.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    r
+}
+
+fn route_status(e: &RouteError) -> StatusCode {
+    match e {
+        RouteError::UnknownPod { .. } | RouteError::UnknownNode { .. } | RouteError::NoHint => StatusCode::NOT_FOUND,
+        RouteError::AmbiguousPod { .. } | RouteError::AmbiguousAddress { .. } => StatusCode::CONFLICT,
+        RouteError::PodNodeGone { .. } => StatusCode::BAD_GATEWAY,
+    }
+}
+
+/// Whether the request asks for a connection upgrade (HTTP/1.1 only).
+fn upgrade_of(req: &Request<Incoming>) -> Option<HeaderValue> {
+    if req.version() != http::Version::HTTP_11 {
+        return None;
+    }
+    let wants = req
+        .headers()
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    if wants {
+        req.headers().get(http::header::UPGRADE).cloned()
+    } else {
+        None
+    }
+}
+
+impl Forwarder {
+    pub fn new(cfg: Arc<CloudConfig>, registry: Arc<Registry>) -> Self {
+        Forwarder { cfg, registry }
+    }
+
+    /// Handles one request; always produces a response.
+    pub async fn handle(&self, mut req: Request<Incoming>, conn: Arc<ConnInfo>) -> Response<ResBody> {
+        let path = req.uri().path().to_string();
+        let Some(route) = classify(&path) else {
+            return error_response(StatusCode::NOT_FOUND, format_args!("{path} is not a kubelet API path Tether forwards"));
+        };
+        let session = match &route {
+            Route::Pod { namespace, pod, .. } => self.registry.route_pod(namespace, pod),
+            Route::Node { .. } => {
+                let fwd = req
+                    .headers()
+                    .get("x-forwarded-uri")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(node_from_forwarded_uri)
+                    .map(str::to_string);
+                let host = req
+                    .headers()
+                    .get(http::header::HOST)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string)
+                    .or_else(|| req.uri().authority().map(|a| a.to_string()));
+                self.registry.route_node(fwd.as_deref(), conn.sni.as_deref(), host.as_deref())
+            }
+        };
+        let session = match session {
+            Ok(s) => s,
+            Err(e) => {
+                info!(peer = %conn.peer, %path, error = %e, "request not routed");
+                return error_response(route_status(&e), e);
+            }
+        };
+        let kind = route.kind();
+        let upgrade = upgrade_of(&req);
+        let head = request_head(&req, upgrade.as_ref());
+        let head_bytes = match encode_head(&head, self.cfg.limits.max_head_bytes as usize) {
+            Ok(b) => b,
+            Err(e) => return error_response(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, format_args!("request head: {e}")),
+        };
+        let (id, io) = match session.open_stream(kind) {
+            Ok(x) => x,
+            Err(e @ OpenError::TooManyStreams { .. }) => return error_response(StatusCode::SERVICE_UNAVAILABLE, e),
+            Err(e @ OpenError::Ended { .. }) => return error_response(StatusCode::BAD_GATEWAY, e),
+        };
+        let span = tracing::info_span!("request", node = %session.node, stream = id, kind = kind.as_str());
+        async move {
+            debug!(method = %req.method(), path = %head.path_and_query, upgrade = upgrade.is_some(), "forwarding");
+            let shared = io.shared().clone();
+            let (mut rd, mut wr) = tokio::io::split(io);
+            if let Err(e) = wr.write_all(&head_bytes).await {
+                return error_response(StatusCode::BAD_GATEWAY, format_args!("edge {}: {e}", session.node));
+            }
+            let on_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
+            let mut wr = Some(wr);
+            if upgrade.is_none() {
+                // Stream the request body after the head, then end our direction.
+                if let Some(wr) = wr.take() {
+                    tokio::spawn(pump_request_body(req.into_body(), wr, shared.clone()).in_current_span());
+                }
+            }
+            let resp = tokio::time::timeout(
+                self.cfg.response_timeout,
+                read_head::<ResponseHead, _>(&mut rd, self.cfg.limits.max_head_bytes as usize),
+            )
+            .await;
+            let resp = match resp {
+                Err(_) => {
+                    shared.reset(ResetCode::Cancelled, "no response head in time");
+                    warn!(timeout = ?self.cfg.response_timeout, "edge silent: no response head");
+                    return error_response(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        format_args!(
+                            "edge {} sent no response within {:?} (--response-timeout)",
+                            session.node, self.cfg.response_timeout
+                        ),
+                    );
+                }
+                Ok(Err(e)) => {
+                    let msg = match &e {
+                        tether_proto::head::HeadError::Io(io) => match StreamReset::from_io(io) {
+                            Some(r) => reset_message(&session.node, r),
+                            None => format!("edge {}: {e}", session.node),
+                        },
+                        other => format!("edge {} sent a bad response head: {other}", session.node),
+                    };
+                    shared.reset(ResetCode::ProtocolError, "bad response head");
+                    info!(error = %msg, "no response from the edge");
+                    return error_response(StatusCode::BAD_GATEWAY, msg);
+                }
+                Ok(Ok(h)) => h,
+            };
+            let status = match StatusCode::from_u16(resp.status) {
+                Ok(s) => s,
+                Err(_) => {
+                    shared.reset(ResetCode::ProtocolError, "bad status");
+                    return error_response(StatusCode::BAD_GATEWAY, format_args!("edge {} sent status {}", session.node, resp.status));
+                }
+            };
+            let mut builder = Response::builder().status(status);
+            for (name, value) in &resp.headers {
+                let keep = !is_hop_by_hop(name) || (status == StatusCode::SWITCHING_PROTOCOLS && (name == "connection" || name == "upgrade"));
+                if !keep {
+                    continue;
+                }
+                match (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(value)) {
+                    (Ok(n), Ok(v)) => {
+                        builder = builder.header(n, v);
+                    }
+                    _ => warn!(header = %name, "dropping an invalid response header from the edge"),
+                }
+            }
+            if status == StatusCode::SWITCHING_PROTOCOLS {
+                let (Some(on_upgrade), Some(wr)) = (on_upgrade, wr) else {
+                    shared.reset(ResetCode::ProtocolError, "101 to a request that did not ask to upgrade");
+                    return error_response(StatusCode::BAD_GATEWAY, format_args!("edge {} answered 101 to a plain request", session.node));
+                };
+                let io = rd.unsplit(wr);
+                tokio::spawn(
+                    async move {
+                        let upgraded = match on_upgrade.await {
+                            Ok(u) => u,
+                            Err(e) => {
+                                shared.reset(ResetCode::Cancelled, format!("apiserver upgrade failed: {e}"));
+                                return;
+                            }
+                        };
+                        let mut client = hyper_util::rt::TokioIo::new(upgraded);
+                        let mut io = io;
+                        match tokio::io::copy_bidirectional(&mut client, &mut io).await {
+                            Ok((up, down)) => debug!(bytes_to_edge = up, bytes_to_apiserver = down, "upgraded stream ended"),
+                            Err(e) => {
+                                debug!(error = %e, "upgraded stream failed");
+                                shared.reset(ResetCode::Cancelled, format!("apiserver side: {e}"));
+                            }
+                        }
+                    }
+                    .in_current_span(),
+                );
+                return builder
+                    .body(Full::new(Bytes::new()).map_err(|never| match never {}).boxed())
+                    .unwrap_or_else(|e| error_response(StatusCode::BAD_GATEWAY, e));
+            }
+            drop(wr);
+            let body = StreamBody { rd, shared, done: false, buf: BytesMut::new(), node: session.node.clone() };
+            builder.body(body.boxed()).unwrap_or_else(|e| error_response(StatusCode::BAD_GATEWAY, e))
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+fn reset_message(node: &str, r: &StreamReset) -> String {
+    match r.code {
+        ResetCode::KubeletUnreachable => format!("edge {node} could not reach its kubelet: {}", r.message),
+        ResetCode::Refused => format!("edge {node} refused the request: {}", r.message),
+        ResetCode::SessionLost => format!("edge {node} is gone: {}", r.message),
+        _ => format!("edge {node} ended the stream ({:?}): {}", r.code, r.message),
+    }
+}
+
+/// The head to replay: method, path and query, end-to-end headers; plus
+/// `connection`/`upgrade` for upgrades.
+fn request_head(req: &Request<Incoming>, upgrade: Option<&HeaderValue>) -> RequestHead {
+    let mut headers: Vec<(String, Vec<u8>)> = req
+        .headers()
+        .iter()
+        .filter(|(n, _)| !is_hop_by_hop(n.as_str()))
+        .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
+        .collect();
+    if let Some(u) = upgrade {
+        headers.push(("connection".into(), b"Upgrade".to_vec()));
+        headers.push(("upgrade".into(), u.as_bytes().to_vec()));
+    }
+    RequestHead {
+        method: req.method().as_str().to_string(),
+        path_and_query: req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into()),
+        headers,
+        has_body: upgrade.is_none() && !req.body().is_end_stream(),
+    }
+}
+
+async fn pump_request_body(mut body: Incoming, mut wr: tokio::io::WriteHalf<ResumableIo>, shared: Arc<SharedStream>) {
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => {
+                if let Ok(data) = f.into_data() {
+                    if let Err(e) = wr.write_all(&data).await {
+                        debug!(error = %e, "request body: stream closed");
+                        return;
+                    }
+                }
+            }
+            Err(e) => {
+                shared.reset(ResetCode::Cancelled, format!("apiserver request body: {e}"));
+                return;
+            }
+        }
+    }
+    let _ = wr.shutdown().await;
+}
+
+/// The response body, read from the stream. Ends cleanly only at the edge's
+/// clean end; a reset becomes a body error (aborted response). Dropped early
+/// (the apiserver went away), it resets the stream so the edge stops too.
+struct StreamBody {
+    rd: ReadHalf<ResumableIo>,
+    shared: Arc<SharedStream>,
+    done: bool,
+    buf: BytesMut,
+    node: String,
+}
+
+impl Body for StreamBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.buf.capacity() < 16 * 1024 {
+            this.buf.reserve(64 * 1024);
+        }
+        match tokio_util::io::poll_read_buf(Pin::new(&mut this.rd), cx, &mut this.buf) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(0)) => {
+                this.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Ready(Ok(_)) => Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze())))),
+            Poll::Ready(Err(e)) => {
+                this.done = true;
+                info!(node = %this.node, error = %e, "response body cut short; aborting the apiserver's response");
+                Poll::Ready(Some(Err(e)))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+}
+
+impl Drop for StreamBody {
+    fn drop(&mut self) {
+        if !self.done {
+            self.shared.reset(ResetCode::Cancelled, "the apiserver closed the response");
+        }
+    }
+}

@@ -1,0 +1,323 @@
+//! Which edges exist, what they reported, and routing lookups that never guess.
+//!
+//! The registry maps node name → [`Session`], and keeps two indices fed by
+//! the edges: namespace/pod → nodes (from pod reports) and address → nodes
+//! (from hellos). A lookup returns exactly one session or a [`RouteError`]
+//! saying what was looked up and why it failed; a name or address claimed by
+//! two nodes is refused, never resolved to either. Pods of a node whose
+//! session ended are remembered so that a request for them gets "edge not
+//! connected" (502) rather than "no such pod".
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tether_proto::handshake::PodRef;
+
+use crate::session::Session;
+
+/// Why a request could not be routed to exactly one edge.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    #[error("no connected edge reports pod {namespace}/{pod}")]
+    UnknownPod { namespace: String, pod: String },
+    #[error("pod {namespace}/{pod} was last reported by edge {node}, which is not connected")]
+    PodNodeGone { namespace: String, pod: String, node: String },
+    #[error("pod {namespace}/{pod} is reported by several edges ({nodes}); refusing to guess")]
+    AmbiguousPod { namespace: String, pod: String, nodes: String },
+    #[error("no connected edge is named or announces {looked_up}")]
+    UnknownNode { looked_up: String },
+    #[error("{what} {value} is announced by several edges ({nodes}); refusing to guess")]
+    AmbiguousAddress { what: &'static str, value: String, nodes: String },
+    #[error("no node named in the request (no X-Forwarded-Uri node, SNI or Host)")]
+    NoHint,
+}
+
+#[derive(Default)]
+struct Tables {
+    sessions: HashMap<String, Arc<Session>>,
+    /// (namespace, pod) → nodes reporting it.
+    pods: HashMap<(String, String), BTreeSet<String>>,
+    /// node → its last pod report.
+    node_pods: HashMap<String, Vec<PodRef>>,
+    /// address → nodes announcing it.
+    addresses: HashMap<String, BTreeSet<String>>,
+    /// (namespace, pod) → node, for nodes whose session ended.
+    departed: HashMap<(String, String), String>,
+}
+
+/// The cloud's table of edge sessions.
+pub struct Registry {
+    tables: Mutex<Tables>,
+    pub grace: Duration,
+}
+
+/// Normalizes a `Host` or SNI value: lowercase, without port or IPv6 brackets.
+pub fn host_only(h: &str) -> String {
+    let h = h.trim();
+    let h = if let Some(rest) = h.strip_prefix('[') {
+        rest.split(']').next().unwrap_or(rest)
+    } else if h.matches(':').count() == 1 {
+        h.split(':').next().unwrap_or(h)
+    } else {
+        h
+    };
+    h.trim_end_matches('.').to_ascii_lowercase()
+}
+
+impl Registry {
+    pub fn new(grace: Duration) -> Self {
+        Registry { tables: Mutex::new(Tables::default()), grace }
+    }
+
+    fn tables(&self) -> std::sync::MutexGuard<'_, Tables> {
+        self.tables.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The session of a node, if any.
+    pub fn get(&self, node: &str) -> Option<Arc<Session>> {
+        self.tables().sessions.get(node).cloned()
+    }
+
+    /// All sessions (for status and tests).
+    pub fn sessions(&self) -> Vec<Arc<Session>> {
+        let mut v: Vec<_> = self.tables().sessions.values().cloned().collect();
+        v.sort_by(|a, b| a.node.cmp(&b.node));
+        v
+    }
+
+    /// Installs `session` as its node's session, returning the one it
+    /// replaces (which the caller ends).
+    pub fn insert(&self, session: Arc<Session>) -> Option<Arc<Session>> {
+        let mut t = self.tables();
+        let node = session.node.clone();
+        let old = t.sessions.insert(node.clone(), session.clone());
+        Self::unindex_addresses(&mut t, &node);
+        for a in session.addresses() {
+            t.addresses.entry(host_only(&a)).or_default().insert(node.clone());
+        }
+        t.departed.retain(|_, n| *n != node);
+        old
+    }
+
+    /// Updates the addresses a node announces (on a resume).
+    pub fn set_addresses(&self, session: &Arc<Session>, addresses: Vec<String>) {
+        let mut t = self.tables();
+        let current = t.sessions.get(&session.node).map(|s| Arc::ptr_eq(s, session)).unwrap_or(false);
+        session.set_addresses(addresses.clone());
+        if !current {
+            return;
+        }
+        Self::unindex_addresses(&mut t, &session.node);
+        for a in addresses {
+            t.addresses.entry(host_only(&a)).or_default().insert(session.node.clone());
+        }
+    }
+
+    fn unindex_addresses(t: &mut Tables, node: &str) {
+        t.addresses.retain(|_, nodes| {
+            nodes.remove(node);
+            !nodes.is_empty()
+        });
+    }
+
+    fn unindex_pods(t: &mut Tables, node: &str) -> Vec<PodRef> {
+        let old = t.node_pods.remove(node).unwrap_or_default();
+        for p in &old {
+            let key = (p.namespace.clone(), p.name.clone());
+            if let Some(nodes) = t.pods.get_mut(&key) {
+                nodes.remove(node);
+                if nodes.is_empty() {
+                    t.pods.remove(&key);
+                }
+            }
+        }
+        old
+    }
+
+    /// Replaces a node's pod list (only if `session` is still its session).
+    pub fn report_pods(&self, session: &Arc<Session>, pods: Vec<PodRef>) {
+        let mut t = self.tables();
+        if !t.sessions.get(&session.node).map(|s| Arc::ptr_eq(s, session)).unwrap_or(false) {
+            return;
+        }
+        let node = session.node.clone();
+        Self::unindex_pods(&mut t, &node);
+        for p in &pods {
+            t.pods.entry((p.namespace.clone(), p.name.clone())).or_default().insert(node.clone());
+        }
+        t.node_pods.insert(node, pods);
+    }
+
+    /// Removes a node's session if it is still `session`; its pods are
+    /// remembered as departed.
+    pub fn remove(&self, session: &Arc<Session>) -> bool {
+        let mut t = self.tables();
+        if !t.sessions.get(&session.node).map(|s| Arc::ptr_eq(s, session)).unwrap_or(false) {
+            return false;
+        }
+        let node = session.node.clone();
+        t.sessions.remove(&node);
+        Self::unindex_addresses(&mut t, &node);
+        for p in Self::unindex_pods(&mut t, &node) {
+            t.departed.insert((p.namespace, p.name), node.clone());
+        }
+        true
+    }
+
+    /// The session of the node running pod `namespace/pod`.
+    pub fn route_pod(&self, namespace: &str, pod: &str) -> Result<Arc<Session>, RouteError> {
+        let t = self.tables();
+        let key = (namespace.to_string(), pod.to_string());
+        match t.pods.get(&key) {
+            Some(nodes) if nodes.len() == 1 => {
+                let node = nodes.iter().next().cloned().unwrap_or_default();
+                t.sessions.get(&node).cloned().ok_or(RouteError::PodNodeGone {
+                    namespace: namespace.into(),
+                    pod: pod.into(),
+                    node,
+                })
+            }
+            Some(nodes) if nodes.len() > 1 => Err(RouteError::AmbiguousPod {
+                namespace: namespace.into(),
+                pod: pod.into(),
+                nodes: nodes.iter().cloned().collect::<Vec<_>>().join(", "),
+            }),
+            _ => match t.departed.get(&key) {
+                Some(node) => Err(RouteError::PodNodeGone { namespace: namespace.into(), pod: pod.into(), node: node.clone() }),
+                None => Err(RouteError::UnknownPod { namespace: namespace.into(), pod: pod.into() }),
+            },
+        }
+    }
+
+    /// Resolves one name-or-address: a node name, else an announced address.
+    /// `Ok(None)`: nothing matches.
+    fn resolve(t: &Tables, what: &'static str, value: &str) -> Result<Option<Arc<Session>>, RouteError> {
+        let v = host_only(value);
+        if v.is_empty() {
+            return Ok(None);
+        }
+        if let Some(s) = t.sessions.get(&v) {
+            return Ok(Some(s.clone()));
+        }
+        match t.addresses.get(&v) {
+            Some(nodes) if nodes.len() == 1 => Ok(nodes.iter().next().and_then(|n| t.sessions.get(n)).cloned()),
+            Some(nodes) if nodes.len() > 1 => Err(RouteError::AmbiguousAddress {
+                what,
+                value: v,
+                nodes: nodes.iter().cloned().collect::<Vec<_>>().join(", "),
+            }),
+            _ => Ok(None),
+        }
+    }
+
+    /// The session for a node-scoped request: the node named by the
+    /// apiserver's node proxy (`X-Forwarded-Uri`), else TLS SNI, else `Host`,
+    /// each a node name or an address its edge announced.
+    pub fn route_node(
+        &self,
+        forwarded_node: Option<&str>,
+        sni: Option<&str>,
+        host: Option<&str>,
+    ) -> Result<Arc<Session>, RouteError> {
+        let t = self.tables();
+        if let Some(n) = forwarded_node {
+            return t
+                .sessions
+                .get(n)
+                .cloned()
+                .ok_or_else(|| RouteError::UnknownNode { looked_up: format!("node {n:?} (from X-Forwarded-Uri)") });
+        }
+        let mut looked = Vec::new();
+        for (what, value) in [("SNI", sni), ("Host", host)] {
+            if let Some(v) = value {
+                if let Some(s) = Self::resolve(&t, what, v)? {
+                    return Ok(s);
+                }
+                looked.push(format!("{what} {v:?}"));
+            }
+        }
+        if looked.is_empty() {
+            return Err(RouteError::NoHint);
+        }
+        Err(RouteError::UnknownNode { looked_up: looked.join(" or ") })
+    }
+}
+
+/// The node name in an `X-Forwarded-Uri` of the apiserver's node proxy:
+/// `/api/v1/nodes/{node}/proxy/…`.
+pub fn node_from_forwarded_uri(uri: &str) -> Option<&str> {
+    let rest = uri.strip_prefix("/api/v1/nodes/")?;
+    let (node, rest) = rest.split_once('/')?;
+    let node = node.split(':').next().unwrap_or(node);
+    if rest.starts_with("proxy") && !node.is_empty() {
+        Some(node)
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_proto::Limits;
+
+    fn session(node: &str, addrs: &[&str]) -> Arc<Session> {
+        Session::new(node.into(), addrs.iter().map(|s| s.to_string()).collect(), Limits::default()).unwrap()
+    }
+
+    fn pod(ns: &str, name: &str) -> PodRef {
+        PodRef { namespace: ns.into(), name: name.into(), uid: format!("{ns}-{name}") }
+    }
+
+    #[test]
+    fn host_normalization() {
+        assert_eq!(host_only("Edge-1:10250"), "edge-1");
+        assert_eq!(host_only("10.0.0.1:10350"), "10.0.0.1");
+        assert_eq!(host_only("[fd00::1]:10250"), "fd00::1");
+        assert_eq!(host_only("fd00::1"), "fd00::1");
+        assert_eq!(host_only("edge-1."), "edge-1");
+    }
+
+    #[test]
+    fn forwarded_uri() {
+        assert_eq!(node_from_forwarded_uri("/api/v1/nodes/edge-1/proxy/metrics"), Some("edge-1"));
+        assert_eq!(node_from_forwarded_uri("/api/v1/nodes/edge-1:10250/proxy/stats/summary"), Some("edge-1"));
+        assert_eq!(node_from_forwarded_uri("/api/v1/nodes/edge-1"), None);
+        assert_eq!(node_from_forwarded_uri("/api/v1/pods"), None);
+    }
+
+    #[test]
+    fn routes_pods_and_refuses_ambiguity() {
+        let r = Registry::new(Duration::from_secs(1));
+        let a = session("edge-a", &["10.0.0.1"]);
+        let b = session("edge-b", &["10.0.0.1", "10.0.0.2"]);
+        r.insert(a.clone());
+        r.insert(b.clone());
+        r.report_pods(&a, vec![pod("default", "p1"), pod("default", "dup")]);
+        r.report_pods(&b, vec![pod("default", "p2"), pod("default", "dup")]);
+        assert_eq!(r.route_pod("default", "p1").unwrap().node, "edge-a");
+        assert_eq!(r.route_pod("default", "p2").unwrap().node, "edge-b");
+        assert!(matches!(r.route_pod("default", "dup"), Err(RouteError::AmbiguousPod { .. })));
+        assert!(matches!(r.route_pod("default", "nope"), Err(RouteError::UnknownPod { .. })));
+        // Node-scoped.
+        assert_eq!(r.route_node(Some("edge-b"), None, Some("edge-a")).unwrap().node, "edge-b");
+        assert_eq!(r.route_node(None, Some("edge-a"), None).unwrap().node, "edge-a");
+        assert_eq!(r.route_node(None, None, Some("10.0.0.2:10350")).unwrap().node, "edge-b");
+        assert!(matches!(r.route_node(None, None, Some("10.0.0.1")), Err(RouteError::AmbiguousAddress { .. })));
+        assert!(matches!(r.route_node(None, Some("unknown"), Some("10.9.9.9")), Err(RouteError::UnknownNode { .. })));
+        assert!(matches!(r.route_node(Some("nope"), None, None), Err(RouteError::UnknownNode { .. })));
+        assert!(matches!(r.route_node(None, None, None), Err(RouteError::NoHint)));
+        // SNI that names nothing falls through to Host.
+        assert_eq!(r.route_node(None, Some("cloud.example"), Some("edge-a:10250")).unwrap().node, "edge-a");
+        // A departed node's pods give "not connected".
+        assert!(r.remove(&a));
+        assert!(matches!(r.route_pod("default", "p1"), Err(RouteError::PodNodeGone { .. })));
+        assert_eq!(r.route_pod("default", "dup").unwrap().node, "edge-b");
+        // A replaced session's late report is ignored.
+        let a2 = session("edge-a", &[]);
+        r.insert(a2.clone());
+        r.report_pods(&a, vec![pod("x", "y")]);
+        assert!(matches!(r.route_pod("x", "y"), Err(RouteError::UnknownPod { .. })));
+    }
+}

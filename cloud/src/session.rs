@@ -1,0 +1,265 @@
+//! One edge's session: the logical streams that outlive any QUIC connection.
+//!
+//! A [`Session`] is created by an accepted hello without a valid resume token.
+//! It holds the edge's current connection (if any), its single-use resume
+//! token, and every open logical stream. Each stream has a task that attaches
+//! it to the current connection (opening a QUIC stream, exchanging `Attach`)
+//! and, when that connection dies, waits for the next one: a resume re-attaches
+//! every stream and both ends replay what the other has not delivered. When
+//! the session ends (grace expired, edge restarted, cloud shutting down) every
+//! stream is reset with a clear reason.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime};
+
+use tether_proto::frame::ResetCode;
+use tether_proto::io::{drive, PeerAttach, ResumableIo, SharedStream};
+use tether_proto::route::StreamKind;
+use tether_proto::stream::{StreamLimits, StreamState};
+use tether_proto::token::{ResumeToken, SessionId};
+use tether_proto::{Limits, StreamId};
+use tokio::sync::watch;
+use tracing::{debug, info, warn, Instrument};
+
+/// The session's link to its edge.
+#[derive(Clone)]
+pub enum Link {
+    /// Attached to a live connection; `gen` increases with every connection.
+    Connected { gen: u64, conn: quinn::Connection },
+    /// The last connection died; streams wait for a resume until the grace
+    /// period ends.
+    Disconnected { gen: u64, since: Instant },
+    /// Over: streams were reset with this reason.
+    Ended(String),
+}
+
+/// Why a stream could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("edge {node} has {open} open streams, the limit (--max-streams-per-edge)")]
+    TooManyStreams { node: String, open: usize },
+    #[error("edge {node}'s session has ended: {reason}")]
+    Ended { node: String, reason: String },
+}
+
+/// Mutable bookkeeping of a session.
+struct Book {
+    token: ResumeToken,
+    addresses: Vec<String>,
+    connected_since: SystemTime,
+}
+
+/// One edge node's session.
+pub struct Session {
+    pub node: String,
+    pub id: SessionId,
+    /// The cloud's limits (what this session's streams use).
+    limits: Limits,
+    link: watch::Sender<Link>,
+    book: Mutex<Book>,
+    streams: Mutex<HashMap<StreamId, Arc<SharedStream>>>,
+    next_stream: AtomicU64,
+    next_gen: AtomicU64,
+}
+
+impl Session {
+    /// A new session, not yet attached to a connection.
+    pub fn new(node: String, addresses: Vec<String>, limits: Limits) -> Result<Arc<Session>, rand::rand_core::OsError> {
+        let (link, _) = watch::channel(Link::Disconnected { gen: 0, since: Instant::now() });
+        Ok(Arc::new(Session {
+            node,
+            id: SessionId::generate()?,
+            limits,
+            link,
+            book: Mutex::new(Book { token: ResumeToken::generate()?, addresses, connected_since: SystemTime::now() }),
+            streams: Mutex::new(HashMap::new()),
+            next_stream: AtomicU64::new(1),
+            next_gen: AtomicU64::new(1),
+        }))
+    }
+
+    fn book(&self) -> std::sync::MutexGuard<'_, Book> {
+        self.book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn streams(&self) -> std::sync::MutexGuard<'_, HashMap<StreamId, Arc<SharedStream>>> {
+        self.streams.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The current resume token.
+    pub fn token(&self) -> ResumeToken {
+        self.book().token
+    }
+
+    /// Checks a presented token in constant time; on success replaces it with
+    /// a fresh one (single use) and returns the fresh one.
+    pub fn redeem(&self, presented: &ResumeToken) -> Option<ResumeToken> {
+        let mut b = self.book();
+        let diff = b.token.0.iter().zip(presented.0.iter()).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+        if diff != 0 || self.is_ended() {
+            return None;
+        }
+        b.token = ResumeToken::generate().ok()?;
+        Some(b.token)
+    }
+
+    pub fn addresses(&self) -> Vec<String> {
+        self.book().addresses.clone()
+    }
+
+    pub fn set_addresses(&self, a: Vec<String>) {
+        self.book().addresses = a;
+    }
+
+    pub fn connected_since(&self) -> SystemTime {
+        self.book().connected_since
+    }
+
+    /// Ids of the open streams.
+    pub fn stream_ids(&self) -> Vec<StreamId> {
+        let mut v: Vec<_> = self.streams().keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    pub fn open_streams(&self) -> usize {
+        self.streams().len()
+    }
+
+    pub fn link(&self) -> Link {
+        self.link.borrow().clone()
+    }
+
+    pub fn is_ended(&self) -> bool {
+        matches!(*self.link.borrow(), Link::Ended(_))
+    }
+
+    /// The live connection, if any.
+    pub fn connection(&self) -> Option<quinn::Connection> {
+        match &*self.link.borrow() {
+            Link::Connected { conn, .. } => Some(conn.clone()),
+            _ => None,
+        }
+    }
+
+    /// Attaches a new connection; returns its generation. Streams waiting for
+    /// a connection re-attach to it. A previous live connection is closed.
+    pub fn attach_connection(&self, conn: quinn::Connection) -> u64 {
+        let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
+        self.book().connected_since = SystemTime::now();
+        let old = self.link.send_replace(Link::Connected { gen, conn });
+        if let Link::Connected { conn: old, .. } = old {
+            old.close(tether_proto::handshake::close_code::REPLACED.into(), b"replaced by a newer connection");
+        }
+        gen
+    }
+
+    /// The connection of generation `gen` died. Returns true if it was the
+    /// current one (the session is now waiting for a resume).
+    pub fn connection_lost(&self, gen: u64) -> bool {
+        self.link.send_if_modified(|l| match l {
+            Link::Connected { gen: g, .. } if *g == gen => {
+                *l = Link::Disconnected { gen, since: Instant::now() };
+                true
+            }
+            _ => false,
+        })
+    }
+
+    /// Ends the session: every stream is reset with `reason`, the connection
+    /// (if any) is closed.
+    pub fn end(&self, code: ResetCode, reason: &str) {
+        let old = self.link.send_replace(Link::Ended(reason.to_string()));
+        if let Link::Connected { conn, .. } = old {
+            conn.close(tether_proto::handshake::close_code::REPLACED.into(), reason.as_bytes());
+        }
+        let streams: Vec<_> = self.streams().drain().map(|(_, s)| s).collect();
+        if !streams.is_empty() {
+            info!(node = %self.node, session = %self.id, streams = streams.len(), %reason, "ending session's streams");
+        }
+        for s in streams {
+            s.reset(code, reason);
+        }
+    }
+
+    /// Opens a new logical stream to the edge. The returned handle is usable
+    /// at once; bytes flow when a connection is attached.
+    pub fn open_stream(self: &Arc<Self>, kind: StreamKind) -> Result<(StreamId, ResumableIo), OpenError> {
+        if let Link::Ended(reason) = &*self.link.borrow() {
+            return Err(OpenError::Ended { node: self.node.clone(), reason: reason.clone() });
+        }
+        let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        let shared = SharedStream::new(StreamState::new(id, StreamLimits::from(&self.limits)));
+        {
+            let mut streams = self.streams();
+            if streams.len() >= self.limits.max_streams_per_edge as usize {
+                return Err(OpenError::TooManyStreams { node: self.node.clone(), open: streams.len() });
+            }
+            streams.insert(id, shared.clone());
+        }
+        let span = tracing::info_span!("stream", node = %self.node, stream = id, kind = kind.as_str());
+        tokio::spawn(self.clone().run_stream(id, shared.clone()).instrument(span));
+        Ok((id, ResumableIo::new(shared)))
+    }
+
+    /// Attaches a stream to each connection in turn until it is done, reset,
+    /// or the session ends.
+    async fn run_stream(self: Arc<Self>, id: StreamId, shared: Arc<SharedStream>) {
+        let mut rx = self.link.subscribe();
+        let mut last_gen = 0u64;
+        let max_frame = self.limits.max_frame_bytes as usize;
+        loop {
+            // Wait for a connection newer than the one that failed us.
+            let conn = loop {
+                let link = rx.borrow_and_update().clone();
+                match link {
+                    Link::Connected { gen, conn } if gen > last_gen => break Some((gen, conn)),
+                    Link::Ended(_) => break None,
+                    _ => {}
+                }
+                if shared.is_done() {
+                    break None;
+                }
+                tokio::select! {
+                    r = rx.changed() => if r.is_err() { break None },
+                    _ = shared.wait_done() => break None,
+                }
+            };
+            let Some((gen, conn)) = conn else { break };
+            last_gen = gen;
+            let (send, recv) = match conn.open_bi().await {
+                Ok(s) => s,
+                Err(e) => {
+                    debug!(error = %e, "opening a QUIC stream failed; waiting for the next connection");
+                    continue;
+                }
+            };
+            match drive(shared.clone(), recv, send, PeerAttach::Read, max_frame).await {
+                Ok(()) => break,
+                Err(e) => {
+                    if shared.is_done() {
+                        break;
+                    }
+                    // The stream stays; a pending reset goes out on the next
+                    // connection, data is replayed there.
+                    debug!(error = %e, "stream detached; waiting for the edge to resume");
+                }
+            }
+        }
+        self.streams().remove(&id);
+        if let Link::Ended(reason) = &*self.link.borrow() {
+            shared.reset(ResetCode::SessionLost, reason.clone());
+        }
+        debug!("stream closed");
+    }
+
+    /// Logs and resets one stream that the edge refused to re-attach.
+    pub fn drop_stream(&self, id: StreamId, why: &str) {
+        if let Some(s) = self.streams().remove(&id) {
+            warn!(node = %self.node, stream = id, %why, "dropping stream");
+            s.reset(ResetCode::UnknownStream, why);
+        }
+    }
+}

@@ -1,0 +1,65 @@
+//! rustls configurations of the cloud's two listeners. One crypto provider
+//! (ring) for the whole process.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use rustls::server::WebPkiClientVerifier;
+use tether_certs::pem::{load_certs, load_key, load_roots};
+use tether_proto::handshake::ALPN_TUNNEL;
+use tether_proto::quic::QuicSettings;
+
+use crate::config::CloudConfig;
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The QUIC listener's configuration: TLS 1.3, a client certificate signed by
+/// the edge CA required, migration allowed.
+pub fn quic_server_config(cfg: &CloudConfig, settings: &QuicSettings) -> anyhow::Result<quinn::ServerConfig> {
+    let roots = load_roots(&cfg.edge_ca).context("loading --edge-ca")?;
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+        .build()
+        .context("building the edge certificate verifier")?;
+    let chain = load_certs(&cfg.tunnel_cert).context("loading --tunnel-cert")?;
+    let key = load_key(&cfg.tunnel_key).context("loading --tunnel-key")?;
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .context("TLS 1.3 with ring")?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)
+        .context("--tunnel-cert and --tunnel-key do not match")?;
+    tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).context("QUIC TLS configuration")?;
+    let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    sc.transport_config(settings.transport_arc().map_err(anyhow::Error::msg)?);
+    sc.migration(true);
+    Ok(sc)
+}
+
+/// The kubelet-API listener's configuration: HTTP/2 and HTTP/1.1 by ALPN, a
+/// client certificate from the apiserver client CA required unless the
+/// insecure opt-out is set.
+pub fn front_server_config(cfg: &CloudConfig) -> anyhow::Result<rustls::ServerConfig> {
+    let chain = load_certs(&cfg.kubelet_cert).context("loading --kubelet-cert")?;
+    let key = load_key(&cfg.kubelet_key).context("loading --kubelet-key")?;
+    let builder = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .context("TLS versions with ring")?;
+    let builder = match &cfg.apiserver_client_ca {
+        Some(ca) => {
+            let roots = load_roots(ca).context("loading --apiserver-client-ca")?;
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+                .build()
+                .context("building the apiserver certificate verifier")?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut tls = builder
+        .with_single_cert(chain, key)
+        .context("--kubelet-cert and --kubelet-key do not match")?;
+    tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tls)
+}

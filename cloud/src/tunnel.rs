@@ -1,0 +1,230 @@
+//! The QUIC listener edges dial: authentication, hello/welcome, resume,
+//! pod reports, and what happens when a connection dies.
+//!
+//! An edge connection is admitted only with a client certificate signed by
+//! the edge CA; the node name is taken from that certificate and must equal
+//! the hello's. A hello with a valid resume token re-attaches the node's
+//! existing session (its streams resume on the new connection); any other
+//! hello starts a new session, and an older session of the same node is ended
+//! (its streams reset: the edge lost its state). When a connection dies its
+//! session waits `grace` for a resume, then ends.
+//!
+//! Misbehaviour of one edge (bad hello, bad frames, garbage datagrams) closes
+//! that connection only.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tether_proto::frame::ResetCode;
+use tether_proto::handshake::{close_code, negotiate_version, Hello, Refusal, RefusalCode, Welcome};
+use tether_proto::io::{write_frame, FrameReader};
+use tether_proto::Frame;
+use tokio::sync::Semaphore;
+use tracing::{debug, info, warn, Instrument};
+
+use crate::config::CloudConfig;
+use crate::registry::Registry;
+use crate::session::{Link, Session};
+
+/// Bounds on what a hello may announce.
+const MAX_ADDRESSES: usize = 64;
+const MAX_ADDRESS_LEN: usize = 253;
+/// Bound on pods in one report.
+const MAX_PODS: usize = 100_000;
+
+/// Binds the QUIC endpoint.
+pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
+    let sc = crate::tls::quic_server_config(cfg, &cfg.quic)?;
+    let socket = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
+        .with_context(|| format!("binding UDP {}", cfg.tunnel_listen))?;
+    let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
+    quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(sc), socket, runtime).context("creating the QUIC endpoint")
+}
+
+/// Accepts edge connections until the endpoint closes.
+pub async fn serve(endpoint: quinn::Endpoint, cfg: Arc<CloudConfig>, registry: Arc<Registry>) -> anyhow::Result<()> {
+    let slots = Arc::new(Semaphore::new(cfg.max_edges));
+    while let Some(incoming) = endpoint.accept().await {
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            warn!(remote = %incoming.remote_address(), limit = cfg.max_edges, "refusing edge connection: --max-edges reached");
+            incoming.refuse();
+            continue;
+        };
+        let cfg = cfg.clone();
+        let registry = registry.clone();
+        let remote = incoming.remote_address();
+        tokio::spawn(
+            async move {
+                if let Err(e) = handle(incoming, &cfg, &registry).await {
+                    warn!(error = format!("{e:#}"), "edge connection failed");
+                }
+                drop(permit);
+            }
+            .instrument(tracing::info_span!("edge", %remote, node = tracing::field::Empty)),
+        );
+    }
+    Ok(())
+}
+
+fn node_of(conn: &quinn::Connection) -> anyhow::Result<String> {
+    let identity = conn.peer_identity().context("edge presented no certificate")?;
+    let chain = identity
+        .downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+        .map_err(|_| anyhow::anyhow!("unexpected peer identity type"))?;
+    let leaf = chain.first().context("edge certificate chain is empty")?;
+    tether_certs::node_name_from_cert(leaf).context("reading the node name from the edge certificate")
+}
+
+async fn refuse(send: &mut quinn::SendStream, conn: &quinn::Connection, code: RefusalCode, message: String, max: usize) {
+    warn!(?code, %message, "refusing edge");
+    let _ = write_frame(send, &Frame::Refused(Refusal { code, message: message.clone() }), max).await;
+    let _ = send.finish();
+    // Give the refusal a moment to leave before closing.
+    let _ = tokio::time::timeout(Duration::from_millis(500), send.stopped()).await;
+    conn.close(close_code::REFUSED.into(), message.as_bytes());
+}
+
+async fn handle(incoming: quinn::Incoming, cfg: &CloudConfig, registry: &Arc<Registry>) -> anyhow::Result<()> {
+    let max = cfg.limits.max_frame_bytes as usize;
+    let handshake = async {
+        let conn = incoming.await.context("QUIC/TLS handshake")?;
+        let node = node_of(&conn)?;
+        let (send, mut recv) = conn.accept_bi().await.context("waiting for the control stream")?;
+        let mut reader = FrameReader::new(max);
+        let hello = match reader.next(&mut recv).await.context("reading the hello")? {
+            Some(Frame::Hello(h)) => h,
+            Some(other) => anyhow::bail!("expected a hello, got a {} frame", other.kind()),
+            None => anyhow::bail!("control stream closed before the hello"),
+        };
+        Ok::<_, anyhow::Error>((conn, node, send, recv, reader, hello))
+    };
+    let (conn, node, mut send, recv, reader, hello) = tokio::time::timeout(cfg.handshake_timeout, handshake)
+        .await
+        .map_err(|_| anyhow::anyhow!("no hello within --handshake-timeout ({:?})", cfg.handshake_timeout))??;
+    tracing::Span::current().record("node", node.as_str());
+    if let Some(why) = check_hello(&hello, &node) {
+        let code = if hello.node != node { RefusalCode::NodeMismatch } else { RefusalCode::BadHello };
+        refuse(&mut send, &conn, code, format!("node {node}: {why}"), max).await;
+        return Ok(());
+    }
+    let Some(version) = negotiate_version(&hello.versions) else {
+        refuse(&mut send, &conn, RefusalCode::Version, format!("no common protocol version in {:?}", hello.versions), max).await;
+        return Ok(());
+    };
+    let (session, resumed, token) = admit(registry, cfg, &node, &hello)?;
+    let welcome = Welcome {
+        version,
+        session: session.id,
+        resume_token: token,
+        resumed,
+        streams: if resumed { session.stream_ids() } else { Vec::new() },
+        grace_ms: cfg.grace.as_millis() as u64,
+        limits: cfg.limits,
+    };
+    write_frame(&mut send, &Frame::Welcome(welcome), max).await.context("sending the welcome")?;
+    let gen = session.attach_connection(conn.clone());
+    info!(
+        node = %node,
+        session = %session.id,
+        resumed,
+        streams = session.open_streams(),
+        remote = %conn.remote_address(),
+        addresses = ?hello.addresses,
+        "edge connected"
+    );
+    let control = control_loop(registry.clone(), session.clone(), recv, reader);
+    tokio::select! {
+        r = control => {
+            if let Err(e) = r {
+                warn!(node = %node, error = format!("{e:#}"), "control stream failed; closing the connection");
+                conn.close(close_code::PROTOCOL.into(), b"control stream protocol error");
+            }
+            conn.closed().await;
+        }
+        reason = conn.closed() => {
+            debug!(node = %node, %reason, "edge connection closed");
+        }
+    }
+    if session.connection_lost(gen) {
+        info!(node = %node, session = %session.id, reason = %conn.close_reason().map(|r| r.to_string()).unwrap_or_default(), grace = ?cfg.grace, streams = session.open_streams(), "edge disconnected; keeping its streams for a resume");
+        let registry = registry.clone();
+        let grace = cfg.grace;
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            if let Link::Disconnected { gen: g, .. } = session.link() {
+                if g == gen {
+                    let reason = format!("edge {} did not come back within the grace period ({grace:?})", session.node);
+                    warn!(node = %session.node, session = %session.id, "{reason}; ending its streams");
+                    registry.remove(&session);
+                    session.end(ResetCode::SessionLost, &reason);
+                }
+            }
+        });
+    }
+    Ok(())
+}
+
+fn check_hello(hello: &Hello, node: &str) -> Option<String> {
+    if hello.node != node {
+        return Some(format!("hello names node {:?} but the certificate is for {node:?}", hello.node));
+    }
+    if hello.addresses.len() > MAX_ADDRESSES {
+        return Some(format!("{} addresses announced, at most {MAX_ADDRESSES}", hello.addresses.len()));
+    }
+    if hello.addresses.iter().any(|a| a.is_empty() || a.len() > MAX_ADDRESS_LEN) {
+        return Some("an announced address is empty or too long".into());
+    }
+    if let Err(e) = hello.limits.validate() {
+        return Some(format!("edge limits: {e}"));
+    }
+    None
+}
+
+/// Finds or creates the node's session for this hello.
+fn admit(
+    registry: &Registry,
+    cfg: &CloudConfig,
+    node: &str,
+    hello: &Hello,
+) -> anyhow::Result<(Arc<Session>, bool, tether_proto::token::ResumeToken)> {
+    let existing = registry.get(node);
+    if let (Some(token), Some(s)) = (&hello.resume, &existing) {
+        if let Some(next) = s.redeem(token) {
+            registry.set_addresses(s, hello.addresses.clone());
+            return Ok((s.clone(), true, next));
+        }
+    }
+    if hello.resume.is_some() {
+        warn!(node, "resume token refused (unknown, already used or expired); starting a new session");
+    }
+    let session = Session::new(node.to_string(), hello.addresses.clone(), cfg.limits).context("generating session secrets")?;
+    let token = session.token();
+    if let Some(old) = registry.insert(session.clone()) {
+        info!(node, old_session = %old.id, new_session = %session.id, "a new session replaces the node's previous one");
+        old.end(ResetCode::SessionLost, &format!("edge {node} started a new session (it restarted or lost its state)"));
+    }
+    Ok((session, false, token))
+}
+
+async fn control_loop(
+    registry: Arc<Registry>,
+    session: Arc<Session>,
+    mut recv: quinn::RecvStream,
+    mut reader: FrameReader,
+) -> anyhow::Result<()> {
+    loop {
+        match reader.next(&mut recv).await? {
+            Some(Frame::PodReport(report)) => {
+                if report.pods.len() > MAX_PODS {
+                    anyhow::bail!("pod report of {} pods exceeds {MAX_PODS}", report.pods.len());
+                }
+                debug!(node = %session.node, pods = report.pods.len(), "pod report");
+                registry.report_pods(&session, report.pods);
+            }
+            Some(Frame::GoAway { reason }) => info!(node = %session.node, %reason, "edge is going away"),
+            Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
+            None => return Ok(()),
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! The edge's configuration: flags and `TETHER_*` environment variables,
+//! parsed once in `main` and passed down as [`EdgeConfig`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use tether_proto::cli::{LimitArgs, LogArgs, QuicArgs};
+use tether_proto::quic::QuicSettings;
+use tether_proto::units::parse_duration;
+use tether_proto::Limits;
+
+/// Command-line flags of `tether-edge`.
+#[derive(Debug, Parser)]
+#[command(name = "tether-edge", version, about = "Tether edge: dials tether-cloud over QUIC and replays the apiserver's kubelet requests against the local kubelet")]
+pub struct EdgeArgs {
+    /// The cloud's tunnel address, HOST:PORT (UDP).
+    #[arg(long, env = "TETHER_CLOUD")]
+    pub cloud: String,
+    /// Name to verify in the cloud's certificate (default: the host part of --cloud).
+    #[arg(long, env = "TETHER_SERVER_NAME")]
+    pub server_name: Option<String>,
+    /// CA (PEM) that signed the cloud's tunnel certificate.
+    #[arg(long, env = "TETHER_CA")]
+    pub ca: PathBuf,
+    /// This edge's certificate (PEM); it names the node.
+    #[arg(long, env = "TETHER_CERT")]
+    pub cert: PathBuf,
+    /// This edge's private key (PEM).
+    #[arg(long, env = "TETHER_KEY")]
+    pub key: PathBuf,
+    /// The one kubelet endpoint streams are replayed against: edged-style
+    /// `http://127.0.0.1:10350` or a kubelet's `https://127.0.0.1:10250`.
+    #[arg(long, env = "TETHER_KUBELET_URL", default_value = "http://127.0.0.1:10350")]
+    pub kubelet_url: String,
+    /// CA (PEM) to verify an HTTPS kubelet's serving certificate.
+    #[arg(long, env = "TETHER_KUBELET_CA")]
+    pub kubelet_ca: Option<PathBuf>,
+    /// Do not verify an HTTPS kubelet's serving certificate (kubelets often
+    /// serve a self-signed one). Explicit opt-in.
+    #[arg(long, env = "TETHER_KUBELET_INSECURE_SKIP_TLS_VERIFY")]
+    pub kubelet_insecure_skip_tls_verify: bool,
+    /// Client certificate (PEM) presented to an HTTPS kubelet.
+    #[arg(long, env = "TETHER_KUBELET_CLIENT_CERT", requires = "kubelet_client_key")]
+    pub kubelet_client_cert: Option<PathBuf>,
+    /// Client key (PEM) presented to an HTTPS kubelet.
+    #[arg(long, env = "TETHER_KUBELET_CLIENT_KEY", requires = "kubelet_client_cert")]
+    pub kubelet_client_key: Option<PathBuf>,
+    /// Time allowed to connect to the kubelet.
+    #[arg(long, env = "TETHER_KUBELET_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub kubelet_connect_timeout: Duration,
+    /// Addresses the apiserver may know this node by (repeatable; default: the host's IPs).
+    #[arg(long = "announce-address", env = "TETHER_ANNOUNCE_ADDRESSES", value_delimiter = ',')]
+    pub announce_addresses: Vec<String>,
+    /// How often the kubelet's pod list is read and reported.
+    #[arg(long, env = "TETHER_PODS_REFRESH", default_value = "5s", value_parser = parse_duration)]
+    pub pods_refresh: Duration,
+    /// First reconnect delay; doubles up to --reconnect-max, with jitter.
+    #[arg(long, env = "TETHER_RECONNECT_MIN", default_value = "100ms", value_parser = parse_duration)]
+    pub reconnect_min: Duration,
+    /// Largest reconnect delay (kept low so the edge is back soon after the link).
+    #[arg(long, env = "TETHER_RECONNECT_MAX", default_value = "1s", value_parser = parse_duration)]
+    pub reconnect_max: Duration,
+    /// Time allowed for the QUIC handshake and the welcome.
+    #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub handshake_timeout: Duration,
+    #[command(flatten)]
+    pub limits: LimitArgs,
+    #[command(flatten)]
+    pub quic: QuicArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// How to reach the kubelet.
+#[derive(Debug, Clone)]
+pub struct KubeletConfig {
+    pub url: http::Uri,
+    pub ca: Option<PathBuf>,
+    pub insecure_skip_tls_verify: bool,
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+    pub connect_timeout: Duration,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct EdgeConfig {
+    pub cloud: String,
+    pub server_name: String,
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub kubelet: KubeletConfig,
+    pub announce_addresses: Option<Vec<String>>,
+    pub pods_refresh: Duration,
+    pub reconnect_min: Duration,
+    pub reconnect_max: Duration,
+    pub handshake_timeout: Duration,
+    pub limits: Limits,
+    pub quic: QuicSettings,
+}
+
+impl EdgeArgs {
+    /// Checks the flags and builds the configuration.
+    pub fn into_config(self) -> Result<EdgeConfig, String> {
+        let limits = self.limits.limits()?;
+        let quic = self.quic.settings(&limits)?;
+        let url: http::Uri = self
+            .kubelet_url
+            .parse()
+            .map_err(|e| format!("--kubelet-url {:?}: {e}", self.kubelet_url))?;
+        match url.scheme_str() {
+            Some("http") | Some("https") => {}
+            _ => return Err(format!("--kubelet-url {:?} must be http:// or https://", self.kubelet_url)),
+        }
+        if url.host().is_none() {
+            return Err(format!("--kubelet-url {:?} has no host", self.kubelet_url));
+        }
+        if url.scheme_str() == Some("https") && self.kubelet_ca.is_none() && !self.kubelet_insecure_skip_tls_verify {
+            return Err("an https --kubelet-url needs --kubelet-ca, or the explicit --kubelet-insecure-skip-tls-verify".into());
+        }
+        let host = self
+            .cloud
+            .rsplit_once(':')
+            .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_string())
+            .ok_or_else(|| format!("--cloud {:?} must be HOST:PORT", self.cloud))?;
+        if self.reconnect_min > self.reconnect_max || self.reconnect_min.is_zero() {
+            return Err("--reconnect-min must be positive and at most --reconnect-max".into());
+        }
+        Ok(EdgeConfig {
+            server_name: self.server_name.unwrap_or(host),
+            cloud: self.cloud,
+            ca: self.ca,
+            cert: self.cert,
+            key: self.key,
+            kubelet: KubeletConfig {
+                url,
+                ca: self.kubelet_ca,
+                insecure_skip_tls_verify: self.kubelet_insecure_skip_tls_verify,
+                client_cert: self.kubelet_client_cert.zip(self.kubelet_client_key),
+                connect_timeout: self.kubelet_connect_timeout,
+            },
+            announce_addresses: if self.announce_addresses.is_empty() { None } else { Some(self.announce_addresses) },
+            pods_refresh: self.pods_refresh,
+            reconnect_min: self.reconnect_min,
+            reconnect_max: self.reconnect_max,
+            handshake_timeout: self.handshake_timeout,
+            limits,
+            quic,
+        })
+    }
+}

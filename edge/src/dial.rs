@@ -1,0 +1,228 @@
+//! Dialling the cloud and keeping the session alive.
+//!
+//! [`Dialer::run`] loops for the life of the process: connect (QUIC, mutual
+//! TLS, the cloud's certificate verified against the configured CA), open the
+//! control stream, send the hello with the last resume token, read the
+//! welcome, then report pods and accept the streams the cloud opens until the
+//! connection dies. Reconnects back off exponentially from
+//! `--reconnect-min` to `--reconnect-max` with full jitter, and start over at
+//! the minimum after a connection that worked, so the edge is back about a
+//! second after its link is.
+//!
+//! Streams survive reconnections: a welcome that resumes the session lets the
+//! cloud re-attach them; a welcome for a new session (the cloud restarted, or
+//! the grace period ran out) ends them at once with a clear error, and so
+//! does being disconnected for longer than the grace period.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rand::Rng;
+use tether_proto::handshake::{close_code, Hello, Welcome, ALPN_TUNNEL, PROTOCOL_VERSION};
+use tether_proto::io::{write_frame, FrameReader};
+use tether_proto::token::ResumeToken;
+use tether_proto::Frame;
+use tokio::net::lookup_host;
+use tracing::{debug, info, warn};
+
+use crate::config::EdgeConfig;
+use crate::forward::Forward;
+use crate::kubelet::KubeletTarget;
+use crate::streams::EdgeStreams;
+
+/// The edge's connection loop and session memory.
+pub struct Dialer {
+    cfg: EdgeConfig,
+    node: String,
+    endpoint: quinn::Endpoint,
+    client: quinn::ClientConfig,
+    target: Arc<KubeletTarget>,
+    streams: Arc<EdgeStreams>,
+    token: Option<ResumeToken>,
+    grace: Duration,
+    disconnected_since: Option<Instant>,
+}
+
+/// How a connection ended.
+enum Ended {
+    /// It worked for a while, then died: reconnect fast.
+    AfterWelcome,
+    /// It never got to a welcome.
+    Failed(anyhow::Error),
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+impl Dialer {
+    /// Loads certificates and binds the UDP socket.
+    pub fn new(cfg: EdgeConfig) -> anyhow::Result<Dialer> {
+        let chain = tether_certs::pem::load_certs(&cfg.cert).context("loading --cert")?;
+        let node = tether_certs::node_name_from_cert(&chain[0]).context("reading the node name from --cert")?;
+        let key = tether_certs::pem::load_key(&cfg.key).context("loading --key")?;
+        let roots = tether_certs::pem::load_roots(&cfg.ca).context("loading --ca")?;
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .context("TLS 1.3 with ring")?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, key)
+            .context("--cert and --key do not match")?;
+        tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
+        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).context("QUIC TLS configuration")?;
+        let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+        client.transport_config(cfg.quic.transport_arc().map_err(anyhow::Error::msg)?);
+        let bind: std::net::SocketAddr = "[::]:0".parse().context("bind address")?;
+        let socket = tether_proto::quic::bind_udp(bind, cfg.quic.udp_buffer)
+            .or_else(|_| tether_proto::quic::bind_udp("0.0.0.0:0".parse().expect("valid literal address"), cfg.quic.udp_buffer)) // ok: literal
+            .context("binding the UDP socket")?;
+        let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
+        let endpoint = quinn::Endpoint::new(quinn::EndpointConfig::default(), None, socket, runtime)
+            .context("creating the QUIC endpoint")?;
+        let target = Arc::new(KubeletTarget::new(&cfg.kubelet)?);
+        let forward = Arc::new(Forward { target: target.clone(), limits: cfg.limits });
+        let streams = EdgeStreams::new(node.clone(), cfg.limits, forward);
+        Ok(Dialer { cfg, node, endpoint, client, target, streams, token: None, grace: Duration::from_secs(300), disconnected_since: None })
+    }
+
+    /// The node name from the certificate.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Connects, serves, reconnects — forever.
+    pub async fn run(mut self) -> anyhow::Result<()> {
+        let mut delay = self.cfg.reconnect_min;
+        loop {
+            match self.connect_once().await {
+                Ended::AfterWelcome => {
+                    delay = self.cfg.reconnect_min;
+                    self.disconnected_since = Some(Instant::now());
+                }
+                Ended::Failed(e) => {
+                    warn!(node = %self.node, cloud = %self.cfg.cloud, error = format!("{e:#}"), retry_in = ?delay, "cannot reach the cloud");
+                }
+            }
+            if let Some(since) = self.disconnected_since {
+                if since.elapsed() > self.grace && !self.streams.is_empty() {
+                    self.streams.end_all(&format!(
+                        "edge {} could not resume its session within the grace period ({:?})",
+                        self.node, self.grace
+                    ));
+                    self.token = None;
+                }
+            }
+            // Full jitter: sleep a random time up to the current delay.
+            let sleep = rand::rng().random_range(delay / 2..=delay);
+            tokio::time::sleep(sleep).await;
+            delay = (delay * 2).min(self.cfg.reconnect_max);
+        }
+    }
+
+    async fn connect_once(&mut self) -> Ended {
+        let handshake = tokio::time::timeout(self.cfg.handshake_timeout, self.handshake()).await;
+        let (conn, mut send, welcome) = match handshake {
+            Ok(Ok(x)) => x,
+            Ok(Err(e)) => return Ended::Failed(e),
+            Err(_) => return Ended::Failed(anyhow::anyhow!("no welcome within {:?}", self.cfg.handshake_timeout)),
+        };
+        self.grace = Duration::from_millis(welcome.grace_ms);
+        self.token = Some(welcome.resume_token);
+        if !welcome.resumed && !self.streams.is_empty() {
+            self.streams.end_all("the cloud did not resume the session (it restarted or the grace period ran out)");
+        }
+        self.disconnected_since = None;
+        info!(node = %self.node, session = %welcome.session, resumed = welcome.resumed, streams = welcome.streams.len(), remote = %conn.remote_address(), "connected to the cloud");
+        println!("tether-edge connected node={} session={} resumed={}", self.node, welcome.session, welcome.resumed);
+        let reporter = report_pods(self.target.clone(), &mut send, self.cfg.pods_refresh, self.cfg.limits.max_frame_bytes as usize);
+        let acceptor = async {
+            loop {
+                match conn.accept_bi().await {
+                    Ok((s, r)) => {
+                        tokio::spawn(self.streams.clone().accept(s, r));
+                    }
+                    Err(e) => return e,
+                }
+            }
+        };
+        tokio::select! {
+            e = acceptor => info!(node = %self.node, reason = %e, "connection to the cloud lost"),
+            r = reporter => {
+                if let Err(e) = r {
+                    warn!(node = %self.node, error = format!("{e:#}"), "control stream failed");
+                }
+                conn.close(close_code::PROTOCOL.into(), b"control stream failed");
+            }
+        }
+        Ended::AfterWelcome
+    }
+
+    async fn handshake(&self) -> anyhow::Result<(quinn::Connection, quinn::SendStream, Welcome)> {
+        let addr = lookup_host(&self.cfg.cloud)
+            .await
+            .with_context(|| format!("resolving {}", self.cfg.cloud))?
+            .next()
+            .with_context(|| format!("{} resolves to no address", self.cfg.cloud))?;
+        let conn = self
+            .endpoint
+            .connect_with(self.client.clone(), addr, &self.cfg.server_name)
+            .context("starting the QUIC handshake")?
+            .await
+            .with_context(|| format!("QUIC handshake with {addr}"))?;
+        let (mut send, mut recv) = conn.open_bi().await.context("opening the control stream")?;
+        let addresses = self.cfg.announce_addresses.clone().unwrap_or_else(crate::addrs::host_addresses);
+        let hello = Hello {
+            versions: vec![PROTOCOL_VERSION],
+            node: self.node.clone(),
+            addresses,
+            resume: self.token,
+            limits: self.cfg.limits,
+        };
+        let max = self.cfg.limits.max_frame_bytes as usize;
+        write_frame(&mut send, &Frame::Hello(hello), max).await.context("sending the hello")?;
+        let mut reader = FrameReader::new(max);
+        match reader.next(&mut recv).await.context("reading the welcome")? {
+            Some(Frame::Welcome(w)) => Ok((conn, send, w)),
+            Some(Frame::Refused(r)) => anyhow::bail!("the cloud refused this edge ({:?}): {}", r.code, r.message),
+            Some(other) => anyhow::bail!("expected a welcome, got a {} frame", other.kind()),
+            None => anyhow::bail!("the cloud closed the control stream before welcoming"),
+        }
+    }
+}
+
+/// Reads the kubelet's pods every `every` and reports them when they change
+/// (and at once on a new connection). Returns only on a control-stream error.
+async fn report_pods(
+    target: Arc<KubeletTarget>,
+    send: &mut quinn::SendStream,
+    every: Duration,
+    max: usize,
+) -> anyhow::Result<()> {
+    let mut last: Option<Vec<tether_proto::handshake::PodRef>> = None;
+    let mut failing = false;
+    loop {
+        match target.pods().await {
+            Ok(pods) => {
+                if failing {
+                    info!("kubelet /pods readable again");
+                    failing = false;
+                }
+                if last.as_ref() != Some(&pods) {
+                    debug!(pods = pods.len(), "reporting pods");
+                    write_frame(send, &Frame::PodReport(tether_proto::handshake::PodReport { pods: pods.clone() }), max)
+                        .await
+                        .context("sending a pod report")?;
+                    last = Some(pods);
+                }
+            }
+            Err(e) => {
+                if !failing {
+                    warn!(error = format!("{e:#}"), "cannot read the kubelet's pods; keeping the last report");
+                    failing = true;
+                }
+            }
+        }
+        tokio::time::sleep(every).await;
+    }
+}

@@ -1,0 +1,215 @@
+//! The one kubelet endpoint the edge may reach.
+//!
+//! [`KubeletTarget`] is built once from configuration: its scheme, address and
+//! TLS settings are fixed, and [`KubeletTarget::connect`] can only ever open a
+//! connection to that address. Requests from the cloud choose a path, never a
+//! host, so the cloud cannot make the edge connect anywhere else.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use serde::Deserialize;
+use tether_proto::handshake::PodRef;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+
+use crate::config::KubeletConfig;
+
+/// A connection to the kubelet, plain or TLS.
+pub trait KubeletIo: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> KubeletIo for T {}
+
+/// The configured kubelet endpoint.
+pub struct KubeletTarget {
+    /// `host:port` to dial, and the `Host` header to send.
+    pub authority: String,
+    tls: Option<(tokio_rustls::TlsConnector, ServerName<'static>)>,
+    connect_timeout: std::time::Duration,
+}
+
+/// Largest `/pods` answer read.
+const MAX_PODS_BODY: usize = 64 * 1024 * 1024;
+
+impl KubeletTarget {
+    pub fn new(cfg: &KubeletConfig) -> anyhow::Result<KubeletTarget> {
+        let host = cfg.url.host().context("kubelet URL has no host")?.to_string();
+        let https = cfg.url.scheme_str() == Some("https");
+        let port = cfg.url.port_u16().unwrap_or(if https { 10250 } else { 80 });
+        let authority = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        let tls = if https {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+                .with_safe_default_protocol_versions()
+                .context("TLS versions")?;
+            let builder = if cfg.insecure_skip_tls_verify {
+                builder.dangerous().with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
+            } else {
+                let ca = cfg.ca.as_ref().context("https kubelet without --kubelet-ca")?;
+                builder.with_root_certificates(tether_certs::pem::load_roots(ca).context("loading --kubelet-ca")?)
+            };
+            let mut tls = match &cfg.client_cert {
+                Some((cert, key)) => builder
+                    .with_client_auth_cert(
+                        tether_certs::pem::load_certs(cert).context("loading --kubelet-client-cert")?,
+                        tether_certs::pem::load_key(key).context("loading --kubelet-client-key")?,
+                    )
+                    .context("kubelet client certificate and key do not match")?,
+                None => builder.with_no_client_auth(),
+            };
+            tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+            let name = ServerName::try_from(host.trim_start_matches('[').trim_end_matches(']').to_string())
+                .context("kubelet host is not a valid TLS server name")?;
+            Some((tokio_rustls::TlsConnector::from(Arc::new(tls)), name))
+        } else {
+            None
+        };
+        Ok(KubeletTarget { authority, tls, connect_timeout: cfg.connect_timeout })
+    }
+
+    /// Opens a connection to the kubelet (TLS if configured).
+    pub async fn connect(&self) -> anyhow::Result<Box<dyn KubeletIo>> {
+        let connect = async {
+            let tcp = TcpStream::connect(&self.authority)
+                .await
+                .with_context(|| format!("connecting to the kubelet at {}", self.authority))?;
+            let _ = tcp.set_nodelay(true);
+            match &self.tls {
+                None => Ok::<Box<dyn KubeletIo>, anyhow::Error>(Box::new(tcp)),
+                Some((connector, name)) => {
+                    let tls = connector
+                        .connect(name.clone(), tcp)
+                        .await
+                        .with_context(|| format!("TLS handshake with the kubelet at {}", self.authority))?;
+                    Ok(Box::new(tls) as Box<dyn KubeletIo>)
+                }
+            }
+        };
+        tokio::time::timeout(self.connect_timeout, connect)
+            .await
+            .map_err(|_| anyhow::anyhow!("connecting to the kubelet at {} timed out after {:?}", self.authority, self.connect_timeout))?
+    }
+
+    /// Reads the kubelet's `/pods`.
+    pub async fn pods(&self) -> anyhow::Result<Vec<PodRef>> {
+        let io = self.connect().await?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+            .await
+            .context("HTTP handshake with the kubelet")?;
+        tokio::spawn(conn);
+        let req = http::Request::get("/pods")
+            .header(http::header::HOST, &self.authority)
+            .header(http::header::ACCEPT, "application/json")
+            .body(Empty::<bytes::Bytes>::new())
+            .context("building the /pods request")?;
+        let resp = sender.send_request(req).await.context("GET /pods from the kubelet")?;
+        if !resp.status().is_success() {
+            anyhow::bail!("kubelet answered GET /pods with {}", resp.status());
+        }
+        let body = Limited::new(resp.into_body(), MAX_PODS_BODY)
+            .collect()
+            .await
+            .map_err(|e| anyhow::anyhow!("reading /pods: {e}"))?
+            .to_bytes();
+        parse_pods(&body)
+    }
+}
+
+#[derive(Deserialize)]
+struct PodList {
+    #[serde(default)]
+    items: Vec<Pod>,
+}
+
+#[derive(Deserialize)]
+struct Pod {
+    metadata: Meta,
+}
+
+#[derive(Deserialize)]
+struct Meta {
+    name: String,
+    #[serde(default)]
+    namespace: String,
+    #[serde(default)]
+    uid: String,
+}
+
+/// Parses a v1 PodList into sorted pod references.
+pub fn parse_pods(body: &[u8]) -> anyhow::Result<Vec<PodRef>> {
+    let list: PodList = serde_json::from_slice(body).context("kubelet /pods is not a PodList")?;
+    let mut pods: Vec<PodRef> = list
+        .items
+        .into_iter()
+        .map(|p| PodRef {
+            namespace: if p.metadata.namespace.is_empty() { "default".into() } else { p.metadata.namespace },
+            name: p.metadata.name,
+            uid: p.metadata.uid,
+        })
+        .collect();
+    pods.sort();
+    pods.dedup();
+    Ok(pods)
+}
+
+/// Accepts any kubelet serving certificate (still checking handshake
+/// signatures). Only with --kubelet-insecure-skip-tls-verify.
+#[derive(Debug)]
+struct NoVerify(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for NoVerify {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_pod_lists() {
+        let body = br#"{"kind":"PodList","items":[{"metadata":{"name":"b","namespace":"kube-system","uid":"2"}},{"metadata":{"name":"a","uid":"1"}}]}"#;
+        let pods = parse_pods(body).unwrap();
+        assert_eq!(pods.len(), 2);
+        assert_eq!(pods[0].name, "a");
+        assert_eq!(pods[0].namespace, "default");
+        assert!(parse_pods(b"not json").is_err());
+        assert!(parse_pods(b"{}").unwrap().is_empty());
+    }
+}
