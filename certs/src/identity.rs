@@ -17,7 +17,8 @@ pub fn valid_node_name(s: &str) -> bool {
         && s.split('.').all(|l| {
             !l.is_empty()
                 && l.len() <= 63
-                && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
                 && !l.starts_with('-')
                 && !l.ends_with('-')
         })
@@ -25,7 +26,8 @@ pub fn valid_node_name(s: &str) -> bool {
 
 /// The node name an edge certificate carries.
 pub fn node_name_from_cert(der: &CertificateDer<'_>) -> Result<String, CertError> {
-    let (_, cert) = X509Certificate::from_der(der.as_ref()).map_err(|e| CertError::Parse(e.to_string()))?;
+    let (_, cert) =
+        X509Certificate::from_der(der.as_ref()).map_err(|e| CertError::Parse(e.to_string()))?;
     let cn = cert
         .subject()
         .iter_common_name()
@@ -35,12 +37,16 @@ pub fn node_name_from_cert(der: &CertificateDer<'_>) -> Result<String, CertError
     let name = match cn {
         Some(cn) if cn.starts_with("system:node:") => cn["system:node:".len()..].to_string(),
         other => {
-            let san = cert.subject_alternative_name().ok().flatten().and_then(|s| {
-                s.value.general_names.iter().find_map(|g| match g {
-                    GeneralName::DNSName(d) => Some(d.to_string()),
-                    _ => None,
-                })
-            });
+            let san = cert
+                .subject_alternative_name()
+                .ok()
+                .flatten()
+                .and_then(|s| {
+                    s.value.general_names.iter().find_map(|g| match g {
+                        GeneralName::DNSName(d) => Some(d.to_string()),
+                        _ => None,
+                    })
+                });
             match san.or(other) {
                 Some(n) => n,
                 None => return Err(CertError::NoNode("no CN and no DNS name".into())),
@@ -48,7 +54,9 @@ pub fn node_name_from_cert(der: &CertificateDer<'_>) -> Result<String, CertError
         }
     };
     if !valid_node_name(&name) {
-        return Err(CertError::NoNode(format!("{name:?} is not a valid node name")));
+        return Err(CertError::NoNode(format!(
+            "{name:?} is not a valid node name"
+        )));
     }
     Ok(name)
 }

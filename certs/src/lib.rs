@@ -18,7 +18,10 @@ pub enum CertError {
     #[error("generating or signing a certificate: {0}")]
     Rcgen(#[from] rcgen::Error),
     #[error("{path}: {source}")]
-    File { path: String, source: std::io::Error },
+    File {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}: {what}")]
     Content { path: String, what: String },
     #[error("certificate does not parse: {0}")]

@@ -13,8 +13,8 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose, SanType, PKCS_ECDSA_P256_SHA256,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType, PKCS_ECDSA_P256_SHA256,
 };
 use time::OffsetDateTime;
 
@@ -50,17 +50,29 @@ impl Ca {
         dn.push(DnType::OrganizationName, "Tether");
         p.distinguished_name = dn;
         p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+        p.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
         validity(&mut p, valid_for);
         let cert = p.self_signed(&key)?;
-        Ok(Ca { cert_pem: cert.pem(), key_pem: key.serialize_pem(), issuer: Issuer::new(p, key) })
+        Ok(Ca {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            issuer: Issuer::new(p, key),
+        })
     }
 
     /// A CA from its PEM certificate and key.
     pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Ca, CertError> {
         let key = KeyPair::from_pem(key_pem)?;
         let issuer = Issuer::from_ca_cert_pem(cert_pem, key)?;
-        Ok(Ca { cert_pem: cert_pem.to_string(), key_pem: key_pem.to_string(), issuer })
+        Ok(Ca {
+            cert_pem: cert_pem.to_string(),
+            key_pem: key_pem.to_string(),
+            issuer,
+        })
     }
 
     /// The CA's private key, PEM.
@@ -73,14 +85,25 @@ impl Ca {
         validity(&mut p, valid_for);
         p.use_authority_key_identifier_extension = true;
         let cert = p.signed_by(&key, &self.issuer)?;
-        Ok(CertKey { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+        Ok(CertKey {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
     }
 
     /// A server certificate for the given DNS names and IP addresses.
-    pub fn issue_server(&self, dns: &[&str], ips: &[IpAddr], valid_for: Duration) -> Result<CertKey, CertError> {
+    pub fn issue_server(
+        &self,
+        dns: &[&str],
+        ips: &[IpAddr],
+        valid_for: Duration,
+    ) -> Result<CertKey, CertError> {
         let mut p = CertificateParams::default();
         let mut dn = DistinguishedName::new();
-        dn.push(DnType::CommonName, dns.first().copied().unwrap_or("tether-cloud"));
+        dn.push(
+            DnType::CommonName,
+            dns.first().copied().unwrap_or("tether-cloud"),
+        );
         p.distinguished_name = dn;
         for d in dns {
             p.subject_alt_names.push(SanType::DnsName((*d).try_into()?));
@@ -88,7 +111,10 @@ impl Ca {
         for ip in ips {
             p.subject_alt_names.push(SanType::IpAddress(*ip));
         }
-        p.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        p.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         self.sign(p, valid_for)
     }
@@ -107,7 +133,12 @@ impl Ca {
     }
 
     /// A client certificate (e.g. the apiserver's kubelet-client certificate).
-    pub fn issue_client(&self, common_name: &str, orgs: &[&str], valid_for: Duration) -> Result<CertKey, CertError> {
+    pub fn issue_client(
+        &self,
+        common_name: &str,
+        orgs: &[&str],
+        valid_for: Duration,
+    ) -> Result<CertKey, CertError> {
         let mut p = CertificateParams::default();
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, common_name);
@@ -132,6 +163,12 @@ mod tests {
         let der = crate::pem::certs_from_pem(&edge.cert_pem, "edge").unwrap();
         assert_eq!(crate::node_name_from_cert(&der[0]).unwrap(), "edge-1");
         let again = Ca::from_pem(&ca.cert_pem, &ca.key_pem()).unwrap();
-        again.issue_server(&["localhost"], &["127.0.0.1".parse().unwrap()], Duration::from_secs(60)).unwrap();
+        again
+            .issue_server(
+                &["localhost"],
+                &["127.0.0.1".parse().unwrap()],
+                Duration::from_secs(60),
+            )
+            .unwrap();
     }
 }

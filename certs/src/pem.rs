@@ -7,9 +7,15 @@ use crate::CertError;
 /// All certificates in a PEM text; `what` names the source in errors.
 pub fn certs_from_pem(pem: &str, what: &str) -> Result<Vec<CertificateDer<'static>>, CertError> {
     let certs: Result<Vec<_>, _> = rustls_pemfile::certs(&mut pem.as_bytes()).collect();
-    let certs = certs.map_err(|e| CertError::Content { path: what.into(), what: e.to_string() })?;
+    let certs = certs.map_err(|e| CertError::Content {
+        path: what.into(),
+        what: e.to_string(),
+    })?;
     if certs.is_empty() {
-        return Err(CertError::Content { path: what.into(), what: "no CERTIFICATE block".into() });
+        return Err(CertError::Content {
+            path: what.into(),
+            what: "no CERTIFICATE block".into(),
+        });
     }
     Ok(certs)
 }
@@ -17,12 +23,21 @@ pub fn certs_from_pem(pem: &str, what: &str) -> Result<Vec<CertificateDer<'stati
 /// The first private key in a PEM text.
 pub fn key_from_pem(pem: &str, what: &str) -> Result<PrivateKeyDer<'static>, CertError> {
     rustls_pemfile::private_key(&mut pem.as_bytes())
-        .map_err(|e| CertError::Content { path: what.into(), what: e.to_string() })?
-        .ok_or_else(|| CertError::Content { path: what.into(), what: "no PRIVATE KEY block".into() })
+        .map_err(|e| CertError::Content {
+            path: what.into(),
+            what: e.to_string(),
+        })?
+        .ok_or_else(|| CertError::Content {
+            path: what.into(),
+            what: "no PRIVATE KEY block".into(),
+        })
 }
 
 fn read(path: &std::path::Path) -> Result<String, CertError> {
-    std::fs::read_to_string(path).map_err(|source| CertError::File { path: path.display().to_string(), source })
+    std::fs::read_to_string(path).map_err(|source| CertError::File {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 /// Certificates from a PEM file.
@@ -39,9 +54,10 @@ pub fn load_key(path: &std::path::Path) -> Result<PrivateKeyDer<'static>, CertEr
 pub fn load_roots(path: &std::path::Path) -> Result<rustls::RootCertStore, CertError> {
     let mut roots = rustls::RootCertStore::empty();
     for c in load_certs(path)? {
-        roots
-            .add(c)
-            .map_err(|e| CertError::Content { path: path.display().to_string(), what: e.to_string() })?;
+        roots.add(c).map_err(|e| CertError::Content {
+            path: path.display().to_string(),
+            what: e.to_string(),
+        })?;
     }
     Ok(roots)
 }

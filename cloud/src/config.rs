@@ -13,7 +13,11 @@ use tether_proto::Limits;
 
 /// Command-line flags of `tether-cloud`.
 #[derive(Debug, Parser)]
-#[command(name = "tether-cloud", version, about = "Tether cloud: serves the kubelet API to the kube-apiserver and forwards it to edge nodes over QUIC")]
+#[command(
+    name = "tether-cloud",
+    version,
+    about = "Tether cloud: serves the kubelet API to the kube-apiserver and forwards it to edge nodes over QUIC"
+)]
 pub struct CloudArgs {
     /// UDP address of the QUIC listener edges dial.
     #[arg(long, env = "TETHER_TUNNEL_LISTEN", default_value = "0.0.0.0:10004")]
@@ -37,7 +41,11 @@ pub struct CloudArgs {
     #[arg(long, env = "TETHER_KUBELET_KEY")]
     pub kubelet_key: PathBuf,
     /// CA (PEM) of the apiserver's kubelet-client certificate (`--kubelet-client-certificate`).
-    #[arg(long, env = "TETHER_APISERVER_CLIENT_CA", required_unless_present = "insecure_skip_client_auth")]
+    #[arg(
+        long,
+        env = "TETHER_APISERVER_CLIENT_CA",
+        required_unless_present = "insecure_skip_client_auth"
+    )]
     pub apiserver_client_ca: Option<PathBuf>,
     /// Accept apiserver connections without a client certificate. Local development only.
     #[arg(long, env = "TETHER_INSECURE_SKIP_CLIENT_AUTH")]
@@ -102,7 +110,11 @@ impl CloudArgs {
         if self.max_http_header_bytes < 8192 {
             return Err("--max-http-header-bytes must be at least 8KiB".into());
         }
-        let apiserver_client_ca = if self.insecure_skip_client_auth { None } else { self.apiserver_client_ca };
+        let apiserver_client_ca = if self.insecure_skip_client_auth {
+            None
+        } else {
+            self.apiserver_client_ca
+        };
         Ok(CloudConfig {
             tunnel_listen: self.tunnel_listen,
             tunnel_cert: self.tunnel_cert,

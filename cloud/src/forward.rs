@@ -56,16 +56,27 @@ pub struct Forwarder {
 
 fn error_response(status: StatusCode, message: impl std::fmt::Display) -> Response<ResBody> {
     let body = format!("tether-cloud: {message}\n");
-    let mut r = Response::new(Full::new(Bytes::from(body)).map_err(|never| match never {}).boxed());
+    let mut r = Response::new(
+        Full::new(Bytes::from(body))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
     *r.status_mut() = status;
-    r.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     r
 }
 
 fn route_status(e: &RouteError) -> StatusCode {
     match e {
-        RouteError::UnknownPod { .. } | RouteError::UnknownNode { .. } | RouteError::NoHint => StatusCode::NOT_FOUND,
-        RouteError::AmbiguousPod { .. } | RouteError::AmbiguousAddress { .. } => StatusCode::CONFLICT,
+        RouteError::UnknownPod { .. } | RouteError::UnknownNode { .. } | RouteError::NoHint => {
+            StatusCode::NOT_FOUND
+        }
+        RouteError::AmbiguousPod { .. } | RouteError::AmbiguousAddress { .. } => {
+            StatusCode::CONFLICT
+        }
         RouteError::PodNodeGone { .. } => StatusCode::BAD_GATEWAY,
     }
 }
@@ -95,10 +106,17 @@ impl Forwarder {
     }
 
     /// Handles one request; always produces a response.
-    pub async fn handle(&self, mut req: Request<Incoming>, conn: Arc<ConnInfo>) -> Response<ResBody> {
+    pub async fn handle(
+        &self,
+        mut req: Request<Incoming>,
+        conn: Arc<ConnInfo>,
+    ) -> Response<ResBody> {
         let path = req.uri().path().to_string();
         let Some(route) = classify(&path) else {
-            return error_response(StatusCode::NOT_FOUND, format_args!("{path} is not a kubelet API path Tether forwards"));
+            return error_response(
+                StatusCode::NOT_FOUND,
+                format_args!("{path} is not a kubelet API path Tether forwards"),
+            );
         };
         let session = match &route {
             Route::Pod { namespace, pod, .. } => self.registry.route_pod(namespace, pod),
@@ -115,7 +133,8 @@ impl Forwarder {
                     .and_then(|v| v.to_str().ok())
                     .map(str::to_string)
                     .or_else(|| req.uri().authority().map(|a| a.to_string()));
-                self.registry.route_node(fwd.as_deref(), conn.sni.as_deref(), host.as_deref())
+                self.registry
+                    .route_node(fwd.as_deref(), conn.sni.as_deref(), host.as_deref())
             }
         };
         let session = match session {
@@ -130,14 +149,22 @@ impl Forwarder {
         let head = request_head(&req, upgrade.as_ref());
         let head_bytes = match encode_head(&head, self.cfg.limits.max_head_bytes as usize) {
             Ok(b) => b,
-            Err(e) => return error_response(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, format_args!("request head: {e}")),
+            Err(e) => {
+                return error_response(
+                    StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                    format_args!("request head: {e}"),
+                )
+            }
         };
         let (id, io) = match session.open_stream(kind) {
             Ok(x) => x,
-            Err(e @ OpenError::TooManyStreams { .. }) => return error_response(StatusCode::SERVICE_UNAVAILABLE, e),
+            Err(e @ OpenError::TooManyStreams { .. }) => {
+                return error_response(StatusCode::SERVICE_UNAVAILABLE, e)
+            }
             Err(e @ OpenError::Ended { .. }) => return error_response(StatusCode::BAD_GATEWAY, e),
         };
-        let span = tracing::info_span!("request", node = %session.node, stream = id, kind = kind.as_str());
+        let span =
+            tracing::info_span!("request", node = %session.node, stream = id, kind = kind.as_str());
         async move {
             debug!(method = %req.method(), path = %head.path_and_query, upgrade = upgrade.is_some(), "forwarding");
             let shared = io.shared().clone();
@@ -246,7 +273,9 @@ impl Forwarder {
 
 fn reset_message(node: &str, r: &StreamReset) -> String {
     match r.code {
-        ResetCode::KubeletUnreachable => format!("edge {node} could not reach its kubelet: {}", r.message),
+        ResetCode::KubeletUnreachable => {
+            format!("edge {node} could not reach its kubelet: {}", r.message)
+        }
         ResetCode::Refused => format!("edge {node} refused the request: {}", r.message),
         ResetCode::SessionLost => format!("edge {node} is gone: {}", r.message),
         _ => format!("edge {node} ended the stream ({:?}): {}", r.code, r.message),
@@ -268,13 +297,21 @@ fn request_head(req: &Request<Incoming>, upgrade: Option<&HeaderValue>) -> Reque
     }
     RequestHead {
         method: req.method().as_str().to_string(),
-        path_and_query: req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into()),
+        path_and_query: req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_else(|| "/".into()),
         headers,
         has_body: upgrade.is_none() && !req.body().is_end_stream(),
     }
 }
 
-async fn pump_request_body(mut body: Incoming, mut wr: tokio::io::WriteHalf<ResumableIo>, shared: Arc<SharedStream>) {
+async fn pump_request_body(
+    mut body: Incoming,
+    mut wr: tokio::io::WriteHalf<ResumableIo>,
+    shared: Arc<SharedStream>,
+) {
     while let Some(frame) = body.frame().await {
         match frame {
             Ok(f) => {
@@ -309,7 +346,10 @@ impl Body for StreamBody {
     type Data = Bytes;
     type Error = std::io::Error;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         let this = self.get_mut();
         if this.done {
             return Poll::Ready(None);
@@ -340,7 +380,8 @@ impl Body for StreamBody {
 impl Drop for StreamBody {
     fn drop(&mut self) {
         if !self.done {
-            self.shared.reset(ResetCode::Cancelled, "the apiserver closed the response");
+            self.shared
+                .reset(ResetCode::Cancelled, "the apiserver closed the response");
         }
     }
 }

@@ -39,17 +39,27 @@ impl Front {
         let listener = TcpListener::bind(cfg.kubelet_listen)
             .await
             .with_context(|| format!("binding TCP {}", cfg.kubelet_listen))?;
-        Ok(Front { listener, acceptor: TlsAcceptor::from(Arc::new(tls)), cfg, registry })
+        Ok(Front {
+            listener,
+            acceptor: TlsAcceptor::from(Arc::new(tls)),
+            cfg,
+            registry,
+        })
     }
 
     pub fn local_addr(&self) -> anyhow::Result<SocketAddr> {
-        self.listener.local_addr().context("reading the kubelet-API listener's address")
+        self.listener
+            .local_addr()
+            .context("reading the kubelet-API listener's address")
     }
 
     /// Serves connections until the listener fails.
     pub async fn serve(self) -> anyhow::Result<()> {
         let slots = Arc::new(Semaphore::new(self.cfg.max_apiserver_connections));
-        let ctx = Arc::new(forward::Forwarder::new(self.cfg.clone(), self.registry.clone()));
+        let ctx = Arc::new(forward::Forwarder::new(
+            self.cfg.clone(),
+            self.registry.clone(),
+        ));
         loop {
             let (tcp, peer) = match self.listener.accept().await {
                 Ok(x) => x,
@@ -69,7 +79,9 @@ impl Front {
             let cfg = self.cfg.clone();
             let ctx = ctx.clone();
             tokio::spawn(async move {
-                let tls = match tokio::time::timeout(cfg.http_header_timeout, acceptor.accept(tcp)).await {
+                let tls = match tokio::time::timeout(cfg.http_header_timeout, acceptor.accept(tcp))
+                    .await
+                {
                     Ok(Ok(tls)) => tls,
                     Ok(Err(e)) => {
                         info!(%peer, error = %e, "apiserver TLS handshake failed");
@@ -84,21 +96,30 @@ impl Front {
                 let info = Arc::new(ConnInfo {
                     peer,
                     sni: server_conn.server_name().map(str::to_string),
-                    client_cert: server_conn.peer_certificates().map(|c| !c.is_empty()).unwrap_or(false),
+                    client_cert: server_conn
+                        .peer_certificates()
+                        .map(|c| !c.is_empty())
+                        .unwrap_or(false),
                 });
                 let service = service_fn(move |req| {
                     let ctx = ctx.clone();
                     let info = info.clone();
                     async move { Ok::<_, std::convert::Infallible>(ctx.handle(req, info).await) }
                 });
-                let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                let mut builder =
+                    hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
                 builder
                     .http1()
                     .max_buf_size(cfg.max_http_header_bytes)
                     .header_read_timeout(cfg.http_header_timeout)
                     .timer(hyper_util::rt::TokioTimer::new());
-                builder.http2().max_header_list_size(cfg.max_http_header_bytes as u32);
-                if let Err(e) = builder.serve_connection_with_upgrades(TokioIo::new(tls), service).await {
+                builder
+                    .http2()
+                    .max_header_list_size(cfg.max_http_header_bytes as u32);
+                if let Err(e) = builder
+                    .serve_connection_with_upgrades(TokioIo::new(tls), service)
+                    .await
+                {
                     debug!(%peer, error = %e, "apiserver connection ended with an error");
                 }
                 drop(permit);

@@ -42,7 +42,9 @@ impl Cloud {
         let cfg = Arc::new(cfg);
         let registry = Arc::new(registry::Registry::new(cfg.grace));
         let endpoint = tunnel::bind(&cfg).context("starting the QUIC listener for edges")?;
-        let tunnel_addr = endpoint.local_addr().context("reading the QUIC listener's address")?;
+        let tunnel_addr = endpoint
+            .local_addr()
+            .context("reading the QUIC listener's address")?;
         let front = front::Front::bind(cfg.clone(), registry.clone())
             .await
             .context("starting the kubelet-API listener")?;
@@ -50,7 +52,12 @@ impl Cloud {
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(tunnel::serve(endpoint, cfg.clone(), registry.clone()));
         tasks.spawn(front.serve());
-        Ok(Cloud { tunnel_addr, kubelet_api_addr, registry, tasks })
+        Ok(Cloud {
+            tunnel_addr,
+            kubelet_api_addr,
+            registry,
+            tasks,
+        })
     }
 
     /// Runs until a listener fails.

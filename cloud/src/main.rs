@@ -8,9 +8,15 @@ use tether_cloud::config::CloudArgs;
 async fn main() -> anyhow::Result<()> {
     let args = CloudArgs::parse();
     args.log.init().map_err(anyhow::Error::msg)?;
-    let cfg = args.into_config().map_err(anyhow::Error::msg).context("invalid configuration")?;
+    let cfg = args
+        .into_config()
+        .map_err(anyhow::Error::msg)
+        .context("invalid configuration")?;
     let cloud = tether_cloud::Cloud::start(cfg).await?;
-    println!("tether-cloud ready tunnel={} kubelet-api={}", cloud.tunnel_addr, cloud.kubelet_api_addr);
+    println!(
+        "tether-cloud ready tunnel={} kubelet-api={}",
+        cloud.tunnel_addr, cloud.kubelet_api_addr
+    );
     tokio::select! {
         r = cloud.run() => r,
         _ = tokio::signal::ctrl_c() => {

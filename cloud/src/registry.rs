@@ -22,13 +22,25 @@ pub enum RouteError {
     #[error("no connected edge reports pod {namespace}/{pod}")]
     UnknownPod { namespace: String, pod: String },
     #[error("pod {namespace}/{pod} was last reported by edge {node}, which is not connected")]
-    PodNodeGone { namespace: String, pod: String, node: String },
+    PodNodeGone {
+        namespace: String,
+        pod: String,
+        node: String,
+    },
     #[error("pod {namespace}/{pod} is reported by several edges ({nodes}); refusing to guess")]
-    AmbiguousPod { namespace: String, pod: String, nodes: String },
+    AmbiguousPod {
+        namespace: String,
+        pod: String,
+        nodes: String,
+    },
     #[error("no connected edge is named or announces {looked_up}")]
     UnknownNode { looked_up: String },
     #[error("{what} {value} is announced by several edges ({nodes}); refusing to guess")]
-    AmbiguousAddress { what: &'static str, value: String, nodes: String },
+    AmbiguousAddress {
+        what: &'static str,
+        value: String,
+        nodes: String,
+    },
     #[error("no node named in the request (no X-Forwarded-Uri node, SNI or Host)")]
     NoHint,
 }
@@ -67,7 +79,10 @@ pub fn host_only(h: &str) -> String {
 
 impl Registry {
     pub fn new(grace: Duration) -> Self {
-        Registry { tables: Mutex::new(Tables::default()), grace }
+        Registry {
+            tables: Mutex::new(Tables::default()),
+            grace,
+        }
     }
 
     fn tables(&self) -> std::sync::MutexGuard<'_, Tables> {
@@ -94,7 +109,10 @@ impl Registry {
         let old = t.sessions.insert(node.clone(), session.clone());
         Self::unindex_addresses(&mut t, &node);
         for a in session.addresses() {
-            t.addresses.entry(host_only(&a)).or_default().insert(node.clone());
+            t.addresses
+                .entry(host_only(&a))
+                .or_default()
+                .insert(node.clone());
         }
         t.departed.retain(|_, n| *n != node);
         old
@@ -103,14 +121,21 @@ impl Registry {
     /// Updates the addresses a node announces (on a resume).
     pub fn set_addresses(&self, session: &Arc<Session>, addresses: Vec<String>) {
         let mut t = self.tables();
-        let current = t.sessions.get(&session.node).map(|s| Arc::ptr_eq(s, session)).unwrap_or(false);
+        let current = t
+            .sessions
+            .get(&session.node)
+            .map(|s| Arc::ptr_eq(s, session))
+            .unwrap_or(false);
         session.set_addresses(addresses.clone());
         if !current {
             return;
         }
         Self::unindex_addresses(&mut t, &session.node);
         for a in addresses {
-            t.addresses.entry(host_only(&a)).or_default().insert(session.node.clone());
+            t.addresses
+                .entry(host_only(&a))
+                .or_default()
+                .insert(session.node.clone());
         }
     }
 
@@ -138,13 +163,21 @@ impl Registry {
     /// Replaces a node's pod list (only if `session` is still its session).
     pub fn report_pods(&self, session: &Arc<Session>, pods: Vec<PodRef>) {
         let mut t = self.tables();
-        if !t.sessions.get(&session.node).map(|s| Arc::ptr_eq(s, session)).unwrap_or(false) {
+        if !t
+            .sessions
+            .get(&session.node)
+            .map(|s| Arc::ptr_eq(s, session))
+            .unwrap_or(false)
+        {
             return;
         }
         let node = session.node.clone();
         Self::unindex_pods(&mut t, &node);
         for p in &pods {
-            t.pods.entry((p.namespace.clone(), p.name.clone())).or_default().insert(node.clone());
+            t.pods
+                .entry((p.namespace.clone(), p.name.clone()))
+                .or_default()
+                .insert(node.clone());
         }
         t.node_pods.insert(node, pods);
     }
@@ -153,7 +186,12 @@ impl Registry {
     /// remembered as departed.
     pub fn remove(&self, session: &Arc<Session>) -> bool {
         let mut t = self.tables();
-        if !t.sessions.get(&session.node).map(|s| Arc::ptr_eq(s, session)).unwrap_or(false) {
+        if !t
+            .sessions
+            .get(&session.node)
+            .map(|s| Arc::ptr_eq(s, session))
+            .unwrap_or(false)
+        {
             return false;
         }
         let node = session.node.clone();
@@ -172,11 +210,14 @@ impl Registry {
         match t.pods.get(&key) {
             Some(nodes) if nodes.len() == 1 => {
                 let node = nodes.iter().next().cloned().unwrap_or_default();
-                t.sessions.get(&node).cloned().ok_or(RouteError::PodNodeGone {
-                    namespace: namespace.into(),
-                    pod: pod.into(),
-                    node,
-                })
+                t.sessions
+                    .get(&node)
+                    .cloned()
+                    .ok_or(RouteError::PodNodeGone {
+                        namespace: namespace.into(),
+                        pod: pod.into(),
+                        node,
+                    })
             }
             Some(nodes) if nodes.len() > 1 => Err(RouteError::AmbiguousPod {
                 namespace: namespace.into(),
@@ -184,15 +225,26 @@ impl Registry {
                 nodes: nodes.iter().cloned().collect::<Vec<_>>().join(", "),
             }),
             _ => match t.departed.get(&key) {
-                Some(node) => Err(RouteError::PodNodeGone { namespace: namespace.into(), pod: pod.into(), node: node.clone() }),
-                None => Err(RouteError::UnknownPod { namespace: namespace.into(), pod: pod.into() }),
+                Some(node) => Err(RouteError::PodNodeGone {
+                    namespace: namespace.into(),
+                    pod: pod.into(),
+                    node: node.clone(),
+                }),
+                None => Err(RouteError::UnknownPod {
+                    namespace: namespace.into(),
+                    pod: pod.into(),
+                }),
             },
         }
     }
 
     /// Resolves one name-or-address: a node name, else an announced address.
     /// `Ok(None)`: nothing matches.
-    fn resolve(t: &Tables, what: &'static str, value: &str) -> Result<Option<Arc<Session>>, RouteError> {
+    fn resolve(
+        t: &Tables,
+        what: &'static str,
+        value: &str,
+    ) -> Result<Option<Arc<Session>>, RouteError> {
         let v = host_only(value);
         if v.is_empty() {
             return Ok(None);
@@ -201,7 +253,9 @@ impl Registry {
             return Ok(Some(s.clone()));
         }
         match t.addresses.get(&v) {
-            Some(nodes) if nodes.len() == 1 => Ok(nodes.iter().next().and_then(|n| t.sessions.get(n)).cloned()),
+            Some(nodes) if nodes.len() == 1 => {
+                Ok(nodes.iter().next().and_then(|n| t.sessions.get(n)).cloned())
+            }
             Some(nodes) if nodes.len() > 1 => Err(RouteError::AmbiguousAddress {
                 what,
                 value: v,
@@ -226,7 +280,9 @@ impl Registry {
                 .sessions
                 .get(n)
                 .cloned()
-                .ok_or_else(|| RouteError::UnknownNode { looked_up: format!("node {n:?} (from X-Forwarded-Uri)") });
+                .ok_or_else(|| RouteError::UnknownNode {
+                    looked_up: format!("node {n:?} (from X-Forwarded-Uri)"),
+                });
         }
         let mut looked = Vec::new();
         for (what, value) in [("SNI", sni), ("Host", host)] {
@@ -240,7 +296,9 @@ impl Registry {
         if looked.is_empty() {
             return Err(RouteError::NoHint);
         }
-        Err(RouteError::UnknownNode { looked_up: looked.join(" or ") })
+        Err(RouteError::UnknownNode {
+            looked_up: looked.join(" or "),
+        })
     }
 }
 
@@ -263,11 +321,20 @@ mod tests {
     use tether_proto::Limits;
 
     fn session(node: &str, addrs: &[&str]) -> Arc<Session> {
-        Session::new(node.into(), addrs.iter().map(|s| s.to_string()).collect(), Limits::default()).unwrap()
+        Session::new(
+            node.into(),
+            addrs.iter().map(|s| s.to_string()).collect(),
+            Limits::default(),
+        )
+        .unwrap()
     }
 
     fn pod(ns: &str, name: &str) -> PodRef {
-        PodRef { namespace: ns.into(), name: name.into(), uid: format!("{ns}-{name}") }
+        PodRef {
+            namespace: ns.into(),
+            name: name.into(),
+            uid: format!("{ns}-{name}"),
+        }
     }
 
     #[test]
@@ -281,8 +348,14 @@ mod tests {
 
     #[test]
     fn forwarded_uri() {
-        assert_eq!(node_from_forwarded_uri("/api/v1/nodes/edge-1/proxy/metrics"), Some("edge-1"));
-        assert_eq!(node_from_forwarded_uri("/api/v1/nodes/edge-1:10250/proxy/stats/summary"), Some("edge-1"));
+        assert_eq!(
+            node_from_forwarded_uri("/api/v1/nodes/edge-1/proxy/metrics"),
+            Some("edge-1")
+        );
+        assert_eq!(
+            node_from_forwarded_uri("/api/v1/nodes/edge-1:10250/proxy/stats/summary"),
+            Some("edge-1")
+        );
         assert_eq!(node_from_forwarded_uri("/api/v1/nodes/edge-1"), None);
         assert_eq!(node_from_forwarded_uri("/api/v1/pods"), None);
     }
@@ -298,26 +371,68 @@ mod tests {
         r.report_pods(&b, vec![pod("default", "p2"), pod("default", "dup")]);
         assert_eq!(r.route_pod("default", "p1").unwrap().node, "edge-a");
         assert_eq!(r.route_pod("default", "p2").unwrap().node, "edge-b");
-        assert!(matches!(r.route_pod("default", "dup"), Err(RouteError::AmbiguousPod { .. })));
-        assert!(matches!(r.route_pod("default", "nope"), Err(RouteError::UnknownPod { .. })));
+        assert!(matches!(
+            r.route_pod("default", "dup"),
+            Err(RouteError::AmbiguousPod { .. })
+        ));
+        assert!(matches!(
+            r.route_pod("default", "nope"),
+            Err(RouteError::UnknownPod { .. })
+        ));
         // Node-scoped.
-        assert_eq!(r.route_node(Some("edge-b"), None, Some("edge-a")).unwrap().node, "edge-b");
-        assert_eq!(r.route_node(None, Some("edge-a"), None).unwrap().node, "edge-a");
-        assert_eq!(r.route_node(None, None, Some("10.0.0.2:10350")).unwrap().node, "edge-b");
-        assert!(matches!(r.route_node(None, None, Some("10.0.0.1")), Err(RouteError::AmbiguousAddress { .. })));
-        assert!(matches!(r.route_node(None, Some("unknown"), Some("10.9.9.9")), Err(RouteError::UnknownNode { .. })));
-        assert!(matches!(r.route_node(Some("nope"), None, None), Err(RouteError::UnknownNode { .. })));
-        assert!(matches!(r.route_node(None, None, None), Err(RouteError::NoHint)));
+        assert_eq!(
+            r.route_node(Some("edge-b"), None, Some("edge-a"))
+                .unwrap()
+                .node,
+            "edge-b"
+        );
+        assert_eq!(
+            r.route_node(None, Some("edge-a"), None).unwrap().node,
+            "edge-a"
+        );
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.2:10350"))
+                .unwrap()
+                .node,
+            "edge-b"
+        );
+        assert!(matches!(
+            r.route_node(None, None, Some("10.0.0.1")),
+            Err(RouteError::AmbiguousAddress { .. })
+        ));
+        assert!(matches!(
+            r.route_node(None, Some("unknown"), Some("10.9.9.9")),
+            Err(RouteError::UnknownNode { .. })
+        ));
+        assert!(matches!(
+            r.route_node(Some("nope"), None, None),
+            Err(RouteError::UnknownNode { .. })
+        ));
+        assert!(matches!(
+            r.route_node(None, None, None),
+            Err(RouteError::NoHint)
+        ));
         // SNI that names nothing falls through to Host.
-        assert_eq!(r.route_node(None, Some("cloud.example"), Some("edge-a:10250")).unwrap().node, "edge-a");
+        assert_eq!(
+            r.route_node(None, Some("cloud.example"), Some("edge-a:10250"))
+                .unwrap()
+                .node,
+            "edge-a"
+        );
         // A departed node's pods give "not connected".
         assert!(r.remove(&a));
-        assert!(matches!(r.route_pod("default", "p1"), Err(RouteError::PodNodeGone { .. })));
+        assert!(matches!(
+            r.route_pod("default", "p1"),
+            Err(RouteError::PodNodeGone { .. })
+        ));
         assert_eq!(r.route_pod("default", "dup").unwrap().node, "edge-b");
         // A replaced session's late report is ignored.
         let a2 = session("edge-a", &[]);
         r.insert(a2.clone());
         r.report_pods(&a, vec![pod("x", "y")]);
-        assert!(matches!(r.route_pod("x", "y"), Err(RouteError::UnknownPod { .. })));
+        assert!(matches!(
+            r.route_pod("x", "y"),
+            Err(RouteError::UnknownPod { .. })
+        ));
     }
 }

@@ -66,14 +66,25 @@ pub struct Session {
 
 impl Session {
     /// A new session, not yet attached to a connection.
-    pub fn new(node: String, addresses: Vec<String>, limits: Limits) -> Result<Arc<Session>, rand::rand_core::OsError> {
-        let (link, _) = watch::channel(Link::Disconnected { gen: 0, since: Instant::now() });
+    pub fn new(
+        node: String,
+        addresses: Vec<String>,
+        limits: Limits,
+    ) -> Result<Arc<Session>, rand::rand_core::OsError> {
+        let (link, _) = watch::channel(Link::Disconnected {
+            gen: 0,
+            since: Instant::now(),
+        });
         Ok(Arc::new(Session {
             node,
             id: SessionId::generate()?,
             limits,
             link,
-            book: Mutex::new(Book { token: ResumeToken::generate()?, addresses, connected_since: SystemTime::now() }),
+            book: Mutex::new(Book {
+                token: ResumeToken::generate()?,
+                addresses,
+                connected_since: SystemTime::now(),
+            }),
             streams: Mutex::new(HashMap::new()),
             next_stream: AtomicU64::new(1),
             next_gen: AtomicU64::new(1),
@@ -97,7 +108,12 @@ impl Session {
     /// a fresh one (single use) and returns the fresh one.
     pub fn redeem(&self, presented: &ResumeToken) -> Option<ResumeToken> {
         let mut b = self.book();
-        let diff = b.token.0.iter().zip(presented.0.iter()).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+        let diff = b
+            .token
+            .0
+            .iter()
+            .zip(presented.0.iter())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y));
         if diff != 0 || self.is_ended() {
             return None;
         }
@@ -151,7 +167,10 @@ impl Session {
         self.book().connected_since = SystemTime::now();
         let old = self.link.send_replace(Link::Connected { gen, conn });
         if let Link::Connected { conn: old, .. } = old {
-            old.close(tether_proto::handshake::close_code::REPLACED.into(), b"replaced by a newer connection");
+            old.close(
+                tether_proto::handshake::close_code::REPLACED.into(),
+                b"replaced by a newer connection",
+            );
         }
         gen
     }
@@ -161,7 +180,10 @@ impl Session {
     pub fn connection_lost(&self, gen: u64) -> bool {
         self.link.send_if_modified(|l| match l {
             Link::Connected { gen: g, .. } if *g == gen => {
-                *l = Link::Disconnected { gen, since: Instant::now() };
+                *l = Link::Disconnected {
+                    gen,
+                    since: Instant::now(),
+                };
                 true
             }
             _ => false,
@@ -173,7 +195,10 @@ impl Session {
     pub fn end(&self, code: ResetCode, reason: &str) {
         let old = self.link.send_replace(Link::Ended(reason.to_string()));
         if let Link::Connected { conn, .. } = old {
-            conn.close(tether_proto::handshake::close_code::REPLACED.into(), reason.as_bytes());
+            conn.close(
+                tether_proto::handshake::close_code::REPLACED.into(),
+                reason.as_bytes(),
+            );
         }
         let streams: Vec<_> = self.streams().drain().map(|(_, s)| s).collect();
         if !streams.is_empty() {
@@ -186,20 +211,30 @@ impl Session {
 
     /// Opens a new logical stream to the edge. The returned handle is usable
     /// at once; bytes flow when a connection is attached.
-    pub fn open_stream(self: &Arc<Self>, kind: StreamKind) -> Result<(StreamId, ResumableIo), OpenError> {
+    pub fn open_stream(
+        self: &Arc<Self>,
+        kind: StreamKind,
+    ) -> Result<(StreamId, ResumableIo), OpenError> {
         if let Link::Ended(reason) = &*self.link.borrow() {
-            return Err(OpenError::Ended { node: self.node.clone(), reason: reason.clone() });
+            return Err(OpenError::Ended {
+                node: self.node.clone(),
+                reason: reason.clone(),
+            });
         }
         let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
         let shared = SharedStream::new(StreamState::new(id, StreamLimits::from(&self.limits)));
         {
             let mut streams = self.streams();
             if streams.len() >= self.limits.max_streams_per_edge as usize {
-                return Err(OpenError::TooManyStreams { node: self.node.clone(), open: streams.len() });
+                return Err(OpenError::TooManyStreams {
+                    node: self.node.clone(),
+                    open: streams.len(),
+                });
             }
             streams.insert(id, shared.clone());
         }
-        let span = tracing::info_span!("stream", node = %self.node, stream = id, kind = kind.as_str());
+        let span =
+            tracing::info_span!("stream", node = %self.node, stream = id, kind = kind.as_str());
         tokio::spawn(self.clone().run_stream(id, shared.clone()).instrument(span));
         Ok((id, ResumableIo::new(shared)))
     }

@@ -17,7 +17,10 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 /// The QUIC listener's configuration: TLS 1.3, a client certificate signed by
 /// the edge CA required, migration allowed.
-pub fn quic_server_config(cfg: &CloudConfig, settings: &QuicSettings) -> anyhow::Result<quinn::ServerConfig> {
+pub fn quic_server_config(
+    cfg: &CloudConfig,
+    settings: &QuicSettings,
+) -> anyhow::Result<quinn::ServerConfig> {
     let roots = load_roots(&cfg.edge_ca).context("loading --edge-ca")?;
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
         .build()
@@ -31,7 +34,8 @@ pub fn quic_server_config(cfg: &CloudConfig, settings: &QuicSettings) -> anyhow:
         .with_single_cert(chain, key)
         .context("--tunnel-cert and --tunnel-key do not match")?;
     tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
-    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).context("QUIC TLS configuration")?;
+    let crypto =
+        quinn::crypto::rustls::QuicServerConfig::try_from(tls).context("QUIC TLS configuration")?;
     let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     sc.transport_config(settings.transport_arc().map_err(anyhow::Error::msg)?);
     sc.migration(true);

@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tether_proto::frame::ResetCode;
-use tether_proto::handshake::{close_code, negotiate_version, Hello, Refusal, RefusalCode, Welcome};
+use tether_proto::handshake::{
+    close_code, negotiate_version, Hello, Refusal, RefusalCode, Welcome,
+};
 use tether_proto::io::{write_frame, FrameReader};
 use tether_proto::Frame;
 use tokio::sync::Semaphore;
@@ -39,11 +41,16 @@ pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
     let socket = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
         .with_context(|| format!("binding UDP {}", cfg.tunnel_listen))?;
     let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
-    quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(sc), socket, runtime).context("creating the QUIC endpoint")
+    quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(sc), socket, runtime)
+        .context("creating the QUIC endpoint")
 }
 
 /// Accepts edge connections until the endpoint closes.
-pub async fn serve(endpoint: quinn::Endpoint, cfg: Arc<CloudConfig>, registry: Arc<Registry>) -> anyhow::Result<()> {
+pub async fn serve(
+    endpoint: quinn::Endpoint,
+    cfg: Arc<CloudConfig>,
+    registry: Arc<Registry>,
+) -> anyhow::Result<()> {
     let slots = Arc::new(Semaphore::new(cfg.max_edges));
     while let Some(incoming) = endpoint.accept().await {
         let Ok(permit) = slots.clone().try_acquire_owned() else {
@@ -68,29 +75,53 @@ pub async fn serve(endpoint: quinn::Endpoint, cfg: Arc<CloudConfig>, registry: A
 }
 
 fn node_of(conn: &quinn::Connection) -> anyhow::Result<String> {
-    let identity = conn.peer_identity().context("edge presented no certificate")?;
+    let identity = conn
+        .peer_identity()
+        .context("edge presented no certificate")?;
     let chain = identity
         .downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
         .map_err(|_| anyhow::anyhow!("unexpected peer identity type"))?;
     let leaf = chain.first().context("edge certificate chain is empty")?;
-    tether_certs::node_name_from_cert(leaf).context("reading the node name from the edge certificate")
+    tether_certs::node_name_from_cert(leaf)
+        .context("reading the node name from the edge certificate")
 }
 
-async fn refuse(send: &mut quinn::SendStream, conn: &quinn::Connection, code: RefusalCode, message: String, max: usize) {
+async fn refuse(
+    send: &mut quinn::SendStream,
+    conn: &quinn::Connection,
+    code: RefusalCode,
+    message: String,
+    max: usize,
+) {
     warn!(?code, %message, "refusing edge");
-    let _ = write_frame(send, &Frame::Refused(Refusal { code, message: message.clone() }), max).await;
+    let _ = write_frame(
+        send,
+        &Frame::Refused(Refusal {
+            code,
+            message: message.clone(),
+        }),
+        max,
+    )
+    .await;
     let _ = send.finish();
     // Give the refusal a moment to leave before closing.
     let _ = tokio::time::timeout(Duration::from_millis(500), send.stopped()).await;
     conn.close(close_code::REFUSED.into(), message.as_bytes());
 }
 
-async fn handle(incoming: quinn::Incoming, cfg: &CloudConfig, registry: &Arc<Registry>) -> anyhow::Result<()> {
+async fn handle(
+    incoming: quinn::Incoming,
+    cfg: &CloudConfig,
+    registry: &Arc<Registry>,
+) -> anyhow::Result<()> {
     let max = cfg.limits.max_frame_bytes as usize;
     let handshake = async {
         let conn = incoming.await.context("QUIC/TLS handshake")?;
         let node = node_of(&conn)?;
-        let (send, mut recv) = conn.accept_bi().await.context("waiting for the control stream")?;
+        let (send, mut recv) = conn
+            .accept_bi()
+            .await
+            .context("waiting for the control stream")?;
         let mut reader = FrameReader::new(max);
         let hello = match reader.next(&mut recv).await.context("reading the hello")? {
             Some(Frame::Hello(h)) => h,
@@ -99,17 +130,34 @@ async fn handle(incoming: quinn::Incoming, cfg: &CloudConfig, registry: &Arc<Reg
         };
         Ok::<_, anyhow::Error>((conn, node, send, recv, reader, hello))
     };
-    let (conn, node, mut send, recv, reader, hello) = tokio::time::timeout(cfg.handshake_timeout, handshake)
-        .await
-        .map_err(|_| anyhow::anyhow!("no hello within --handshake-timeout ({:?})", cfg.handshake_timeout))??;
+    let (conn, node, mut send, recv, reader, hello) =
+        tokio::time::timeout(cfg.handshake_timeout, handshake)
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "no hello within --handshake-timeout ({:?})",
+                    cfg.handshake_timeout
+                )
+            })??;
     tracing::Span::current().record("node", node.as_str());
     if let Some(why) = check_hello(&hello, &node) {
-        let code = if hello.node != node { RefusalCode::NodeMismatch } else { RefusalCode::BadHello };
+        let code = if hello.node != node {
+            RefusalCode::NodeMismatch
+        } else {
+            RefusalCode::BadHello
+        };
         refuse(&mut send, &conn, code, format!("node {node}: {why}"), max).await;
         return Ok(());
     }
     let Some(version) = negotiate_version(&hello.versions) else {
-        refuse(&mut send, &conn, RefusalCode::Version, format!("no common protocol version in {:?}", hello.versions), max).await;
+        refuse(
+            &mut send,
+            &conn,
+            RefusalCode::Version,
+            format!("no common protocol version in {:?}", hello.versions),
+            max,
+        )
+        .await;
         return Ok(());
     };
     let (session, resumed, token) = admit(registry, cfg, &node, &hello)?;
@@ -118,11 +166,17 @@ async fn handle(incoming: quinn::Incoming, cfg: &CloudConfig, registry: &Arc<Reg
         session: session.id,
         resume_token: token,
         resumed,
-        streams: if resumed { session.stream_ids() } else { Vec::new() },
+        streams: if resumed {
+            session.stream_ids()
+        } else {
+            Vec::new()
+        },
         grace_ms: cfg.grace.as_millis() as u64,
         limits: cfg.limits,
     };
-    write_frame(&mut send, &Frame::Welcome(welcome), max).await.context("sending the welcome")?;
+    write_frame(&mut send, &Frame::Welcome(welcome), max)
+        .await
+        .context("sending the welcome")?;
     let gen = session.attach_connection(conn.clone());
     info!(
         node = %node,
@@ -154,7 +208,10 @@ async fn handle(incoming: quinn::Incoming, cfg: &CloudConfig, registry: &Arc<Reg
             tokio::time::sleep(grace).await;
             if let Link::Disconnected { gen: g, .. } = session.link() {
                 if g == gen {
-                    let reason = format!("edge {} did not come back within the grace period ({grace:?})", session.node);
+                    let reason = format!(
+                        "edge {} did not come back within the grace period ({grace:?})",
+                        session.node
+                    );
                     warn!(node = %session.node, session = %session.id, "{reason}; ending its streams");
                     registry.remove(&session);
                     session.end(ResetCode::SessionLost, &reason);
@@ -167,12 +224,22 @@ async fn handle(incoming: quinn::Incoming, cfg: &CloudConfig, registry: &Arc<Reg
 
 fn check_hello(hello: &Hello, node: &str) -> Option<String> {
     if hello.node != node {
-        return Some(format!("hello names node {:?} but the certificate is for {node:?}", hello.node));
+        return Some(format!(
+            "hello names node {:?} but the certificate is for {node:?}",
+            hello.node
+        ));
     }
     if hello.addresses.len() > MAX_ADDRESSES {
-        return Some(format!("{} addresses announced, at most {MAX_ADDRESSES}", hello.addresses.len()));
+        return Some(format!(
+            "{} addresses announced, at most {MAX_ADDRESSES}",
+            hello.addresses.len()
+        ));
     }
-    if hello.addresses.iter().any(|a| a.is_empty() || a.len() > MAX_ADDRESS_LEN) {
+    if hello
+        .addresses
+        .iter()
+        .any(|a| a.is_empty() || a.len() > MAX_ADDRESS_LEN)
+    {
         return Some("an announced address is empty or too long".into());
     }
     if let Err(e) = hello.limits.validate() {
@@ -196,13 +263,20 @@ fn admit(
         }
     }
     if hello.resume.is_some() {
-        warn!(node, "resume token refused (unknown, already used or expired); starting a new session");
+        warn!(
+            node,
+            "resume token refused (unknown, already used or expired); starting a new session"
+        );
     }
-    let session = Session::new(node.to_string(), hello.addresses.clone(), cfg.limits).context("generating session secrets")?;
+    let session = Session::new(node.to_string(), hello.addresses.clone(), cfg.limits)
+        .context("generating session secrets")?;
     let token = session.token();
     if let Some(old) = registry.insert(session.clone()) {
         info!(node, old_session = %old.id, new_session = %session.id, "a new session replaces the node's previous one");
-        old.end(ResetCode::SessionLost, &format!("edge {node} started a new session (it restarted or lost its state)"));
+        old.end(
+            ResetCode::SessionLost,
+            &format!("edge {node} started a new session (it restarted or lost its state)"),
+        );
     }
     Ok((session, false, token))
 }
@@ -217,12 +291,17 @@ async fn control_loop(
         match reader.next(&mut recv).await? {
             Some(Frame::PodReport(report)) => {
                 if report.pods.len() > MAX_PODS {
-                    anyhow::bail!("pod report of {} pods exceeds {MAX_PODS}", report.pods.len());
+                    anyhow::bail!(
+                        "pod report of {} pods exceeds {MAX_PODS}",
+                        report.pods.len()
+                    );
                 }
                 debug!(node = %session.node, pods = report.pods.len(), "pod report");
                 registry.report_pods(&session, report.pods);
             }
-            Some(Frame::GoAway { reason }) => info!(node = %session.node, %reason, "edge is going away"),
+            Some(Frame::GoAway { reason }) => {
+                info!(node = %session.node, %reason, "edge is going away")
+            }
             Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
             None => return Ok(()),
         }

@@ -12,7 +12,11 @@ use tether_proto::Limits;
 
 /// Command-line flags of `tether-edge`.
 #[derive(Debug, Parser)]
-#[command(name = "tether-edge", version, about = "Tether edge: dials tether-cloud over QUIC and replays the apiserver's kubelet requests against the local kubelet")]
+#[command(
+    name = "tether-edge",
+    version,
+    about = "Tether edge: dials tether-cloud over QUIC and replays the apiserver's kubelet requests against the local kubelet"
+)]
 pub struct EdgeArgs {
     /// The cloud's tunnel address, HOST:PORT (UDP).
     #[arg(long, env = "TETHER_CLOUD")]
@@ -31,7 +35,11 @@ pub struct EdgeArgs {
     pub key: PathBuf,
     /// The one kubelet endpoint streams are replayed against: edged-style
     /// `http://127.0.0.1:10350` or a kubelet's `https://127.0.0.1:10250`.
-    #[arg(long, env = "TETHER_KUBELET_URL", default_value = "http://127.0.0.1:10350")]
+    #[arg(
+        long,
+        env = "TETHER_KUBELET_URL",
+        default_value = "http://127.0.0.1:10350"
+    )]
     pub kubelet_url: String,
     /// CA (PEM) to verify an HTTPS kubelet's serving certificate.
     #[arg(long, env = "TETHER_KUBELET_CA")]
@@ -41,16 +49,28 @@ pub struct EdgeArgs {
     #[arg(long, env = "TETHER_KUBELET_INSECURE_SKIP_TLS_VERIFY")]
     pub kubelet_insecure_skip_tls_verify: bool,
     /// Client certificate (PEM) presented to an HTTPS kubelet.
-    #[arg(long, env = "TETHER_KUBELET_CLIENT_CERT", requires = "kubelet_client_key")]
+    #[arg(
+        long,
+        env = "TETHER_KUBELET_CLIENT_CERT",
+        requires = "kubelet_client_key"
+    )]
     pub kubelet_client_cert: Option<PathBuf>,
     /// Client key (PEM) presented to an HTTPS kubelet.
-    #[arg(long, env = "TETHER_KUBELET_CLIENT_KEY", requires = "kubelet_client_cert")]
+    #[arg(
+        long,
+        env = "TETHER_KUBELET_CLIENT_KEY",
+        requires = "kubelet_client_cert"
+    )]
     pub kubelet_client_key: Option<PathBuf>,
     /// Time allowed to connect to the kubelet.
     #[arg(long, env = "TETHER_KUBELET_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub kubelet_connect_timeout: Duration,
     /// Addresses the apiserver may know this node by (repeatable; default: the host's IPs).
-    #[arg(long = "announce-address", env = "TETHER_ANNOUNCE_ADDRESSES", value_delimiter = ',')]
+    #[arg(
+        long = "announce-address",
+        env = "TETHER_ANNOUNCE_ADDRESSES",
+        value_delimiter = ','
+    )]
     pub announce_addresses: Vec<String>,
     /// How often the kubelet's pod list is read and reported.
     #[arg(long, env = "TETHER_PODS_REFRESH", default_value = "5s", value_parser = parse_duration)]
@@ -111,12 +131,20 @@ impl EdgeArgs {
             .map_err(|e| format!("--kubelet-url {:?}: {e}", self.kubelet_url))?;
         match url.scheme_str() {
             Some("http") | Some("https") => {}
-            _ => return Err(format!("--kubelet-url {:?} must be http:// or https://", self.kubelet_url)),
+            _ => {
+                return Err(format!(
+                    "--kubelet-url {:?} must be http:// or https://",
+                    self.kubelet_url
+                ))
+            }
         }
         if url.host().is_none() {
             return Err(format!("--kubelet-url {:?} has no host", self.kubelet_url));
         }
-        if url.scheme_str() == Some("https") && self.kubelet_ca.is_none() && !self.kubelet_insecure_skip_tls_verify {
+        if url.scheme_str() == Some("https")
+            && self.kubelet_ca.is_none()
+            && !self.kubelet_insecure_skip_tls_verify
+        {
             return Err("an https --kubelet-url needs --kubelet-ca, or the explicit --kubelet-insecure-skip-tls-verify".into());
         }
         let host = self
@@ -140,7 +168,11 @@ impl EdgeArgs {
                 client_cert: self.kubelet_client_cert.zip(self.kubelet_client_key),
                 connect_timeout: self.kubelet_connect_timeout,
             },
-            announce_addresses: if self.announce_addresses.is_empty() { None } else { Some(self.announce_addresses) },
+            announce_addresses: if self.announce_addresses.is_empty() {
+                None
+            } else {
+                Some(self.announce_addresses)
+            },
             pods_refresh: self.pods_refresh,
             reconnect_min: self.reconnect_min,
             reconnect_max: self.reconnect_max,

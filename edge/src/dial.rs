@@ -60,7 +60,8 @@ impl Dialer {
     /// Loads certificates and binds the UDP socket.
     pub fn new(cfg: EdgeConfig) -> anyhow::Result<Dialer> {
         let chain = tether_certs::pem::load_certs(&cfg.cert).context("loading --cert")?;
-        let node = tether_certs::node_name_from_cert(&chain[0]).context("reading the node name from --cert")?;
+        let node = tether_certs::node_name_from_cert(&chain[0])
+            .context("reading the node name from --cert")?;
         let key = tether_certs::pem::load_key(&cfg.key).context("loading --key")?;
         let roots = tether_certs::pem::load_roots(&cfg.ca).context("loading --ca")?;
         let mut tls = rustls::ClientConfig::builder_with_provider(provider())
@@ -70,20 +71,40 @@ impl Dialer {
             .with_client_auth_cert(chain, key)
             .context("--cert and --key do not match")?;
         tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
-        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).context("QUIC TLS configuration")?;
+        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
+            .context("QUIC TLS configuration")?;
         let mut client = quinn::ClientConfig::new(Arc::new(crypto));
         client.transport_config(cfg.quic.transport_arc().map_err(anyhow::Error::msg)?);
         let bind: std::net::SocketAddr = "[::]:0".parse().context("bind address")?;
         let socket = tether_proto::quic::bind_udp(bind, cfg.quic.udp_buffer)
-            .or_else(|_| tether_proto::quic::bind_udp("0.0.0.0:0".parse().expect("valid literal address"), cfg.quic.udp_buffer)) // ok: literal
+            .or_else(|_| {
+                tether_proto::quic::bind_udp(
+                    "0.0.0.0:0".parse().expect("valid literal address"),
+                    cfg.quic.udp_buffer,
+                )
+            }) // ok: literal
             .context("binding the UDP socket")?;
         let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
-        let endpoint = quinn::Endpoint::new(quinn::EndpointConfig::default(), None, socket, runtime)
-            .context("creating the QUIC endpoint")?;
+        let endpoint =
+            quinn::Endpoint::new(quinn::EndpointConfig::default(), None, socket, runtime)
+                .context("creating the QUIC endpoint")?;
         let target = Arc::new(KubeletTarget::new(&cfg.kubelet)?);
-        let forward = Arc::new(Forward { target: target.clone(), limits: cfg.limits });
+        let forward = Arc::new(Forward {
+            target: target.clone(),
+            limits: cfg.limits,
+        });
         let streams = EdgeStreams::new(node.clone(), cfg.limits, forward);
-        Ok(Dialer { cfg, node, endpoint, client, target, streams, token: None, grace: Duration::from_secs(300), disconnected_since: None })
+        Ok(Dialer {
+            cfg,
+            node,
+            endpoint,
+            client,
+            target,
+            streams,
+            token: None,
+            grace: Duration::from_secs(300),
+            disconnected_since: None,
+        })
     }
 
     /// The node name from the certificate.
@@ -125,17 +146,32 @@ impl Dialer {
         let (conn, mut send, welcome) = match handshake {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => return Ended::Failed(e),
-            Err(_) => return Ended::Failed(anyhow::anyhow!("no welcome within {:?}", self.cfg.handshake_timeout)),
+            Err(_) => {
+                return Ended::Failed(anyhow::anyhow!(
+                    "no welcome within {:?}",
+                    self.cfg.handshake_timeout
+                ))
+            }
         };
         self.grace = Duration::from_millis(welcome.grace_ms);
         self.token = Some(welcome.resume_token);
         if !welcome.resumed && !self.streams.is_empty() {
-            self.streams.end_all("the cloud did not resume the session (it restarted or the grace period ran out)");
+            self.streams.end_all(
+                "the cloud did not resume the session (it restarted or the grace period ran out)",
+            );
         }
         self.disconnected_since = None;
         info!(node = %self.node, session = %welcome.session, resumed = welcome.resumed, streams = welcome.streams.len(), remote = %conn.remote_address(), "connected to the cloud");
-        println!("tether-edge connected node={} session={} resumed={}", self.node, welcome.session, welcome.resumed);
-        let reporter = report_pods(self.target.clone(), &mut send, self.cfg.pods_refresh, self.cfg.limits.max_frame_bytes as usize);
+        println!(
+            "tether-edge connected node={} session={} resumed={}",
+            self.node, welcome.session, welcome.resumed
+        );
+        let reporter = report_pods(
+            self.target.clone(),
+            &mut send,
+            self.cfg.pods_refresh,
+            self.cfg.limits.max_frame_bytes as usize,
+        );
         let acceptor = async {
             loop {
                 match conn.accept_bi().await {
@@ -171,7 +207,11 @@ impl Dialer {
             .await
             .with_context(|| format!("QUIC handshake with {addr}"))?;
         let (mut send, mut recv) = conn.open_bi().await.context("opening the control stream")?;
-        let addresses = self.cfg.announce_addresses.clone().unwrap_or_else(crate::addrs::host_addresses);
+        let addresses = self
+            .cfg
+            .announce_addresses
+            .clone()
+            .unwrap_or_else(crate::addrs::host_addresses);
         let hello = Hello {
             versions: vec![PROTOCOL_VERSION],
             node: self.node.clone(),
@@ -180,11 +220,19 @@ impl Dialer {
             limits: self.cfg.limits,
         };
         let max = self.cfg.limits.max_frame_bytes as usize;
-        write_frame(&mut send, &Frame::Hello(hello), max).await.context("sending the hello")?;
+        write_frame(&mut send, &Frame::Hello(hello), max)
+            .await
+            .context("sending the hello")?;
         let mut reader = FrameReader::new(max);
-        match reader.next(&mut recv).await.context("reading the welcome")? {
+        match reader
+            .next(&mut recv)
+            .await
+            .context("reading the welcome")?
+        {
             Some(Frame::Welcome(w)) => Ok((conn, send, w)),
-            Some(Frame::Refused(r)) => anyhow::bail!("the cloud refused this edge ({:?}): {}", r.code, r.message),
+            Some(Frame::Refused(r)) => {
+                anyhow::bail!("the cloud refused this edge ({:?}): {}", r.code, r.message)
+            }
             Some(other) => anyhow::bail!("expected a welcome, got a {} frame", other.kind()),
             None => anyhow::bail!("the cloud closed the control stream before welcoming"),
         }
@@ -210,15 +258,24 @@ async fn report_pods(
                 }
                 if last.as_ref() != Some(&pods) {
                     debug!(pods = pods.len(), "reporting pods");
-                    write_frame(send, &Frame::PodReport(tether_proto::handshake::PodReport { pods: pods.clone() }), max)
-                        .await
-                        .context("sending a pod report")?;
+                    write_frame(
+                        send,
+                        &Frame::PodReport(tether_proto::handshake::PodReport {
+                            pods: pods.clone(),
+                        }),
+                        max,
+                    )
+                    .await
+                    .context("sending a pod report")?;
                     last = Some(pods);
                 }
             }
             Err(e) => {
                 if !failing {
-                    warn!(error = format!("{e:#}"), "cannot read the kubelet's pods; keeping the last report");
+                    warn!(
+                        error = format!("{e:#}"),
+                        "cannot read the kubelet's pods; keeping the last report"
+                    );
                     failing = true;
                 }
             }

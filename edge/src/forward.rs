@@ -39,7 +39,8 @@ impl Forward {
     pub async fn run(self: Arc<Self>, io: ResumableIo) {
         let shared = io.shared().clone();
         let (mut rd, mut wr) = tokio::io::split(io);
-        let head: RequestHead = match read_head(&mut rd, self.limits.max_head_bytes as usize).await {
+        let head: RequestHead = match read_head(&mut rd, self.limits.max_head_bytes as usize).await
+        {
             Ok(h) => h,
             Err(e) => {
                 warn!(error = %e, "bad request head from the cloud");
@@ -50,11 +51,17 @@ impl Forward {
         let path = head.path().to_string();
         if classify(&path).is_none() {
             warn!(%path, "refusing a path Tether does not forward");
-            shared.reset(ResetCode::Refused, format!("path {path} is not forwarded by this edge"));
+            shared.reset(
+                ResetCode::Refused,
+                format!("path {path} is not forwarded by this edge"),
+            );
             return;
         }
         let Ok(method) = http::Method::from_bytes(head.method.as_bytes()) else {
-            shared.reset(ResetCode::Refused, format!("invalid method {:?}", head.method));
+            shared.reset(
+                ResetCode::Refused,
+                format!("invalid method {:?}", head.method),
+            );
             return;
         };
         debug!(%method, path = %head.path_and_query, "replaying against the kubelet");
@@ -73,7 +80,10 @@ impl Forward {
         {
             Ok(x) => x,
             Err(e) => {
-                shared.reset(ResetCode::KubeletUnreachable, format!("HTTP handshake with the kubelet: {e}"));
+                shared.reset(
+                    ResetCode::KubeletUnreachable,
+                    format!("HTTP handshake with the kubelet: {e}"),
+                );
                 return;
             }
         };
@@ -83,7 +93,9 @@ impl Forward {
             }
         });
         let upgrade = head.is_upgrade();
-        let mut builder = http::Request::builder().method(method).uri(head.path_and_query.as_str());
+        let mut builder = http::Request::builder()
+            .method(method)
+            .uri(head.path_and_query.as_str());
         for (name, value) in &head.headers {
             if is_hop_by_hop(name) && !(upgrade && (name == "connection" || name == "upgrade")) {
                 continue;
@@ -95,21 +107,34 @@ impl Forward {
         // upgrades: those bytes belong to the upgraded protocol).
         let (body, rd): (ReqBody, _) = if head.has_body {
             let stream = ReaderStream::new(rd);
-            (StreamBody::new(futures_util::StreamExt::map(stream, |r| r.map(Frame::data))).boxed(), None)
+            (
+                StreamBody::new(futures_util::StreamExt::map(stream, |r| r.map(Frame::data)))
+                    .boxed(),
+                None,
+            )
         } else {
-            (Empty::new().map_err(|never| match never {}).boxed(), Some(rd))
+            (
+                Empty::new().map_err(|never| match never {}).boxed(),
+                Some(rd),
+            )
         };
         let req = match builder.body(body) {
             Ok(r) => r,
             Err(e) => {
-                shared.reset(ResetCode::Refused, format!("request head does not make a valid request: {e}"));
+                shared.reset(
+                    ResetCode::Refused,
+                    format!("request head does not make a valid request: {e}"),
+                );
                 return;
             }
         };
         let mut resp = match sender.send_request(req).await {
             Ok(r) => r,
             Err(e) => {
-                shared.reset(ResetCode::KubeletUnreachable, format!("kubelet request failed: {e}"));
+                shared.reset(
+                    ResetCode::KubeletUnreachable,
+                    format!("kubelet request failed: {e}"),
+                );
                 return;
             }
         };
@@ -118,14 +143,24 @@ impl Forward {
         let headers = resp
             .headers()
             .iter()
-            .filter(|(n, _)| !is_hop_by_hop(n.as_str()) || (switching && (*n == http::header::CONNECTION || *n == http::header::UPGRADE)))
+            .filter(|(n, _)| {
+                !is_hop_by_hop(n.as_str())
+                    || (switching
+                        && (*n == http::header::CONNECTION || *n == http::header::UPGRADE))
+            })
             .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
             .collect();
-        let rh = ResponseHead { status: status.as_u16(), headers };
+        let rh = ResponseHead {
+            status: status.as_u16(),
+            headers,
+        };
         let bytes = match encode_head(&rh, self.limits.max_head_bytes as usize) {
             Ok(b) => b,
             Err(e) => {
-                shared.reset(ResetCode::LimitExceeded, format!("kubelet response head: {e}"));
+                shared.reset(
+                    ResetCode::LimitExceeded,
+                    format!("kubelet response head: {e}"),
+                );
                 return;
             }
         };
@@ -134,13 +169,19 @@ impl Forward {
         }
         if switching {
             let Some(rd) = rd else {
-                shared.reset(ResetCode::ProtocolError, "kubelet upgraded a request with a body");
+                shared.reset(
+                    ResetCode::ProtocolError,
+                    "kubelet upgraded a request with a body",
+                );
                 return;
             };
             let upgraded = match hyper::upgrade::on(&mut resp).await {
                 Ok(u) => u,
                 Err(e) => {
-                    shared.reset(ResetCode::KubeletUnreachable, format!("kubelet upgrade: {e}"));
+                    shared.reset(
+                        ResetCode::KubeletUnreachable,
+                        format!("kubelet upgrade: {e}"),
+                    );
                     return;
                 }
             };

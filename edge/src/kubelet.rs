@@ -35,7 +35,11 @@ const MAX_PODS_BODY: usize = 64 * 1024 * 1024;
 
 impl KubeletTarget {
     pub fn new(cfg: &KubeletConfig) -> anyhow::Result<KubeletTarget> {
-        let host = cfg.url.host().context("kubelet URL has no host")?.to_string();
+        let host = cfg
+            .url
+            .host()
+            .context("kubelet URL has no host")?
+            .to_string();
         let https = cfg.url.scheme_str() == Some("https");
         let port = cfg.url.port_u16().unwrap_or(if https { 10250 } else { 80 });
         let authority = if host.contains(':') && !host.starts_with('[') {
@@ -49,28 +53,44 @@ impl KubeletTarget {
                 .with_safe_default_protocol_versions()
                 .context("TLS versions")?;
             let builder = if cfg.insecure_skip_tls_verify {
-                builder.dangerous().with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
+                builder
+                    .dangerous()
+                    .with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
             } else {
-                let ca = cfg.ca.as_ref().context("https kubelet without --kubelet-ca")?;
-                builder.with_root_certificates(tether_certs::pem::load_roots(ca).context("loading --kubelet-ca")?)
+                let ca = cfg
+                    .ca
+                    .as_ref()
+                    .context("https kubelet without --kubelet-ca")?;
+                builder.with_root_certificates(
+                    tether_certs::pem::load_roots(ca).context("loading --kubelet-ca")?,
+                )
             };
             let mut tls = match &cfg.client_cert {
                 Some((cert, key)) => builder
                     .with_client_auth_cert(
-                        tether_certs::pem::load_certs(cert).context("loading --kubelet-client-cert")?,
+                        tether_certs::pem::load_certs(cert)
+                            .context("loading --kubelet-client-cert")?,
                         tether_certs::pem::load_key(key).context("loading --kubelet-client-key")?,
                     )
                     .context("kubelet client certificate and key do not match")?,
                 None => builder.with_no_client_auth(),
             };
             tls.alpn_protocols = vec![b"http/1.1".to_vec()];
-            let name = ServerName::try_from(host.trim_start_matches('[').trim_end_matches(']').to_string())
-                .context("kubelet host is not a valid TLS server name")?;
+            let name = ServerName::try_from(
+                host.trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_string(),
+            )
+            .context("kubelet host is not a valid TLS server name")?;
             Some((tokio_rustls::TlsConnector::from(Arc::new(tls)), name))
         } else {
             None
         };
-        Ok(KubeletTarget { authority, tls, connect_timeout: cfg.connect_timeout })
+        Ok(KubeletTarget {
+            authority,
+            tls,
+            connect_timeout: cfg.connect_timeout,
+        })
     }
 
     /// Opens a connection to the kubelet (TLS if configured).
@@ -86,14 +106,22 @@ impl KubeletTarget {
                     let tls = connector
                         .connect(name.clone(), tcp)
                         .await
-                        .with_context(|| format!("TLS handshake with the kubelet at {}", self.authority))?;
+                        .with_context(|| {
+                            format!("TLS handshake with the kubelet at {}", self.authority)
+                        })?;
                     Ok(Box::new(tls) as Box<dyn KubeletIo>)
                 }
             }
         };
         tokio::time::timeout(self.connect_timeout, connect)
             .await
-            .map_err(|_| anyhow::anyhow!("connecting to the kubelet at {} timed out after {:?}", self.authority, self.connect_timeout))?
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "connecting to the kubelet at {} timed out after {:?}",
+                    self.authority,
+                    self.connect_timeout
+                )
+            })?
     }
 
     /// Reads the kubelet's `/pods`.
@@ -108,7 +136,10 @@ impl KubeletTarget {
             .header(http::header::ACCEPT, "application/json")
             .body(Empty::<bytes::Bytes>::new())
             .context("building the /pods request")?;
-        let resp = sender.send_request(req).await.context("GET /pods from the kubelet")?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .context("GET /pods from the kubelet")?;
         if !resp.status().is_success() {
             anyhow::bail!("kubelet answered GET /pods with {}", resp.status());
         }
@@ -148,7 +179,11 @@ pub fn parse_pods(body: &[u8]) -> anyhow::Result<Vec<PodRef>> {
         .items
         .into_iter()
         .map(|p| PodRef {
-            namespace: if p.metadata.namespace.is_empty() { "default".into() } else { p.metadata.namespace },
+            namespace: if p.metadata.namespace.is_empty() {
+                "default".into()
+            } else {
+                p.metadata.namespace
+            },
             name: p.metadata.name,
             uid: p.metadata.uid,
         })
@@ -181,7 +216,12 @@ impl rustls::client::danger::ServerCertVerifier for NoVerify {
         cert: &rustls::pki_types::CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
     }
 
     fn verify_tls13_signature(
@@ -190,7 +230,12 @@ impl rustls::client::danger::ServerCertVerifier for NoVerify {
         cert: &rustls::pki_types::CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {

@@ -8,7 +8,10 @@ use tether_edge::config::EdgeArgs;
 async fn main() -> anyhow::Result<()> {
     let args = EdgeArgs::parse();
     args.log.init().map_err(anyhow::Error::msg)?;
-    let cfg = args.into_config().map_err(anyhow::Error::msg).context("invalid configuration")?;
+    let cfg = args
+        .into_config()
+        .map_err(anyhow::Error::msg)
+        .context("invalid configuration")?;
     let dialer = tether_edge::dial::Dialer::new(cfg)?;
     tracing::info!(node = dialer.node(), "tether-edge starting");
     tokio::select! {

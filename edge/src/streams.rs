@@ -7,8 +7,7 @@
 //! with a reset when the stream is unknown (this edge restarted, or the stream
 //! already ended).
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,11 +19,34 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::forward::Forward;
 
+/// How many ended stream ids are remembered, so a late re-attach of an ended
+/// stream is refused rather than mistaken for a new one.
+const ENDED_MEMORY: usize = 4096;
+
+#[derive(Default)]
+struct Table {
+    live: HashMap<StreamId, Arc<SharedStream>>,
+    ended: HashSet<StreamId>,
+    ended_order: VecDeque<StreamId>,
+}
+
+impl Table {
+    fn end(&mut self, id: StreamId) {
+        self.live.remove(&id);
+        if self.ended.insert(id) {
+            self.ended_order.push_back(id);
+            if self.ended_order.len() > ENDED_MEMORY {
+                if let Some(old) = self.ended_order.pop_front() {
+                    self.ended.remove(&old);
+                }
+            }
+        }
+    }
+}
+
 /// The streams of the current session.
 pub struct EdgeStreams {
-    streams: Mutex<HashMap<StreamId, Arc<SharedStream>>>,
-    /// Highest stream id seen in this session (ids only grow).
-    max_seen: AtomicU64,
+    streams: Mutex<Table>,
     limits: Limits,
     forward: Arc<Forward>,
     node: String,
@@ -32,15 +54,20 @@ pub struct EdgeStreams {
 
 impl EdgeStreams {
     pub fn new(node: String, limits: Limits, forward: Arc<Forward>) -> Arc<Self> {
-        Arc::new(EdgeStreams { streams: Mutex::new(HashMap::new()), max_seen: AtomicU64::new(0), limits, forward, node })
+        Arc::new(EdgeStreams {
+            streams: Mutex::new(Table::default()),
+            limits,
+            forward,
+            node,
+        })
     }
 
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<StreamId, Arc<SharedStream>>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, Table> {
         self.streams.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn len(&self) -> usize {
-        self.map().len()
+        self.map().live.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -49,14 +76,18 @@ impl EdgeStreams {
 
     /// Ends every stream (the session is gone): resets them with `reason`.
     pub fn end_all(&self, reason: &str) {
-        let all: Vec<_> = self.map().drain().map(|(_, s)| s).collect();
+        let all: Vec<_> = {
+            let mut t = self.map();
+            let all = t.live.drain().map(|(_, s)| s).collect();
+            *t = Table::default();
+            all
+        };
         if !all.is_empty() {
             warn!(node = %self.node, streams = all.len(), %reason, "ending streams");
         }
         for s in all {
             s.reset(ResetCode::SessionLost, reason);
         }
-        self.max_seen.store(0, Ordering::Relaxed);
     }
 
     /// Handles one QUIC stream the cloud opened.
@@ -65,7 +96,11 @@ impl EdgeStreams {
         let mut reader = FrameReader::new(max);
         let first = tokio::time::timeout(Duration::from_secs(30), reader.next(&mut recv)).await;
         let (id, delivered, fin_received) = match first {
-            Ok(Ok(Some(Frame::Attach { stream, delivered, fin_received }))) => (stream, delivered, fin_received),
+            Ok(Ok(Some(Frame::Attach {
+                stream,
+                delivered,
+                fin_received,
+            }))) => (stream, delivered, fin_received),
             Ok(Ok(Some(other))) => {
                 warn!(node = %self.node, frame = other.kind(), "stream did not start with attach; dropping it");
                 return;
@@ -80,16 +115,21 @@ impl EdgeStreams {
                 return;
             }
         };
-        let existing = self.map().get(&id).cloned();
+        // Known: a resume. Unknown, never ended and nothing delivered: new.
+        // Otherwise the cloud re-attaches a stream this edge no longer holds.
+        let (existing, ended) = {
+            let t = self.map();
+            (t.live.get(&id).cloned(), t.ended.contains(&id))
+        };
         let shared = match existing {
             Some(s) => {
                 debug!(node = %self.node, stream = id, delivered, "re-attaching stream");
                 s
             }
-            None if delivered == 0 && !fin_received && id > self.max_seen.load(Ordering::Relaxed) => {
-                self.max_seen.fetch_max(id, Ordering::Relaxed);
-                let shared = SharedStream::new(StreamState::new(id, StreamLimits::from(&self.limits)));
-                self.map().insert(id, shared.clone());
+            None if delivered == 0 && !fin_received && !ended => {
+                let shared =
+                    SharedStream::new(StreamState::new(id, StreamLimits::from(&self.limits)));
+                self.map().live.insert(id, shared.clone());
                 let io = ResumableIo::new(shared.clone());
                 let span = tracing::info_span!("stream", node = %self.node, stream = id);
                 tokio::spawn(self.forward.clone().run(io).instrument(span));
@@ -97,27 +137,44 @@ impl EdgeStreams {
             }
             None => {
                 info!(node = %self.node, stream = id, "cloud re-attached a stream this edge does not hold; resetting it");
-                let _ = write_frame(&mut send, &Frame::Attach { stream: id, delivered: 0, fin_received: false }, max).await;
+                let _ = write_frame(
+                    &mut send,
+                    &Frame::Attach {
+                        stream: id,
+                        delivered: 0,
+                        fin_received: false,
+                    },
+                    max,
+                )
+                .await;
                 let reset = Frame::Reset {
                     stream: id,
                     code: ResetCode::UnknownStream,
-                    message: format!("edge {} does not hold stream {id} (it restarted or the stream ended)", self.node),
+                    message: format!(
+                        "edge {} does not hold stream {id} (it restarted or the stream ended)",
+                        self.node
+                    ),
                 };
                 let _ = write_frame(&mut send, &reset, max).await;
                 let _ = send.finish();
                 return;
             }
         };
-        let peer = PeerAttach::Known { delivered, fin_received };
+        let peer = PeerAttach::Known {
+            delivered,
+            fin_received,
+        };
         // Frames the reader already buffered past the attach are replayed by
         // chaining its buffer in front of the QUIC stream.
         let recv = reader.into_prefixed(recv);
         match drive(shared.clone(), recv, send, peer, max).await {
             Ok(()) => {
-                self.map().remove(&id);
+                self.map().end(id);
                 debug!(node = %self.node, stream = id, "stream done");
             }
-            Err(e) => debug!(node = %self.node, stream = id, error = %e, "stream detached; waiting for a resume"),
+            Err(e) => {
+                debug!(node = %self.node, stream = id, error = %e, "stream detached; waiting for a resume")
+            }
         }
     }
 }

@@ -77,7 +77,8 @@ impl QuicArgs {
             initial_rtt: self.initial_rtt,
             // One control stream plus the logical streams.
             max_bidi_streams: limits.max_streams_per_edge.saturating_add(1),
-            udp_buffer: usize::try_from(self.udp_buffer).map_err(|_| "udp-buffer too large".to_string())?,
+            udp_buffer: usize::try_from(self.udp_buffer)
+                .map_err(|_| "udp-buffer too large".to_string())?,
             ..QuicSettings::default()
         };
         s.transport()?;
@@ -99,9 +100,16 @@ pub struct LogArgs {
 impl LogArgs {
     /// Installs the global tracing subscriber (logs go to stderr).
     pub fn init(&self) -> Result<(), String> {
-        let filter = tracing_subscriber::EnvFilter::try_new(&self.log).map_err(|e| format!("--log {:?}: {e}", self.log))?;
-        let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-        let r = if self.log_format == "json" { builder.json().try_init() } else { builder.try_init() };
+        let filter = tracing_subscriber::EnvFilter::try_new(&self.log)
+            .map_err(|e| format!("--log {:?}: {e}", self.log))?;
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr);
+        let r = if self.log_format == "json" {
+            builder.json().try_init()
+        } else {
+            builder.try_init()
+        };
         r.map_err(|e| format!("installing the logger: {e}"))
     }
 }

@@ -67,16 +67,32 @@ pub enum Frame {
     /// First frame in each direction of a logical stream's QUIC stream:
     /// how much of the peer's data the sender has delivered so far (0 and
     /// false for a new stream). The peer replays from there.
-    Attach { stream: StreamId, delivered: u64, fin_received: bool },
+    Attach {
+        stream: StreamId,
+        delivered: u64,
+        fin_received: bool,
+    },
     /// Stream bytes `[offset, offset + payload.len())`.
-    Data { stream: StreamId, offset: u64, payload: Bytes },
+    Data {
+        stream: StreamId,
+        offset: u64,
+        payload: Bytes,
+    },
     /// Cumulative: the sender has delivered (handed to its local side) every
     /// byte below `delivered`, and the peer's end if `fin_received`.
-    Ack { stream: StreamId, delivered: u64, fin_received: bool },
+    Ack {
+        stream: StreamId,
+        delivered: u64,
+        fin_received: bool,
+    },
     /// The sender's direction ends at `offset` (its total length).
     End { stream: StreamId, offset: u64 },
     /// The stream is aborted in both directions.
-    Reset { stream: StreamId, code: ResetCode, message: String },
+    Reset {
+        stream: StreamId,
+        code: ResetCode,
+        message: String,
+    },
 }
 
 impl Frame {
@@ -129,10 +145,16 @@ pub fn encode(frame: &Frame, out: &mut BytesMut, max: usize) -> Result<(), Frame
     let body = postcard::to_extend(frame, Vec::new())?;
     if body.len() > max {
         out.truncate(start);
-        return Err(FrameError::TooLarge { len: body.len(), max });
+        return Err(FrameError::TooLarge {
+            len: body.len(),
+            max,
+        });
     }
     out.extend_from_slice(&body);
-    let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge { len: body.len(), max })?;
+    let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge {
+        len: body.len(),
+        max,
+    })?;
     out[start..start + LENGTH_PREFIX].copy_from_slice(&len.to_be_bytes());
     Ok(())
 }
@@ -157,7 +179,9 @@ pub fn body_len(prefix: [u8; LENGTH_PREFIX], max: usize) -> Result<usize, FrameE
 pub fn decode_body(body: &[u8]) -> Result<Frame, FrameError> {
     let (frame, rest) = postcard::take_from_bytes::<Frame>(body)?;
     if !rest.is_empty() {
-        return Err(FrameError::Malformed(postcard::Error::DeserializeBadEncoding));
+        return Err(FrameError::Malformed(
+            postcard::Error::DeserializeBadEncoding,
+        ));
     }
     Ok(frame)
 }
@@ -195,13 +219,36 @@ mod tests {
                 limits: crate::Limits::default(),
             }),
             Frame::PodReport(PodReport {
-                pods: vec![PodRef { namespace: "default".into(), name: "p1".into(), uid: "u".into() }],
+                pods: vec![PodRef {
+                    namespace: "default".into(),
+                    name: "p1".into(),
+                    uid: "u".into(),
+                }],
             }),
-            Frame::Attach { stream: 7, delivered: 0, fin_received: false },
-            Frame::Data { stream: 7, offset: 1 << 40, payload: Bytes::from_static(b"hello\x00\xff") },
-            Frame::Ack { stream: 7, delivered: 12, fin_received: true },
-            Frame::End { stream: 7, offset: 99 },
-            Frame::Reset { stream: 7, code: ResetCode::KubeletUnreachable, message: "refused".into() },
+            Frame::Attach {
+                stream: 7,
+                delivered: 0,
+                fin_received: false,
+            },
+            Frame::Data {
+                stream: 7,
+                offset: 1 << 40,
+                payload: Bytes::from_static(b"hello\x00\xff"),
+            },
+            Frame::Ack {
+                stream: 7,
+                delivered: 12,
+                fin_received: true,
+            },
+            Frame::End {
+                stream: 7,
+                offset: 99,
+            },
+            Frame::Reset {
+                stream: 7,
+                code: ResetCode::KubeletUnreachable,
+                message: "refused".into(),
+            },
         ]
     }
 
@@ -219,7 +266,11 @@ mod tests {
     #[test]
     fn data_payload_is_not_inflated() {
         let payload = Bytes::from(vec![0xffu8; 32 * 1024]);
-        let f = Frame::Data { stream: 1, offset: 0, payload };
+        let f = Frame::Data {
+            stream: 1,
+            offset: 0,
+            payload,
+        };
         let b = encode_to_bytes(&f, 1 << 20).unwrap();
         assert!(b.len() < 32 * 1024 + 32, "encoded {} bytes", b.len());
     }
@@ -228,12 +279,22 @@ mod tests {
     fn oversized_length_is_rejected_before_reading_body() {
         let mut b = BytesMut::new();
         b.put_u32(10_000);
-        assert!(matches!(decode(&mut b, 100), Err(FrameError::TooLarge { len: 10_000, max: 100 })));
+        assert!(matches!(
+            decode(&mut b, 100),
+            Err(FrameError::TooLarge {
+                len: 10_000,
+                max: 100
+            })
+        ));
     }
 
     #[test]
     fn encode_refuses_frames_over_the_limit() {
-        let f = Frame::Data { stream: 1, offset: 0, payload: Bytes::from(vec![1u8; 200]) };
+        let f = Frame::Data {
+            stream: 1,
+            offset: 0,
+            payload: Bytes::from(vec![1u8; 200]),
+        };
         let mut b = BytesMut::from(&b"xy"[..]);
         assert!(encode(&f, &mut b, 100).is_err());
         assert_eq!(&b[..], b"xy");

@@ -36,7 +36,11 @@ pub mod close_code {
 /// Picks the version both sides speak: the highest of the edge's offers that
 /// this build supports.
 pub fn negotiate_version(offered: &[u16]) -> Option<u16> {
-    offered.iter().copied().filter(|v| *v == PROTOCOL_VERSION).max()
+    offered
+        .iter()
+        .copied()
+        .filter(|v| *v == PROTOCOL_VERSION)
+        .max()
 }
 
 /// Edge → cloud, first frame on the control stream.
@@ -113,7 +117,10 @@ mod tests {
 
     #[test]
     fn negotiates_only_known_versions() {
-        assert_eq!(negotiate_version(&[PROTOCOL_VERSION, 99]), Some(PROTOCOL_VERSION));
+        assert_eq!(
+            negotiate_version(&[PROTOCOL_VERSION, 99]),
+            Some(PROTOCOL_VERSION)
+        );
         assert_eq!(negotiate_version(&[99]), None);
         assert_eq!(negotiate_version(&[]), None);
     }

@@ -55,7 +55,10 @@ pub fn is_hop_by_hop(name: &str) -> bool {
 impl RequestHead {
     /// The first value of a header, by lowercase name.
     pub fn header(&self, name: &str) -> Option<&[u8]> {
-        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
     }
 
     /// Whether this request asks for a protocol upgrade.
@@ -84,7 +87,10 @@ pub enum HeadError {
 pub fn encode_head<T: Serialize>(head: &T, max: usize) -> Result<Vec<u8>, HeadError> {
     let body = postcard::to_allocvec(head)?;
     if body.len() > max {
-        return Err(HeadError::TooLarge { len: body.len(), max });
+        return Err(HeadError::TooLarge {
+            len: body.len(),
+            max,
+        });
     }
     let mut out = Vec::with_capacity(4 + body.len());
     out.extend_from_slice(&(body.len() as u32).to_be_bytes());
@@ -94,7 +100,10 @@ pub fn encode_head<T: Serialize>(head: &T, max: usize) -> Result<Vec<u8>, HeadEr
 
 /// Reads one length-prefixed head, refusing anything over `max` bytes before
 /// allocating for it.
-pub async fn read_head<T: DeserializeOwned, R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<T, HeadError> {
+pub async fn read_head<T: DeserializeOwned, R: AsyncRead + Unpin>(
+    r: &mut R,
+    max: usize,
+) -> Result<T, HeadError> {
     let mut prefix = [0u8; 4];
     r.read_exact(&mut prefix).await?;
     let len = u32::from_be_bytes(prefix) as usize;
@@ -105,7 +114,9 @@ pub async fn read_head<T: DeserializeOwned, R: AsyncRead + Unpin>(r: &mut R, max
     r.read_exact(&mut body).await?;
     let (head, rest) = postcard::take_from_bytes::<T>(&body)?;
     if !rest.is_empty() {
-        return Err(HeadError::Malformed(postcard::Error::DeserializeBadEncoding));
+        return Err(HeadError::Malformed(
+            postcard::Error::DeserializeBadEncoding,
+        ));
     }
     Ok(head)
 }
@@ -127,9 +138,17 @@ mod tests {
         assert_eq!(got, h);
         assert!(got.is_upgrade());
         assert_eq!(got.path(), "/exec/ns/p/c");
-        assert!(matches!(read_head::<RequestHead, _>(&mut &b[..], 8).await, Err(HeadError::TooLarge { .. })));
-        assert!(matches!(encode_head(&h, 8), Err(HeadError::TooLarge { .. })));
-        assert!(read_head::<RequestHead, _>(&mut &b[..b.len() - 1], 1024).await.is_err());
+        assert!(matches!(
+            read_head::<RequestHead, _>(&mut &b[..], 8).await,
+            Err(HeadError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            encode_head(&h, 8),
+            Err(HeadError::TooLarge { .. })
+        ));
+        assert!(read_head::<RequestHead, _>(&mut &b[..b.len() - 1], 1024)
+            .await
+            .is_err());
     }
 
     #[test]

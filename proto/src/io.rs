@@ -37,11 +37,17 @@ pub struct FrameReader {
 impl FrameReader {
     /// A reader that refuses frames over `max` bytes.
     pub fn new(max: usize) -> Self {
-        FrameReader { buf: BytesMut::with_capacity(16 * 1024), max }
+        FrameReader {
+            buf: BytesMut::with_capacity(16 * 1024),
+            max,
+        }
     }
 
     /// The next frame; `Ok(None)` at a clean end of the stream. Cancel-safe.
-    pub async fn next<R: AsyncRead + Unpin>(&mut self, r: &mut R) -> Result<Option<Frame>, TransportError> {
+    pub async fn next<R: AsyncRead + Unpin>(
+        &mut self,
+        r: &mut R,
+    ) -> Result<Option<Frame>, TransportError> {
         loop {
             if let Some(f) = frame::decode(&mut self.buf, self.max)? {
                 return Ok(Some(f));
@@ -53,7 +59,11 @@ impl FrameReader {
                 if self.buf.is_empty() {
                     return Ok(None);
                 }
-                return Err(FrameError::Truncated { have: self.buf.len(), need: 0 }.into());
+                return Err(FrameError::Truncated {
+                    have: self.buf.len(),
+                    need: 0,
+                }
+                .into());
             }
         }
     }
@@ -64,7 +74,10 @@ impl FrameReader {
     /// did not decode yet, then the rest of `r`. Used when the caller read
     /// the first frame itself and hands the stream on.
     pub fn into_prefixed<R: AsyncRead + Unpin>(self, r: R) -> Prefixed<R> {
-        Prefixed { buf: self.buf, inner: r }
+        Prefixed {
+            buf: self.buf,
+            inner: r,
+        }
     }
 }
 
@@ -76,7 +89,11 @@ pub struct Prefixed<R> {
 }
 
 impl<R: AsyncRead + Unpin> AsyncRead for Prefixed<R> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         if !self.buf.is_empty() {
             let n = self.buf.len().min(out.remaining());
             let chunk = self.buf.split_to(n);
@@ -88,7 +105,11 @@ impl<R: AsyncRead + Unpin> AsyncRead for Prefixed<R> {
 }
 
 /// Writes one frame.
-pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, f: &Frame, max: usize) -> Result<(), TransportError> {
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    f: &Frame,
+    max: usize,
+) -> Result<(), TransportError> {
     let bytes = frame::encode_to_bytes(f, max)?;
     w.write_all(&bytes).await?;
     Ok(())
@@ -130,7 +151,11 @@ impl SharedStream {
     /// Wraps a fresh stream state.
     pub fn new(state: StreamState) -> Arc<Self> {
         Arc::new(SharedStream {
-            inner: Mutex::new(Inner { state, read_waker: None, write_waker: None }),
+            inner: Mutex::new(Inner {
+                state,
+                read_waker: None,
+                write_waker: None,
+            }),
             tx: Notify::new(),
             rx_room: Notify::new(),
             done: Notify::new(),
@@ -218,7 +243,8 @@ pub struct StreamReset {
 impl StreamReset {
     /// The reset behind an I/O error, if it is one.
     pub fn from_io(e: &io::Error) -> Option<&StreamReset> {
-        e.get_ref().and_then(|inner| inner.downcast_ref::<StreamReset>())
+        e.get_ref()
+            .and_then(|inner| inner.downcast_ref::<StreamReset>())
     }
 }
 
@@ -227,11 +253,21 @@ fn reset_error(code: ResetCode, message: &str) -> io::Error {
         ResetCode::Cancelled => io::ErrorKind::ConnectionAborted,
         _ => io::ErrorKind::ConnectionReset,
     };
-    io::Error::new(kind, StreamReset { code, message: message.to_string() })
+    io::Error::new(
+        kind,
+        StreamReset {
+            code,
+            message: message.to_string(),
+        },
+    )
 }
 
 impl AsyncRead for ResumableIo {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         let shared = &self.shared;
         let mut g = shared.lock();
         match g.state.read(buf.remaining()) {
@@ -255,14 +291,21 @@ impl AsyncRead for ResumableIo {
 }
 
 impl AsyncWrite for ResumableIo {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         let shared = &self.shared;
         let mut g = shared.lock();
         if let Some((code, msg)) = g.state.reset_reason() {
             return Poll::Ready(Err(reset_error(code, msg)));
         }
         if g.state.is_finished() {
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "stream already shut down")));
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "stream already shut down",
+            )));
         }
         if buf.is_empty() {
             return Poll::Ready(Ok(0));
@@ -359,9 +402,16 @@ where
     write_frame(send, &ours, max_frame).await?;
     let mut reader = FrameReader::new(max_frame);
     let (delivered, fin_received) = match peer {
-        PeerAttach::Known { delivered, fin_received } => (delivered, fin_received),
+        PeerAttach::Known {
+            delivered,
+            fin_received,
+        } => (delivered, fin_received),
         PeerAttach::Read => match reader.next(recv).await? {
-            Some(Frame::Attach { delivered, fin_received, .. }) => (delivered, fin_received),
+            Some(Frame::Attach {
+                delivered,
+                fin_received,
+                ..
+            }) => (delivered, fin_received),
             Some(other) => return Err(TransportError::NoAttach(other.kind())),
             None => return Err(TransportError::Closed),
         },
@@ -410,7 +460,11 @@ async fn receive_loop<R: AsyncRead + Unpin>(
                 }
             }
             None => {
-                return if shared.is_done() { Ok(()) } else { Err(TransportError::Closed) };
+                return if shared.is_done() {
+                    Ok(())
+                } else {
+                    Err(TransportError::Closed)
+                };
             }
         }
     }
@@ -464,17 +518,23 @@ mod tests {
     use std::time::Duration;
     use tokio::io::{duplex, split};
 
-    const L: StreamLimits = StreamLimits { replay_bytes: 64 * 1024, recv_bytes: 64 * 1024, max_payload: 8 * 1024 };
+    const L: StreamLimits = StreamLimits {
+        replay_bytes: 64 * 1024,
+        recv_bytes: 64 * 1024,
+        max_payload: 8 * 1024,
+    };
+
+    type Driver = tokio::task::JoinHandle<Result<(), TransportError>>;
 
     fn pair() -> (Arc<SharedStream>, Arc<SharedStream>) {
-        (SharedStream::new(StreamState::new(5, L)), SharedStream::new(StreamState::new(5, L)))
+        (
+            SharedStream::new(StreamState::new(5, L)),
+            SharedStream::new(StreamState::new(5, L)),
+        )
     }
 
     /// Connects both ends over an in-memory transport; returns the drivers.
-    fn connect(
-        a: &Arc<SharedStream>,
-        b: &Arc<SharedStream>,
-    ) -> (tokio::task::JoinHandle<Result<(), TransportError>>, tokio::task::JoinHandle<Result<(), TransportError>>) {
+    fn connect(a: &Arc<SharedStream>, b: &Arc<SharedStream>) -> (Driver, Driver) {
         let (x, y) = duplex(16 * 1024);
         let (xr, xw) = split(x);
         let (yr, yw) = split(y);
@@ -543,11 +603,20 @@ mod tests {
         let (a, b) = pair();
         let (_da, _db) = connect(&a, &b);
         let mut ib = ResumableIo::new(b.clone());
-        a.reset(ResetCode::KubeletUnreachable, "dial tcp 127.0.0.1:10350: connection refused");
+        a.reset(
+            ResetCode::KubeletUnreachable,
+            "dial tcp 127.0.0.1:10350: connection refused",
+        );
         let mut buf = [0u8; 8];
-        let err = tokio::time::timeout(Duration::from_secs(5), ib.read(&mut buf)).await.unwrap().unwrap_err();
+        let err = tokio::time::timeout(Duration::from_secs(5), ib.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap_err();
         assert!(err.to_string().contains("connection refused"), "{err}");
-        assert_eq!(StreamReset::from_io(&err).unwrap().code, ResetCode::KubeletUnreachable);
+        assert_eq!(
+            StreamReset::from_io(&err).unwrap().code,
+            ResetCode::KubeletUnreachable
+        );
     }
 
     #[tokio::test]

@@ -45,8 +45,14 @@ impl Default for Limits {
 impl Limits {
     /// Checks that the bounds are consistent with each other.
     pub fn validate(&self) -> Result<(), String> {
-        if self.max_data_payload == 0 || self.replay_buffer_bytes == 0 || self.recv_buffer_bytes == 0 {
-            return Err("max-data-payload, replay-buffer-bytes and recv-buffer-bytes must be positive".into());
+        if self.max_data_payload == 0
+            || self.replay_buffer_bytes == 0
+            || self.recv_buffer_bytes == 0
+        {
+            return Err(
+                "max-data-payload, replay-buffer-bytes and recv-buffer-bytes must be positive"
+                    .into(),
+            );
         }
         if self.max_data_payload.saturating_add(64) > self.max_frame_bytes {
             return Err(format!(
@@ -78,7 +84,11 @@ mod tests {
 
     #[test]
     fn payload_larger_than_frame_is_rejected() {
-        let l = Limits { max_frame_bytes: 1000, max_data_payload: 1000, ..Limits::default() };
+        let l = Limits {
+            max_frame_bytes: 1000,
+            max_data_payload: 1000,
+            ..Limits::default()
+        };
         assert!(l.validate().unwrap_err().contains("max-data-payload"));
     }
 }

@@ -46,7 +46,8 @@ impl QuicSettings {
     /// The quinn transport configuration for these settings.
     pub fn transport(&self) -> Result<quinn::TransportConfig, String> {
         let mut t = quinn::TransportConfig::default();
-        let idle = quinn::IdleTimeout::try_from(self.idle_timeout).map_err(|e| format!("idle timeout: {e}"))?;
+        let idle = quinn::IdleTimeout::try_from(self.idle_timeout)
+            .map_err(|e| format!("idle timeout: {e}"))?;
         t.max_idle_timeout(Some(idle));
         if self.keep_alive >= self.idle_timeout {
             return Err(format!(
@@ -87,7 +88,13 @@ fn set_buffers(sock: &UdpSocket, buffer: usize) {
         // SAFETY: fd is a valid socket for the lifetime of `sock`; the option
         // value is a plain int of the size passed.
         unsafe {
-            setsockopt(fd, SOL_SOCKET, opt, &size as *const i32 as *const _, std::mem::size_of::<i32>() as u32);
+            setsockopt(
+                fd,
+                SOL_SOCKET,
+                opt,
+                &size as *const i32 as *const _,
+                std::mem::size_of::<i32>() as u32,
+            );
         }
     }
 }
@@ -106,7 +113,10 @@ mod tests {
 
     #[test]
     fn keep_alive_must_be_below_idle() {
-        let s = QuicSettings { keep_alive: Duration::from_secs(40), ..QuicSettings::default() };
+        let s = QuicSettings {
+            keep_alive: Duration::from_secs(40),
+            ..QuicSettings::default()
+        };
         assert!(s.transport().is_err());
         QuicSettings::default().transport().unwrap();
     }

@@ -35,7 +35,11 @@ impl StreamKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route<'a> {
     /// `/exec|attach|portForward|containerLogs/{ns}/{pod}/…`: routed by the pod.
-    Pod { kind: StreamKind, namespace: &'a str, pod: &'a str },
+    Pod {
+        kind: StreamKind,
+        namespace: &'a str,
+        pod: &'a str,
+    },
     /// Node-wide paths: routed by node name, SNI or `Host`.
     Node { kind: StreamKind },
 }
@@ -61,7 +65,11 @@ pub fn classify(path: &str) -> Option<Route<'_>> {
         if n < min || n > max || !segs[1..].iter().all(|s| valid_segment(s)) {
             return None;
         }
-        Some(Route::Pod { kind, namespace: segs[1], pod: segs[2] })
+        Some(Route::Pod {
+            kind,
+            namespace: segs[1],
+            pod: segs[2],
+        })
     };
     match segs[0] {
         // {ns}/{pod}/{container} or {ns}/{pod}/{uid}/{container}
@@ -72,19 +80,31 @@ pub fn classify(path: &str) -> Option<Route<'_>> {
         // {ns}/{pod}/{container}
         "containerLogs" => pod_scoped(StreamKind::Logs, 3, 3),
         // /logs/ and /logs/{path}
-        "logs" if segs.len() >= 2 && segs[1..].iter().all(|s| *s != "..") => Some(Route::Node { kind: StreamKind::Logs }),
+        "logs" if segs.len() >= 2 && segs[1..].iter().all(|s| *s != "..") => Some(Route::Node {
+            kind: StreamKind::Logs,
+        }),
         "metrics" => match &segs[1..] {
-            [] | ["cadvisor"] | ["resource"] | ["probes"] | ["slis"] => Some(Route::Node { kind: StreamKind::Metrics }),
+            [] | ["cadvisor"] | ["resource"] | ["probes"] | ["slis"] => Some(Route::Node {
+                kind: StreamKind::Metrics,
+            }),
             _ => None,
         },
         "stats" => match &segs[1..] {
-            ["summary"] => Some(Route::Node { kind: StreamKind::Metrics }),
+            ["summary"] => Some(Route::Node {
+                kind: StreamKind::Metrics,
+            }),
             _ => None,
         },
-        "pods" if segs.len() == 1 => Some(Route::Node { kind: StreamKind::Other }),
-        "runningpods" if segs.len() == 2 && segs[1].is_empty() => Some(Route::Node { kind: StreamKind::Other }),
+        "pods" if segs.len() == 1 => Some(Route::Node {
+            kind: StreamKind::Other,
+        }),
+        "runningpods" if segs.len() == 2 && segs[1].is_empty() => Some(Route::Node {
+            kind: StreamKind::Other,
+        }),
         "healthz" => match &segs[1..] {
-            [] | ["ping"] | ["log"] | ["syncloop"] => Some(Route::Node { kind: StreamKind::Other }),
+            [] | ["ping"] | ["log"] | ["syncloop"] => Some(Route::Node {
+                kind: StreamKind::Other,
+            }),
             _ => None,
         },
         _ => None,
@@ -99,15 +119,32 @@ mod tests {
     fn pod_scoped_paths() {
         assert_eq!(
             classify("/exec/default/p1/c1"),
-            Some(Route::Pod { kind: StreamKind::Exec, namespace: "default", pod: "p1" })
+            Some(Route::Pod {
+                kind: StreamKind::Exec,
+                namespace: "default",
+                pod: "p1"
+            })
         );
         assert_eq!(
             classify("/attach/ns/p/uid-1/c"),
-            Some(Route::Pod { kind: StreamKind::Attach, namespace: "ns", pod: "p" })
+            Some(Route::Pod {
+                kind: StreamKind::Attach,
+                namespace: "ns",
+                pod: "p"
+            })
         );
-        assert_eq!(classify("/portForward/ns/p").map(|r| r.kind()), Some(StreamKind::PortForward));
-        assert_eq!(classify("/portForward/ns/p/uid").map(|r| r.kind()), Some(StreamKind::PortForward));
-        assert_eq!(classify("/containerLogs/ns/p/c").map(|r| r.kind()), Some(StreamKind::Logs));
+        assert_eq!(
+            classify("/portForward/ns/p").map(|r| r.kind()),
+            Some(StreamKind::PortForward)
+        );
+        assert_eq!(
+            classify("/portForward/ns/p/uid").map(|r| r.kind()),
+            Some(StreamKind::PortForward)
+        );
+        assert_eq!(
+            classify("/containerLogs/ns/p/c").map(|r| r.kind()),
+            Some(StreamKind::Logs)
+        );
         assert_eq!(classify("/exec/ns/p"), None);
         assert_eq!(classify("/exec/ns/p/u/c/x"), None);
         assert_eq!(classify("/exec/ns//c"), None);
@@ -135,7 +172,19 @@ mod tests {
 
     #[test]
     fn everything_else_is_not_forwarded() {
-        for p in ["/", "", "/run/ns/p/c", "/configz", "/debug/pprof/heap", "/checkpoint/ns/p/c", "/metrics/x", "/logs/../etc", "/logs", "/pods/x", "exec/ns/p/c"] {
+        for p in [
+            "/",
+            "",
+            "/run/ns/p/c",
+            "/configz",
+            "/debug/pprof/heap",
+            "/checkpoint/ns/p/c",
+            "/metrics/x",
+            "/logs/../etc",
+            "/logs",
+            "/pods/x",
+            "exec/ns/p/c",
+        ] {
             assert_eq!(classify(p), None, "{p}");
         }
     }

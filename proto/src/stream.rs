@@ -189,7 +189,12 @@ impl StreamState {
     /// transmit. A second reset, or a reset after the peer's, changes nothing.
     pub fn reset(&mut self, code: ResetCode, message: impl Into<String>) {
         if self.reset.is_none() {
-            self.reset = Some(ResetState { code, message: message.into(), local: true, sent: false });
+            self.reset = Some(ResetState {
+                code,
+                message: message.into(),
+                local: true,
+                sent: false,
+            });
         }
     }
 
@@ -264,7 +269,10 @@ impl StreamState {
     /// Drops acknowledged bytes from the replay buffer.
     fn apply_ack(&mut self, delivered: u64, fin_received: bool) -> Result<(), StreamError> {
         if delivered > self.written {
-            return Err(StreamError::AckBeyondWritten { acked: delivered, written: self.written });
+            return Err(StreamError::AckBeyondWritten {
+                acked: delivered,
+                written: self.written,
+            });
         }
         if fin_received && (!self.fin || delivered != self.written) {
             return Err(StreamError::FinAckedEarly);
@@ -287,17 +295,25 @@ impl StreamState {
     pub fn on_frame(&mut self, frame: Frame) -> Result<(), StreamError> {
         if let Some(id) = frame.stream_id() {
             if id != self.id {
-                return Err(StreamError::WrongStream { expected: self.id, got: id });
+                return Err(StreamError::WrongStream {
+                    expected: self.id,
+                    got: id,
+                });
             }
         }
         match frame {
-            Frame::Data { offset, payload, .. } => {
+            Frame::Data {
+                offset, payload, ..
+            } => {
                 if self.reset.is_some() {
                     return Ok(());
                 }
                 let end = offset + payload.len() as u64;
                 if offset > self.received {
-                    return Err(StreamError::Gap { expected: self.received, got: offset });
+                    return Err(StreamError::Gap {
+                        expected: self.received,
+                        got: offset,
+                    });
                 }
                 if let Some(e) = self.peer_end {
                     if end > e {
@@ -314,7 +330,11 @@ impl StreamState {
                 }
                 Ok(())
             }
-            Frame::Ack { delivered, fin_received, .. } => self.apply_ack(delivered, fin_received),
+            Frame::Ack {
+                delivered,
+                fin_received,
+                ..
+            } => self.apply_ack(delivered, fin_received),
             Frame::End { offset, .. } => {
                 if offset < self.received {
                     return Err(StreamError::DataAfterEnd { end: offset });
@@ -335,7 +355,12 @@ impl StreamState {
             }
             Frame::Reset { code, message, .. } => {
                 if self.reset.is_none() {
-                    self.reset = Some(ResetState { code, message, local: false, sent: true });
+                    self.reset = Some(ResetState {
+                        code,
+                        message,
+                        local: false,
+                        sent: true,
+                    });
                 }
                 Ok(())
             }
@@ -345,7 +370,11 @@ impl StreamState {
 
     /// The `Attach` frame to send first on a new transport.
     pub fn attach_frame(&self) -> Frame {
-        Frame::Attach { stream: self.id, delivered: self.delivered, fin_received: self.fin_received() }
+        Frame::Attach {
+            stream: self.id,
+            delivered: self.delivered,
+            fin_received: self.fin_received(),
+        }
     }
 
     /// The transport under this stream is gone; stop transmitting.
@@ -360,9 +389,16 @@ impl StreamState {
 
     /// The peer's `Attach` arrived on a new transport: resume transmitting
     /// from what it has delivered.
-    pub fn attach(&mut self, peer_delivered: u64, peer_fin_received: bool) -> Result<(), StreamError> {
+    pub fn attach(
+        &mut self,
+        peer_delivered: u64,
+        peer_fin_received: bool,
+    ) -> Result<(), StreamError> {
         if peer_delivered < self.acked {
-            return Err(StreamError::PeerLostState { peer: peer_delivered, acked: self.acked });
+            return Err(StreamError::PeerLostState {
+                peer: peer_delivered,
+                acked: self.acked,
+            });
         }
         self.apply_ack(peer_delivered, peer_fin_received)?;
         self.sent = peer_delivered;
@@ -386,7 +422,11 @@ impl StreamState {
         if let Some(r) = &mut self.reset {
             if r.local && !r.sent {
                 r.sent = true;
-                return Some(Frame::Reset { stream: self.id, code: r.code, message: r.message.clone() });
+                return Some(Frame::Reset {
+                    stream: self.id,
+                    code: r.code,
+                    message: r.message.clone(),
+                });
             }
             return None;
         }
@@ -396,7 +436,11 @@ impl StreamState {
             if fin_received {
                 self.fin_ack_sent = true;
             }
-            return Some(Frame::Ack { stream: self.id, delivered: self.delivered, fin_received });
+            return Some(Frame::Ack {
+                stream: self.id,
+                delivered: self.delivered,
+                fin_received,
+            });
         }
         if self.sent < self.written {
             let start = (self.sent - self.acked) as usize;
@@ -404,11 +448,18 @@ impl StreamState {
             let payload: Vec<u8> = self.replay.range(start..start + len).copied().collect();
             let offset = self.sent;
             self.sent += len as u64;
-            return Some(Frame::Data { stream: self.id, offset, payload: Bytes::from(payload) });
+            return Some(Frame::Data {
+                stream: self.id,
+                offset,
+                payload: Bytes::from(payload),
+            });
         }
         if self.fin && !self.fin_sent {
             self.fin_sent = true;
-            return Some(Frame::End { stream: self.id, offset: self.written });
+            return Some(Frame::End {
+                stream: self.id,
+                offset: self.written,
+            });
         }
         None
     }
@@ -433,7 +484,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const L: StreamLimits = StreamLimits { replay_bytes: 64, recv_bytes: 64, max_payload: 16 };
+    const L: StreamLimits = StreamLimits {
+        replay_bytes: 64,
+        recv_bytes: 64,
+        max_payload: 16,
+    };
 
     fn pair() -> (StreamState, StreamState) {
         let mut a = StreamState::new(1, L);
@@ -466,11 +521,19 @@ mod tests {
         assert_eq!(a.write(&[7u8; 100]), 64, "replay buffer caps writes");
         assert_eq!(a.write_room(), 0);
         pump(&mut a, &mut b);
-        assert_eq!(a.write_room(), 0, "sent but unacknowledged bytes still count");
+        assert_eq!(
+            a.write_room(),
+            0,
+            "sent but unacknowledged bytes still count"
+        );
         let (got, eof) = read_all(&mut b);
         assert_eq!((got.len(), eof), (64, false));
         pump(&mut b, &mut a);
-        assert_eq!(a.write_room(), 64, "ack of delivered bytes frees the buffer");
+        assert_eq!(
+            a.write_room(),
+            64,
+            "ack of delivered bytes frees the buffer"
+        );
     }
 
     #[test]
@@ -482,9 +545,23 @@ mod tests {
         while a.poll_transmit().is_some() {}
         a.detach();
         b.detach();
-        let Frame::Attach { delivered, fin_received, .. } = b.attach_frame() else { unreachable!() };
+        let Frame::Attach {
+            delivered,
+            fin_received,
+            ..
+        } = b.attach_frame()
+        else {
+            unreachable!()
+        };
         a.attach(delivered, fin_received).unwrap();
-        let Frame::Attach { delivered, fin_received, .. } = a.attach_frame() else { unreachable!() };
+        let Frame::Attach {
+            delivered,
+            fin_received,
+            ..
+        } = a.attach_frame()
+        else {
+            unreachable!()
+        };
         b.attach(delivered, fin_received).unwrap();
         pump(&mut a, &mut b);
         assert_eq!(read_all(&mut b), (b"hello world".to_vec(), true));
@@ -493,12 +570,22 @@ mod tests {
     #[test]
     fn duplicates_are_dropped_and_gaps_refused() {
         let (_, mut b) = pair();
-        let d = |o: u64, p: &'static [u8]| Frame::Data { stream: 1, offset: o, payload: Bytes::from_static(p) };
+        let d = |o: u64, p: &'static [u8]| Frame::Data {
+            stream: 1,
+            offset: o,
+            payload: Bytes::from_static(p),
+        };
         b.on_frame(d(0, b"abc")).unwrap();
         b.on_frame(d(1, b"bcde")).unwrap();
         b.on_frame(d(0, b"ab")).unwrap();
         assert_eq!(read_all(&mut b).0, b"abcde");
-        assert_eq!(b.on_frame(d(9, b"x")), Err(StreamError::Gap { expected: 5, got: 9 }));
+        assert_eq!(
+            b.on_frame(d(9, b"x")),
+            Err(StreamError::Gap {
+                expected: 5,
+                got: 9
+            })
+        );
     }
 
     #[test]
@@ -506,15 +593,38 @@ mod tests {
         let (mut a, _) = pair();
         a.write(b"abc");
         assert!(matches!(
-            a.on_frame(Frame::Ack { stream: 1, delivered: 4, fin_received: false }),
+            a.on_frame(Frame::Ack {
+                stream: 1,
+                delivered: 4,
+                fin_received: false
+            }),
             Err(StreamError::AckBeyondWritten { .. })
         ));
-        assert_eq!(a.on_frame(Frame::Ack { stream: 1, delivered: 3, fin_received: true }), Err(StreamError::FinAckedEarly));
-        a.on_frame(Frame::Ack { stream: 1, delivered: 2, fin_received: false }).unwrap();
+        assert_eq!(
+            a.on_frame(Frame::Ack {
+                stream: 1,
+                delivered: 3,
+                fin_received: true
+            }),
+            Err(StreamError::FinAckedEarly)
+        );
+        a.on_frame(Frame::Ack {
+            stream: 1,
+            delivered: 2,
+            fin_received: false,
+        })
+        .unwrap();
         a.detach();
-        assert_eq!(a.attach(0, false), Err(StreamError::PeerLostState { peer: 0, acked: 2 }));
+        assert_eq!(
+            a.attach(0, false),
+            Err(StreamError::PeerLostState { peer: 0, acked: 2 })
+        );
         assert!(matches!(
-            a.on_frame(Frame::Ack { stream: 2, delivered: 0, fin_received: false }),
+            a.on_frame(Frame::Ack {
+                stream: 2,
+                delivered: 0,
+                fin_received: false
+            }),
             Err(StreamError::WrongStream { .. })
         ));
     }
@@ -541,7 +651,10 @@ mod tests {
         pump(&mut a, &mut b);
         assert!(a.is_done());
         assert!(b.is_done());
-        assert_eq!(b.read(10), ReadOutcome::Reset(ResetCode::KubeletUnreachable, "connection refused".into()));
+        assert_eq!(
+            b.read(10),
+            ReadOutcome::Reset(ResetCode::KubeletUnreachable, "connection refused".into())
+        );
     }
 
     #[test]
@@ -596,7 +709,13 @@ mod tests {
 
     impl Side {
         fn new() -> Self {
-            Side { s: StreamState::new(9, L), wrote: vec![], read: vec![], eof: false, counter: 0 }
+            Side {
+                s: StreamState::new(9, L),
+                wrote: vec![],
+                read: vec![],
+                eof: false,
+                counter: 0,
+            }
         }
         fn write(&mut self, n: usize) {
             let data: Vec<u8> = (0..n).map(|i| self.counter.wrapping_add(i as u8)).collect();
@@ -619,8 +738,18 @@ mod tests {
         ba.clear();
         a.s.detach();
         b.s.detach();
-        let (Frame::Attach { delivered: ad, fin_received: af, .. }, Frame::Attach { delivered: bd, fin_received: bf, .. }) =
-            (a.s.attach_frame(), b.s.attach_frame())
+        let (
+            Frame::Attach {
+                delivered: ad,
+                fin_received: af,
+                ..
+            },
+            Frame::Attach {
+                delivered: bd,
+                fin_received: bf,
+                ..
+            },
+        ) = (a.s.attach_frame(), b.s.attach_frame())
         else {
             unreachable!()
         };

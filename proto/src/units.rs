@@ -7,17 +7,25 @@ use std::time::Duration;
 /// seconds).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 500ms, 10s, 5m)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (e.g. 500ms, 10s, 5m)"))?;
     let secs = match unit.trim() {
         "ms" => n / 1000.0,
         "" | "s" => n,
         "m" => n * 60.0,
         "h" => n * 3600.0,
-        u => return Err(format!("{s:?}: unknown duration unit {u:?} (use ms, s, m or h)")),
+        u => {
+            return Err(format!(
+                "{s:?}: unknown duration unit {u:?} (use ms, s, m or h)"
+            ))
+        }
     };
-    if !secs.is_finite() || secs < 0.0 || secs > 1e9 {
+    if !secs.is_finite() || !(0.0..=1e9).contains(&secs) {
         return Err(format!("{s:?} is out of range"));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -28,15 +36,22 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size (e.g. 65536, 64KiB, 1MiB)"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 65536, 64KiB, 1MiB)"))?;
     let mult = match unit.trim() {
         "" | "B" => 1,
         "KiB" | "K" | "k" => 1024,
         "MiB" | "M" => 1024 * 1024,
         "GiB" | "G" => 1024 * 1024 * 1024,
-        u => return Err(format!("{s:?}: unknown size unit {u:?} (use B, KiB, MiB or GiB)")),
+        u => {
+            return Err(format!(
+                "{s:?}: unknown size unit {u:?} (use B, KiB, MiB or GiB)"
+            ))
+        }
     };
-    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))
 }
 
 /// Parses a byte size that must fit in `u32`.

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: installs what it needs, checks
+# formatting and lints, builds every binary, runs every test. `.ci/run` calls this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+
+echo "== build (binaries are needed by the end-to-end tests)"
+cargo build --workspace --bins --tests
+
+echo "== clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+echo "== tests"
+cargo test --workspace --no-fail-fast 2>&1 | tee target/test-output.txt
+status=${PIPESTATUS[0]}
+
+# Closing line: totals across every test binary.
+awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "all test binaries: %d passed, %d failed, %d ignored\n", p, f, i }' target/test-output.txt
+exit "$status"
