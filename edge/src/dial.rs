@@ -141,17 +141,75 @@ impl Dialer {
         }
     }
 
-    async fn connect_once(&mut self) -> Ended {
-        let handshake = tokio::time::timeout(self.cfg.handshake_timeout, self.handshake()).await;
-        let (conn, mut send, welcome) = match handshake {
-            Ok(Ok(x)) => x,
-            Ok(Err(e)) => return Ended::Failed(e),
-            Err(_) => {
-                return Ended::Failed(anyhow::anyhow!(
-                    "no welcome within {:?}",
-                    self.cfg.handshake_timeout
-                ))
+    /// Handshakes with overlapping attempts: a new attempt starts every
+    /// `--reconnect-max` while older ones are still waiting (each bounded by
+    /// `--handshake-timeout`), so an attempt whose packets were lost in an
+    /// outage never delays the reconnect once the link is back.
+    async fn establish(&self) -> anyhow::Result<(quinn::Connection, quinn::SendStream, Welcome)> {
+        const MAX_IN_FLIGHT: usize = 4;
+        let mut attempts = tokio::task::JoinSet::new();
+        let mut last_error = None;
+        let deadline = tokio::time::Instant::now() + self.cfg.handshake_timeout;
+        loop {
+            if attempts.len() < MAX_IN_FLIGHT && tokio::time::Instant::now() < deadline {
+                let this = self.attempt_ctx();
+                let limit = self.cfg.handshake_timeout;
+                attempts.spawn(async move {
+                    tokio::time::timeout(limit, this.handshake())
+                        .await
+                        .map_err(|_| anyhow::anyhow!("no welcome within {limit:?}"))?
+                });
             }
+            if attempts.is_empty() {
+                return Err(
+                    last_error.unwrap_or_else(|| anyhow::anyhow!("no handshake attempt succeeded"))
+                );
+            }
+            tokio::select! {
+                done = attempts.join_next() => match done {
+                    Some(Ok(Ok(x))) => return Ok(x),
+                    Some(Ok(Err(e))) => {
+                        // A definite answer (refused, TLS error) ends the round;
+                        // a timeout leaves the other attempts running.
+                        if is_timeout(&e) && !attempts.is_empty() {
+                            last_error = Some(e);
+                            continue;
+                        }
+                        return Err(e);
+                    }
+                    Some(Err(e)) => last_error = Some(anyhow::anyhow!("handshake task failed: {e}")),
+                    None => {}
+                },
+                _ = tokio::time::sleep(self.cfg.reconnect_max) => {}
+            }
+        }
+    }
+
+    fn attempt_ctx(&self) -> Attempt {
+        Attempt {
+            endpoint: self.endpoint.clone(),
+            client: self.client.clone(),
+            cloud: self.cfg.cloud.clone(),
+            server_name: self.cfg.server_name.clone(),
+            hello: Hello {
+                versions: vec![PROTOCOL_VERSION],
+                node: self.node.clone(),
+                addresses: self
+                    .cfg
+                    .announce_addresses
+                    .clone()
+                    .unwrap_or_else(crate::addrs::host_addresses),
+                resume: self.token,
+                limits: self.cfg.limits,
+            },
+            max: self.cfg.limits.max_frame_bytes as usize,
+        }
+    }
+
+    async fn connect_once(&mut self) -> Ended {
+        let (conn, mut send, welcome) = match self.establish().await {
+            Ok(x) => x,
+            Err(e) => return Ended::Failed(e),
         };
         self.grace = Duration::from_millis(welcome.grace_ms);
         self.token = Some(welcome.resume_token);
@@ -193,37 +251,40 @@ impl Dialer {
         }
         Ended::AfterWelcome
     }
+}
 
-    async fn handshake(&self) -> anyhow::Result<(quinn::Connection, quinn::SendStream, Welcome)> {
-        let addr = lookup_host(&self.cfg.cloud)
+fn is_timeout(e: &anyhow::Error) -> bool {
+    e.to_string().starts_with("no welcome within")
+}
+
+/// What one handshake attempt needs (owned, so attempts can overlap).
+struct Attempt {
+    endpoint: quinn::Endpoint,
+    client: quinn::ClientConfig,
+    cloud: String,
+    server_name: String,
+    hello: Hello,
+    max: usize,
+}
+
+impl Attempt {
+    async fn handshake(self) -> anyhow::Result<(quinn::Connection, quinn::SendStream, Welcome)> {
+        let addr = lookup_host(&self.cloud)
             .await
-            .with_context(|| format!("resolving {}", self.cfg.cloud))?
+            .with_context(|| format!("resolving {}", self.cloud))?
             .next()
-            .with_context(|| format!("{} resolves to no address", self.cfg.cloud))?;
+            .with_context(|| format!("{} resolves to no address", self.cloud))?;
         let conn = self
             .endpoint
-            .connect_with(self.client.clone(), addr, &self.cfg.server_name)
+            .connect_with(self.client.clone(), addr, &self.server_name)
             .context("starting the QUIC handshake")?
             .await
             .with_context(|| format!("QUIC handshake with {addr}"))?;
         let (mut send, mut recv) = conn.open_bi().await.context("opening the control stream")?;
-        let addresses = self
-            .cfg
-            .announce_addresses
-            .clone()
-            .unwrap_or_else(crate::addrs::host_addresses);
-        let hello = Hello {
-            versions: vec![PROTOCOL_VERSION],
-            node: self.node.clone(),
-            addresses,
-            resume: self.token,
-            limits: self.cfg.limits,
-        };
-        let max = self.cfg.limits.max_frame_bytes as usize;
-        write_frame(&mut send, &Frame::Hello(hello), max)
+        write_frame(&mut send, &Frame::Hello(self.hello), self.max)
             .await
             .context("sending the hello")?;
-        let mut reader = FrameReader::new(max);
+        let mut reader = FrameReader::new(self.max);
         match reader
             .next(&mut recv)
             .await

@@ -23,9 +23,15 @@ use crate::forward::Forward;
 /// stream is refused rather than mistaken for a new one.
 const ENDED_MEMORY: usize = 4096;
 
+/// A live stream and the task currently driving it over a transport.
+struct Live {
+    shared: Arc<SharedStream>,
+    driver: Option<tokio::task::AbortHandle>,
+}
+
 #[derive(Default)]
 struct Table {
-    live: HashMap<StreamId, Arc<SharedStream>>,
+    live: HashMap<StreamId, Live>,
     ended: HashSet<StreamId>,
     ended_order: VecDeque<StreamId>,
 }
@@ -78,7 +84,7 @@ impl EdgeStreams {
     pub fn end_all(&self, reason: &str) {
         let all: Vec<_> = {
             let mut t = self.map();
-            let all = t.live.drain().map(|(_, s)| s).collect();
+            let all = t.live.drain().map(|(_, l)| l.shared).collect();
             *t = Table::default();
             all
         };
@@ -119,7 +125,10 @@ impl EdgeStreams {
         // Otherwise the cloud re-attaches a stream this edge no longer holds.
         let (existing, ended) = {
             let t = self.map();
-            (t.live.get(&id).cloned(), t.ended.contains(&id))
+            (
+                t.live.get(&id).map(|l| l.shared.clone()),
+                t.ended.contains(&id),
+            )
         };
         let shared = match existing {
             Some(s) => {
@@ -129,7 +138,13 @@ impl EdgeStreams {
             None if delivered == 0 && !fin_received && !ended => {
                 let shared =
                     SharedStream::new(StreamState::new(id, StreamLimits::from(&self.limits)));
-                self.map().live.insert(id, shared.clone());
+                self.map().live.insert(
+                    id,
+                    Live {
+                        shared: shared.clone(),
+                        driver: None,
+                    },
+                );
                 let io = ResumableIo::new(shared.clone());
                 let span = tracing::info_span!("stream", node = %self.node, stream = id);
                 tokio::spawn(self.forward.clone().run(io).instrument(span));
@@ -167,7 +182,29 @@ impl EdgeStreams {
         // Frames the reader already buffered past the attach are replayed by
         // chaining its buffer in front of the QUIC stream.
         let recv = reader.into_prefixed(recv);
-        match drive(shared.clone(), recv, send, peer, max).await {
+        // One driver per stream: a re-attach replaces (aborts) a driver still
+        // blocked on the dead connection.
+        let task = tokio::spawn(drive(shared.clone(), recv, send, peer, max));
+        {
+            let mut t = self.map();
+            match t.live.get_mut(&id) {
+                Some(live) => {
+                    if let Some(old) = live.driver.replace(task.abort_handle()) {
+                        old.abort();
+                    }
+                }
+                None => {
+                    // Ended meanwhile (session reset): nothing to drive.
+                    task.abort();
+                    return;
+                }
+            }
+        }
+        let result = match task.await {
+            Ok(r) => r,
+            Err(_) => return, // replaced by a newer attach
+        };
+        match result {
             Ok(()) => {
                 self.map().end(id);
                 debug!(node = %self.node, stream = id, "stream done");

@@ -104,7 +104,8 @@ impl LogArgs {
             .map_err(|e| format!("--log {:?}: {e}", self.log))?;
         let builder = tracing_subscriber::fmt()
             .with_env_filter(filter)
-            .with_writer(std::io::stderr);
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
         let r = if self.log_format == "json" {
             builder.json().try_init()
         } else {
