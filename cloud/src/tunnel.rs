@@ -188,7 +188,9 @@ async fn handle(
         "edge connected"
     );
     let control = control_loop(registry.clone(), session.clone(), recv, reader);
+    let migrations = watch_migration(&conn, &node);
     tokio::select! {
+        () = migrations => {}
         r = control => {
             if let Err(e) = r {
                 warn!(node = %node, error = format!("{e:#}"), "control stream failed; closing the connection");
@@ -220,6 +222,20 @@ async fn handle(
         });
     }
     Ok(())
+}
+
+/// Logs each time the edge's address changes under a live connection (QUIC
+/// migration: the connection and its streams carry on).
+async fn watch_migration(conn: &quinn::Connection, node: &str) {
+    let mut last = conn.remote_address();
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = conn.remote_address();
+        if now != last {
+            info!(node, from = %last, to = %now, "edge migrated to a new address");
+            last = now;
+        }
+    }
 }
 
 fn check_hello(hello: &Hello, node: &str) -> Option<String> {

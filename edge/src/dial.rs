@@ -75,15 +75,7 @@ impl Dialer {
             .context("QUIC TLS configuration")?;
         let mut client = quinn::ClientConfig::new(Arc::new(crypto));
         client.transport_config(cfg.quic.transport_arc().map_err(anyhow::Error::msg)?);
-        let bind: std::net::SocketAddr = "[::]:0".parse().context("bind address")?;
-        let socket = tether_proto::quic::bind_udp(bind, cfg.quic.udp_buffer)
-            .or_else(|_| {
-                tether_proto::quic::bind_udp(
-                    "0.0.0.0:0".parse().expect("valid literal address"),
-                    cfg.quic.udp_buffer,
-                )
-            }) // ok: literal
-            .context("binding the UDP socket")?;
+        let socket = bind_client_socket(cfg.quic.udp_buffer).context("binding the UDP socket")?;
         let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
         let endpoint =
             quinn::Endpoint::new(quinn::EndpointConfig::default(), None, socket, runtime)
@@ -240,8 +232,10 @@ impl Dialer {
                 }
             }
         };
+        let watcher = watch_addresses(&self.endpoint, self.cfg.quic.udp_buffer, &self.node);
         tokio::select! {
             e = acceptor => info!(node = %self.node, reason = %e, "connection to the cloud lost"),
+            () = watcher => {}
             r = reporter => {
                 if let Err(e) = r {
                     warn!(node = %self.node, error = format!("{e:#}"), "control stream failed");
@@ -250,6 +244,40 @@ impl Dialer {
             }
         }
         Ended::AfterWelcome
+    }
+}
+
+/// A UDP socket for the client endpoint: dual-stack where the host has IPv6,
+/// else IPv4.
+fn bind_client_socket(udp_buffer: usize) -> std::io::Result<std::net::UdpSocket> {
+    use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+    tether_proto::quic::bind_udp(SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)), udp_buffer).or_else(
+        |_| tether_proto::quic::bind_udp(SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)), udp_buffer),
+    )
+}
+
+/// Watches the host's addresses (a cheap check every second); when they
+/// change, moves the QUIC endpoint to a fresh socket so the connection
+/// migrates to the new path at once (quinn sends a PING from the new address
+/// and the cloud follows), instead of waiting for the old path to time out.
+async fn watch_addresses(endpoint: &quinn::Endpoint, udp_buffer: usize, node: &str) {
+    let mut known = crate::addrs::host_addresses();
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = crate::addrs::host_addresses();
+        if now == known {
+            continue;
+        }
+        info!(node, old = ?known, new = ?now, "local addresses changed; rebinding the QUIC socket to migrate the connection");
+        known = now;
+        match bind_client_socket(udp_buffer) {
+            Ok(sock) => {
+                if let Err(e) = endpoint.rebind(sock) {
+                    warn!(node, error = %e, "rebinding the QUIC socket failed");
+                }
+            }
+            Err(e) => warn!(node, error = %e, "binding a new UDP socket failed"),
+        }
     }
 }
 

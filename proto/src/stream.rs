@@ -445,7 +445,7 @@ impl StreamState {
         if self.sent < self.written {
             let start = (self.sent - self.acked) as usize;
             let len = ((self.written - self.sent) as usize).min(self.limits.max_payload);
-            let payload: Vec<u8> = self.replay.range(start..start + len).copied().collect();
+            let payload = copy_range(&self.replay, start, len);
             let offset = self.sent;
             self.sent += len as u64;
             return Some(Frame::Data {
@@ -479,10 +479,41 @@ impl StreamState {
     }
 }
 
+/// Copies `len` bytes starting at `start` out of a ring buffer.
+fn copy_range(ring: &VecDeque<u8>, start: usize, len: usize) -> Vec<u8> {
+    let (a, b) = ring.as_slices();
+    let mut out = Vec::with_capacity(len);
+    let end = start + len;
+    if start < a.len() {
+        out.extend_from_slice(&a[start..end.min(a.len())]);
+    }
+    if end > a.len() {
+        out.extend_from_slice(&b[start.saturating_sub(a.len())..end - a.len()]);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn copy_range_spans_the_ring_seam() {
+        let mut ring: VecDeque<u8> = VecDeque::with_capacity(8);
+        ring.extend([9, 9, 9, 9, 9, 9]);
+        ring.drain(..5);
+        ring.extend([1, 2, 3, 4, 5]);
+        let all: Vec<u8> = ring.iter().copied().collect();
+        for start in 0..all.len() {
+            for len in 0..=all.len() - start {
+                assert_eq!(
+                    copy_range(&ring, start, len),
+                    all[start..start + len].to_vec()
+                );
+            }
+        }
+    }
 
     const L: StreamLimits = StreamLimits {
         replay_bytes: 64,
