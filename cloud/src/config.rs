@@ -68,6 +68,12 @@ pub struct CloudArgs {
     /// Concurrent apiserver connections.
     #[arg(long, env = "TETHER_MAX_APISERVER_CONNECTIONS", default_value_t = 4096)]
     pub max_apiserver_connections: usize,
+    /// Address of the operations listener (`/metrics`, `/healthz`, `/readyz`, `/status`).
+    #[arg(long, env = "TETHER_METRICS_LISTEN", default_value = "0.0.0.0:9090")]
+    pub metrics_listen: SocketAddr,
+    /// On SIGTERM, how long open streams may finish before edges are disconnected.
+    #[arg(long, env = "TETHER_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
     /// Concurrent edge connections (handshaking or established).
     #[arg(long, env = "TETHER_MAX_EDGES", default_value_t = 20000)]
     pub max_edges: usize,
@@ -98,6 +104,8 @@ pub struct CloudConfig {
     pub max_http_header_bytes: usize,
     pub max_apiserver_connections: usize,
     pub max_edges: usize,
+    pub metrics_listen: SocketAddr,
+    pub shutdown_grace: Duration,
     pub limits: Limits,
     pub quic: QuicSettings,
 }
@@ -131,6 +139,8 @@ impl CloudArgs {
             max_http_header_bytes: self.max_http_header_bytes as usize,
             max_apiserver_connections: self.max_apiserver_connections,
             max_edges: self.max_edges,
+            metrics_listen: self.metrics_listen,
+            shutdown_grace: self.shutdown_grace,
             limits,
             quic,
         })

@@ -34,6 +34,7 @@ use tokio::io::{AsyncWriteExt, ReadHalf};
 use tracing::{debug, info, warn, Instrument};
 
 use crate::config::CloudConfig;
+use crate::metrics::{CloudMetrics, OpenStream};
 use crate::registry::{node_from_forwarded_uri, Registry, RouteError};
 use crate::session::OpenError;
 
@@ -52,6 +53,23 @@ pub type ResBody = BoxBody<Bytes, std::io::Error>;
 pub struct Forwarder {
     cfg: Arc<CloudConfig>,
     registry: Arc<Registry>,
+    metrics: CloudMetrics,
+}
+
+/// Marks a response the cloud answered itself (for the refusal metric).
+#[derive(Clone, Copy)]
+struct CloudAnswered;
+
+fn refusal_reason(status: StatusCode) -> &'static str {
+    match status {
+        StatusCode::NOT_FOUND => "not_found",
+        StatusCode::CONFLICT => "ambiguous",
+        StatusCode::BAD_GATEWAY => "edge_unavailable",
+        StatusCode::GATEWAY_TIMEOUT => "edge_timeout",
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => "head_too_large",
+        StatusCode::SERVICE_UNAVAILABLE => "too_many_streams",
+        _ => "other",
+    }
 }
 
 fn error_response(status: StatusCode, message: impl std::fmt::Display) -> Response<ResBody> {
@@ -61,6 +79,7 @@ fn error_response(status: StatusCode, message: impl std::fmt::Display) -> Respon
             .map_err(|never| match never {})
             .boxed(),
     );
+    r.extensions_mut().insert(CloudAnswered);
     *r.status_mut() = status;
     r.headers_mut().insert(
         http::header::CONTENT_TYPE,
@@ -101,16 +120,29 @@ fn upgrade_of(req: &Request<Incoming>) -> Option<HeaderValue> {
 }
 
 impl Forwarder {
-    pub fn new(cfg: Arc<CloudConfig>, registry: Arc<Registry>) -> Self {
-        Forwarder { cfg, registry }
+    pub fn new(cfg: Arc<CloudConfig>, registry: Arc<Registry>, metrics: CloudMetrics) -> Self {
+        Forwarder {
+            cfg,
+            registry,
+            metrics,
+        }
     }
 
     /// Handles one request; always produces a response.
-    pub async fn handle(
-        &self,
-        mut req: Request<Incoming>,
-        conn: Arc<ConnInfo>,
-    ) -> Response<ResBody> {
+    pub async fn handle(&self, req: Request<Incoming>, conn: Arc<ConnInfo>) -> Response<ResBody> {
+        let started = std::time::Instant::now();
+        let resp = self.forward(req, conn).await;
+        if resp.extensions().get::<CloudAnswered>().is_some() {
+            self.metrics.refuse(refusal_reason(resp.status()));
+        } else {
+            self.metrics
+                .stream_open_seconds
+                .observe(started.elapsed().as_secs_f64());
+        }
+        resp
+    }
+
+    async fn forward(&self, mut req: Request<Incoming>, conn: Arc<ConnInfo>) -> Response<ResBody> {
         let path = req.uri().path().to_string();
         let Some(route) = classify(&path) else {
             return error_response(
@@ -163,6 +195,8 @@ impl Forwarder {
             }
             Err(e @ OpenError::Ended { .. }) => return error_response(StatusCode::BAD_GATEWAY, e),
         };
+        let io = io.with_counters(self.metrics.bytes.clone());
+        let open_guard = self.metrics.stream_opened(kind);
         let span =
             tracing::info_span!("request", node = %session.node, stream = id, kind = kind.as_str());
         async move {
@@ -239,6 +273,7 @@ impl Forwarder {
                 let io = rd.unsplit(wr);
                 tokio::spawn(
                     async move {
+                        let _open = open_guard;
                         let upgraded = match on_upgrade.await {
                             Ok(u) => u,
                             Err(e) => {
@@ -263,7 +298,14 @@ impl Forwarder {
                     .unwrap_or_else(|e| error_response(StatusCode::BAD_GATEWAY, e));
             }
             drop(wr);
-            let body = StreamBody { rd, shared, done: false, buf: BytesMut::new(), node: session.node.clone() };
+            let body = StreamBody {
+                rd,
+                shared,
+                done: false,
+                buf: BytesMut::new(),
+                node: session.node.clone(),
+                _open: open_guard,
+            };
             builder.body(body.boxed()).unwrap_or_else(|e| error_response(StatusCode::BAD_GATEWAY, e))
         }
         .instrument(span)
@@ -340,6 +382,8 @@ struct StreamBody {
     done: bool,
     buf: BytesMut,
     node: String,
+    /// Keeps the stream counted as open while the body streams.
+    _open: OpenStream,
 }
 
 impl Body for StreamBody {

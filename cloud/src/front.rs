@@ -27,11 +27,16 @@ pub struct Front {
     acceptor: TlsAcceptor,
     cfg: Arc<CloudConfig>,
     registry: Arc<Registry>,
+    metrics: crate::metrics::CloudMetrics,
 }
 
 impl Front {
     /// Loads certificates and binds the TCP listener.
-    pub async fn bind(cfg: Arc<CloudConfig>, registry: Arc<Registry>) -> anyhow::Result<Front> {
+    pub async fn bind(
+        cfg: Arc<CloudConfig>,
+        registry: Arc<Registry>,
+        metrics: crate::metrics::CloudMetrics,
+    ) -> anyhow::Result<Front> {
         let tls = crate::tls::front_server_config(&cfg)?;
         if cfg.apiserver_client_ca.is_none() {
             warn!("--insecure-skip-client-auth: ANYONE who reaches {} can exec into edge pods; local development only", cfg.kubelet_listen);
@@ -44,6 +49,7 @@ impl Front {
             acceptor: TlsAcceptor::from(Arc::new(tls)),
             cfg,
             registry,
+            metrics,
         })
     }
 
@@ -59,6 +65,7 @@ impl Front {
         let ctx = Arc::new(forward::Forwarder::new(
             self.cfg.clone(),
             self.registry.clone(),
+            self.metrics.clone(),
         ));
         loop {
             let (tcp, peer) = match self.listener.accept().await {

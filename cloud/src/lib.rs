@@ -13,11 +13,14 @@
 //! - [`tunnel`]: the QUIC listener for edges: mutual TLS, hello/welcome,
 //!   resume, pod reports, connection loss and grace expiry;
 //! - [`tls`]: rustls configurations for both listeners;
+//! - [`metrics`]: the Prometheus metrics, registered in one place (served
+//!   with `/healthz`, `/readyz` and `/status` by [`tether_proto::ops`]);
 //! - [`config`]: the typed configuration `main` parses once.
 
 pub mod config;
 pub mod forward;
 pub mod front;
+pub mod metrics;
 pub mod registry;
 pub mod session;
 pub mod tls;
@@ -26,46 +29,182 @@ pub mod tunnel;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use anyhow::Context;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-/// A running cloud: both listeners bound.
+use anyhow::Context;
+use tracing::info;
+
+/// A running cloud: all listeners bound.
 pub struct Cloud {
     pub tunnel_addr: SocketAddr,
     pub kubelet_api_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
     pub registry: Arc<registry::Registry>,
+    pub metrics: metrics::CloudMetrics,
+    endpoint: quinn::Endpoint,
+    shutting_down: Arc<AtomicBool>,
+    shutdown_grace: std::time::Duration,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
 }
 
 impl Cloud {
-    /// Binds both listeners and starts serving.
+    /// Binds all listeners and starts serving.
     pub async fn start(cfg: config::CloudConfig) -> anyhow::Result<Cloud> {
         let cfg = Arc::new(cfg);
         let registry = Arc::new(registry::Registry::new(cfg.grace));
+        let mut prom = prometheus_client::registry::Registry::default();
+        let metrics = metrics::CloudMetrics::register(&mut prom);
+        let shutting_down = Arc::new(AtomicBool::new(false));
         let endpoint = tunnel::bind(&cfg).context("starting the QUIC listener for edges")?;
         let tunnel_addr = endpoint
             .local_addr()
             .context("reading the QUIC listener's address")?;
-        let front = front::Front::bind(cfg.clone(), registry.clone())
+        let front = front::Front::bind(cfg.clone(), registry.clone(), metrics.clone())
             .await
             .context("starting the kubelet-API listener")?;
         let kubelet_api_addr = front.local_addr()?;
+        let ops_listener = tokio::net::TcpListener::bind(cfg.metrics_listen)
+            .await
+            .with_context(|| format!("binding the metrics listener {}", cfg.metrics_listen))?;
+        let metrics_addr = ops_listener
+            .local_addr()
+            .context("reading the metrics listener's address")?;
+        let sd = shutting_down.clone();
+        let reg = registry.clone();
+        let ops = tether_proto::ops::Ops {
+            registry: prom,
+            ready: Box::new(move || {
+                if sd.load(Ordering::Relaxed) {
+                    Err("shutting down".into())
+                } else {
+                    Ok(())
+                }
+            }),
+            status: Some(Box::new(move || status_json(&reg))),
+        };
         let mut tasks = tokio::task::JoinSet::new();
-        tasks.spawn(tunnel::serve(endpoint, cfg.clone(), registry.clone()));
+        tasks.spawn(tunnel::serve(
+            endpoint.clone(),
+            cfg.clone(),
+            registry.clone(),
+            metrics.clone(),
+        ));
         tasks.spawn(front.serve());
+        tasks.spawn(async move {
+            tether_proto::ops::serve(ops_listener, Arc::new(ops))
+                .await
+                .context("metrics listener failed")
+        });
+        tasks.spawn(sample_edges(registry.clone(), metrics.clone()));
         Ok(Cloud {
             tunnel_addr,
             kubelet_api_addr,
+            metrics_addr,
             registry,
+            metrics,
+            endpoint,
+            shutting_down,
+            shutdown_grace: cfg.shutdown_grace,
             tasks,
         })
     }
 
     /// Runs until a listener fails.
-    pub async fn run(mut self) -> anyhow::Result<()> {
+    pub async fn run(&mut self) -> anyhow::Result<()> {
         match self.tasks.join_next().await {
             Some(Ok(r)) => r,
             Some(Err(e)) => Err(anyhow::anyhow!("listener task failed: {e}")),
             None => Ok(()),
         }
+    }
+
+    /// Graceful shutdown: stop admitting edges and report not-ready, let open
+    /// streams finish for up to `--shutdown-grace`, then close every edge
+    /// connection with the shutdown code (edges reconnect, to another replica
+    /// behind the same address) and stop.
+    pub async fn shutdown(mut self) {
+        self.shutting_down.store(true, Ordering::Relaxed);
+        self.endpoint.set_server_config(None);
+        let open =
+            |r: &registry::Registry| r.sessions().iter().map(|s| s.open_streams()).sum::<usize>();
+        info!(streams = open(&self.registry), grace = ?self.shutdown_grace, "shutting down: draining open streams");
+        let deadline = tokio::time::Instant::now() + self.shutdown_grace;
+        while open(&self.registry) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        for s in self.registry.sessions() {
+            s.end(
+                tether_proto::frame::ResetCode::Shutdown,
+                "the cloud is shutting down",
+            );
+        }
+        self.endpoint.close(
+            tether_proto::handshake::close_code::SHUTDOWN.into(),
+            b"cloud shutting down",
+        );
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
+            .await;
+        self.tasks.abort_all();
+        info!("shut down");
+    }
+}
+
+/// The `/status` document: connected nodes with addresses, RTT and connected-since.
+fn status_json(registry: &registry::Registry) -> serde_json::Value {
+    let nodes: Vec<_> = registry
+        .sessions()
+        .iter()
+        .map(|s| {
+            let (connected, rtt_ms, remote) = match s.connection() {
+                Some(c) => (
+                    true,
+                    Some(c.rtt().as_secs_f64() * 1e3),
+                    Some(c.remote_address().to_string()),
+                ),
+                None => (false, None, None),
+            };
+            let since = s
+                .connected_since()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            serde_json::json!({
+                "node": s.node,
+                "session": s.id.to_string(),
+                "connected": connected,
+                "remote": remote,
+                "addresses": s.addresses(),
+                "rtt_ms": rtt_ms,
+                "connected_since_unix": since,
+                "open_streams": s.open_streams(),
+            })
+        })
+        .collect();
+    serde_json::json!({ "nodes": nodes })
+}
+
+/// Samples RTT and loss of every connected edge every 10 s.
+async fn sample_edges(
+    registry: Arc<registry::Registry>,
+    metrics: metrics::CloudMetrics,
+) -> anyhow::Result<()> {
+    let mut lost: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+        let sessions = registry.sessions();
+        metrics.sessions.set(sessions.len() as i64);
+        let mut seen = std::collections::HashMap::new();
+        for s in sessions {
+            if let Some(c) = s.connection() {
+                metrics.edge_rtt_seconds.observe(c.rtt().as_secs_f64());
+                let now = c.stats().path.lost_packets;
+                let before = lost.get(&s.node).copied().unwrap_or(0);
+                if now > before {
+                    metrics.edge_lost_packets.inc_by(now - before);
+                }
+                seen.insert(s.node.clone(), now);
+            }
+        }
+        lost = seen;
     }
 }

@@ -1,4 +1,5 @@
-//! `tether-cloud`: parses flags, starts the cloud, prints a ready line.
+//! `tether-cloud`: parses flags, starts the cloud, prints a ready line, and
+//! shuts down gracefully on SIGTERM or Ctrl-C.
 
 use anyhow::Context;
 use clap::Parser;
@@ -12,16 +13,18 @@ async fn main() -> anyhow::Result<()> {
         .into_config()
         .map_err(anyhow::Error::msg)
         .context("invalid configuration")?;
-    let cloud = tether_cloud::Cloud::start(cfg).await?;
+    let mut cloud = tether_cloud::Cloud::start(cfg).await?;
     println!(
-        "tether-cloud ready tunnel={} kubelet-api={}",
-        cloud.tunnel_addr, cloud.kubelet_api_addr
+        "tether-cloud ready tunnel={} kubelet-api={} metrics={}",
+        cloud.tunnel_addr, cloud.kubelet_api_addr, cloud.metrics_addr
     );
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
     tokio::select! {
-        r = cloud.run() => r,
-        _ = tokio::signal::ctrl_c() => {
-            tracing::info!("interrupted; exiting");
-            Ok(())
-        }
+        r = cloud.run() => return r,
+        _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),
+        _ = term.recv() => tracing::info!("SIGTERM"),
     }
+    cloud.shutdown().await;
+    Ok(())
 }

@@ -26,6 +26,7 @@ use tokio::sync::Semaphore;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::config::CloudConfig;
+use crate::metrics::CloudMetrics;
 use crate::registry::Registry;
 use crate::session::{Link, Session};
 
@@ -50,6 +51,7 @@ pub async fn serve(
     endpoint: quinn::Endpoint,
     cfg: Arc<CloudConfig>,
     registry: Arc<Registry>,
+    metrics: CloudMetrics,
 ) -> anyhow::Result<()> {
     let slots = Arc::new(Semaphore::new(cfg.max_edges));
     while let Some(incoming) = endpoint.accept().await {
@@ -60,10 +62,11 @@ pub async fn serve(
         };
         let cfg = cfg.clone();
         let registry = registry.clone();
+        let metrics = metrics.clone();
         let remote = incoming.remote_address();
         tokio::spawn(
             async move {
-                if let Err(e) = handle(incoming, &cfg, &registry).await {
+                if let Err(e) = handle(incoming, &cfg, &registry, &metrics).await {
                     warn!(error = format!("{e:#}"), "edge connection failed");
                 }
                 drop(permit);
@@ -113,6 +116,7 @@ async fn handle(
     incoming: quinn::Incoming,
     cfg: &CloudConfig,
     registry: &Arc<Registry>,
+    metrics: &CloudMetrics,
 ) -> anyhow::Result<()> {
     let max = cfg.limits.max_frame_bytes as usize;
     let handshake = async {
@@ -187,8 +191,13 @@ async fn handle(
         addresses = ?hello.addresses,
         "edge connected"
     );
+    metrics.edges_connected.inc();
+    if resumed {
+        metrics.resumes.inc();
+    }
+    metrics.sessions.set(registry.sessions().len() as i64);
     let control = control_loop(registry.clone(), session.clone(), recv, reader);
-    let migrations = watch_migration(&conn, &node);
+    let migrations = watch_migration(&conn, &node, metrics);
     tokio::select! {
         () = migrations => {}
         r = control => {
@@ -202,7 +211,18 @@ async fn handle(
             debug!(node = %node, %reason, "edge connection closed");
         }
     }
-    if session.connection_lost(gen) {
+    metrics.edges_connected.dec();
+    let edge_shut_down = matches!(
+        conn.close_reason(),
+        Some(quinn::ConnectionError::ApplicationClosed(ref c)) if c.error_code == quinn::VarInt::from_u32(close_code::SHUTDOWN)
+    );
+    if edge_shut_down && session.connection_lost(gen) {
+        // A clean edge shutdown: nothing will resume these streams.
+        info!(node = %node, session = %session.id, "edge shut down; ending its session");
+        registry.remove(&session);
+        session.end(ResetCode::Shutdown, &format!("edge {node} shut down"));
+        metrics.sessions.set(registry.sessions().len() as i64);
+    } else if session.connection_lost(gen) {
         info!(node = %node, session = %session.id, reason = %conn.close_reason().map(|r| r.to_string()).unwrap_or_default(), grace = ?cfg.grace, streams = session.open_streams(), "edge disconnected; keeping its streams for a resume");
         let registry = registry.clone();
         let grace = cfg.grace;
@@ -226,13 +246,14 @@ async fn handle(
 
 /// Logs each time the edge's address changes under a live connection (QUIC
 /// migration: the connection and its streams carry on).
-async fn watch_migration(conn: &quinn::Connection, node: &str) {
+async fn watch_migration(conn: &quinn::Connection, node: &str, metrics: &CloudMetrics) {
     let mut last = conn.remote_address();
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let now = conn.remote_address();
         if now != last {
             info!(node, from = %last, to = %now, "edge migrated to a new address");
+            metrics.migrations.inc();
             last = now;
         }
     }

@@ -81,6 +81,9 @@ pub struct EdgeArgs {
     /// Largest reconnect delay (kept low so the edge is back soon after the link).
     #[arg(long, env = "TETHER_RECONNECT_MAX", default_value = "1s", value_parser = parse_duration)]
     pub reconnect_max: Duration,
+    /// Address of the operations listener (`/metrics`, `/healthz`, `/readyz`).
+    #[arg(long, env = "TETHER_METRICS_LISTEN", default_value = "127.0.0.1:9091")]
+    pub metrics_listen: std::net::SocketAddr,
     /// Time allowed for the QUIC handshake and the welcome.
     #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handshake_timeout: Duration,
@@ -116,6 +119,7 @@ pub struct EdgeConfig {
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
     pub handshake_timeout: Duration,
+    pub metrics_listen: std::net::SocketAddr,
     pub limits: Limits,
     pub quic: QuicSettings,
 }
@@ -177,6 +181,7 @@ impl EdgeArgs {
             reconnect_min: self.reconnect_min,
             reconnect_max: self.reconnect_max,
             handshake_timeout: self.handshake_timeout,
+            metrics_listen: self.metrics_listen,
             limits,
             quic,
         })

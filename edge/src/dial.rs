@@ -29,6 +29,7 @@ use tracing::{debug, info, warn};
 use crate::config::EdgeConfig;
 use crate::forward::Forward;
 use crate::kubelet::KubeletTarget;
+use crate::metrics::EdgeMetrics;
 use crate::streams::EdgeStreams;
 
 /// The edge's connection loop and session memory.
@@ -42,6 +43,7 @@ pub struct Dialer {
     token: Option<ResumeToken>,
     grace: Duration,
     disconnected_since: Option<Instant>,
+    metrics: EdgeMetrics,
 }
 
 /// How a connection ended.
@@ -58,7 +60,7 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 impl Dialer {
     /// Loads certificates and binds the UDP socket.
-    pub fn new(cfg: EdgeConfig) -> anyhow::Result<Dialer> {
+    pub fn new(cfg: EdgeConfig, metrics: EdgeMetrics) -> anyhow::Result<Dialer> {
         let chain = tether_certs::pem::load_certs(&cfg.cert).context("loading --cert")?;
         let node = tether_certs::node_name_from_cert(&chain[0])
             .context("reading the node name from --cert")?;
@@ -85,7 +87,7 @@ impl Dialer {
             target: target.clone(),
             limits: cfg.limits,
         });
-        let streams = EdgeStreams::new(node.clone(), cfg.limits, forward);
+        let streams = EdgeStreams::new(node.clone(), cfg.limits, forward, metrics.clone());
         Ok(Dialer {
             cfg,
             node,
@@ -96,7 +98,13 @@ impl Dialer {
             token: None,
             grace: Duration::from_secs(300),
             disconnected_since: None,
+            metrics,
         })
+    }
+
+    /// The QUIC endpoint (to close it on shutdown).
+    pub fn endpoint(&self) -> quinn::Endpoint {
+        self.endpoint.clone()
     }
 
     /// The node name from the certificate.
@@ -205,7 +213,13 @@ impl Dialer {
         };
         self.grace = Duration::from_millis(welcome.grace_ms);
         self.token = Some(welcome.resume_token);
+        self.metrics.connected.set(1);
+        self.metrics.connects.inc();
+        if welcome.resumed {
+            self.metrics.resumes.inc();
+        }
         if !welcome.resumed && !self.streams.is_empty() {
+            self.metrics.sessions_lost.inc();
             self.streams.end_all(
                 "the cloud did not resume the session (it restarted or the grace period ran out)",
             );
@@ -232,10 +246,22 @@ impl Dialer {
                 }
             }
         };
-        let watcher = watch_addresses(&self.endpoint, self.cfg.quic.udp_buffer, &self.node);
+        let watcher = watch_addresses(
+            &self.endpoint,
+            self.cfg.quic.udp_buffer,
+            &self.node,
+            &self.metrics,
+        );
+        let rtt = async {
+            loop {
+                self.metrics.rtt_seconds.set(conn.rtt().as_secs_f64());
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+        };
         tokio::select! {
             e = acceptor => info!(node = %self.node, reason = %e, "connection to the cloud lost"),
             () = watcher => {}
+            () = rtt => {}
             r = reporter => {
                 if let Err(e) = r {
                     warn!(node = %self.node, error = format!("{e:#}"), "control stream failed");
@@ -243,6 +269,7 @@ impl Dialer {
                 conn.close(close_code::PROTOCOL.into(), b"control stream failed");
             }
         }
+        self.metrics.connected.set(0);
         Ended::AfterWelcome
     }
 }
@@ -260,7 +287,12 @@ fn bind_client_socket(udp_buffer: usize) -> std::io::Result<std::net::UdpSocket>
 /// change, moves the QUIC endpoint to a fresh socket so the connection
 /// migrates to the new path at once (quinn sends a PING from the new address
 /// and the cloud follows), instead of waiting for the old path to time out.
-async fn watch_addresses(endpoint: &quinn::Endpoint, udp_buffer: usize, node: &str) {
+async fn watch_addresses(
+    endpoint: &quinn::Endpoint,
+    udp_buffer: usize,
+    node: &str,
+    metrics: &EdgeMetrics,
+) {
     let mut known = crate::addrs::host_addresses();
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -271,11 +303,12 @@ async fn watch_addresses(endpoint: &quinn::Endpoint, udp_buffer: usize, node: &s
         info!(node, old = ?known, new = ?now, "local addresses changed; rebinding the QUIC socket to migrate the connection");
         known = now;
         match bind_client_socket(udp_buffer) {
-            Ok(sock) => {
-                if let Err(e) = endpoint.rebind(sock) {
-                    warn!(node, error = %e, "rebinding the QUIC socket failed");
+            Ok(sock) => match endpoint.rebind(sock) {
+                Ok(()) => {
+                    metrics.migrations.inc();
                 }
-            }
+                Err(e) => warn!(node, error = %e, "rebinding the QUIC socket failed"),
+            },
             Err(e) => warn!(node, error = %e, "binding a new UDP socket failed"),
         }
     }

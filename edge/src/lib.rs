@@ -12,6 +12,7 @@
 //! - [`kubelet`]: the one kubelet endpoint the edge may reach (plain HTTP
 //!   edged-style or HTTPS with its own client certificate), and its `/pods`;
 //! - [`addrs`]: the addresses the edge announces by default;
+//! - [`metrics`]: the Prometheus metrics (served by [`tether_proto::ops`]);
 //! - [`config`]: the typed configuration `main` parses once.
 
 pub mod addrs;
@@ -19,4 +20,5 @@ pub mod config;
 pub mod dial;
 pub mod forward;
 pub mod kubelet;
+pub mod metrics;
 pub mod streams;

@@ -56,15 +56,22 @@ pub struct EdgeStreams {
     limits: Limits,
     forward: Arc<Forward>,
     node: String,
+    metrics: crate::metrics::EdgeMetrics,
 }
 
 impl EdgeStreams {
-    pub fn new(node: String, limits: Limits, forward: Arc<Forward>) -> Arc<Self> {
+    pub fn new(
+        node: String,
+        limits: Limits,
+        forward: Arc<Forward>,
+        metrics: crate::metrics::EdgeMetrics,
+    ) -> Arc<Self> {
         Arc::new(EdgeStreams {
             streams: Mutex::new(Table::default()),
             limits,
             forward,
             node,
+            metrics,
         })
     }
 
@@ -145,7 +152,9 @@ impl EdgeStreams {
                         driver: None,
                     },
                 );
-                let io = ResumableIo::new(shared.clone());
+                let io = ResumableIo::new(shared.clone()).with_counters(self.metrics.bytes.clone());
+                self.metrics.streams_total.inc();
+                self.metrics.streams_open.set(self.len() as i64);
                 let span = tracing::info_span!("stream", node = %self.node, stream = id);
                 tokio::spawn(self.forward.clone().run(io).instrument(span));
                 shared
@@ -207,6 +216,7 @@ impl EdgeStreams {
         match result {
             Ok(()) => {
                 self.map().end(id);
+                self.metrics.streams_open.set(self.len() as i64);
                 debug!(node = %self.node, stream = id, "stream done");
             }
             Err(e) => {

@@ -219,11 +219,21 @@ impl SharedStream {
 /// The application's end of a resumable stream.
 pub struct ResumableIo {
     shared: Arc<SharedStream>,
+    counters: Option<crate::ops::ByteCounters>,
 }
 
 impl ResumableIo {
     pub fn new(shared: Arc<SharedStream>) -> Self {
-        ResumableIo { shared }
+        ResumableIo {
+            shared,
+            counters: None,
+        }
+    }
+
+    /// Counts the bytes read and written through this handle.
+    pub fn with_counters(mut self, counters: crate::ops::ByteCounters) -> Self {
+        self.counters = Some(counters);
+        self
     }
 
     pub fn shared(&self) -> &Arc<SharedStream> {
@@ -273,6 +283,9 @@ impl AsyncRead for ResumableIo {
         match g.state.read(buf.remaining()) {
             ReadOutcome::Data(b) => {
                 buf.put_slice(&b);
+                if let Some(c) = &self.counters {
+                    c.received.inc_by(b.len() as u64);
+                }
                 shared.tx.notify_one();
                 shared.rx_room.notify_one();
                 Poll::Ready(Ok(()))
@@ -312,6 +325,9 @@ impl AsyncWrite for ResumableIo {
         }
         let n = g.state.write(buf);
         if n > 0 {
+            if let Some(c) = &self.counters {
+                c.sent.inc_by(n as u64);
+            }
             shared.tx.notify_one();
             return Poll::Ready(Ok(n));
         }

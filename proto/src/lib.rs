@@ -21,6 +21,8 @@
 //!   `AsyncRead + AsyncWrite` and drives it over a QUIC stream.
 //! - [`quic`]: QUIC transport settings both binaries share.
 //! - [`cli`]: flag groups both binaries share (limits, QUIC tuning, logging).
+//! - [`ops`]: the operations listener both binaries serve (`/metrics`,
+//!   `/healthz`, `/readyz`, `/status`).
 
 pub mod cli;
 pub mod frame;
@@ -28,6 +30,7 @@ pub mod handshake;
 pub mod head;
 pub mod io;
 pub mod limits;
+pub mod ops;
 pub mod quic;
 pub mod route;
 pub mod stream;

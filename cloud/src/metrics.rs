@@ -1,0 +1,145 @@
+//! The cloud's Prometheus metrics, registered in one place.
+//!
+//! Label cardinality is bounded: stream kinds and refusal reasons are fixed
+//! sets; per-edge RTT and loss are histograms/counters over all edges, not
+//! one series per node (the `/status` endpoint lists nodes individually).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tether_proto::ops::ByteCounters;
+use tether_proto::route::StreamKind;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
+}
+
+/// Every metric of `tether-cloud`.
+#[derive(Clone)]
+pub struct CloudMetrics {
+    pub edges_connected: Gauge,
+    pub sessions: Gauge,
+    pub streams_open: Family<KindLabel, Gauge>,
+    pub streams_total: Family<KindLabel, Counter>,
+    pub bytes: ByteCounters,
+    pub resumes: Counter,
+    pub migrations: Counter,
+    pub refused: Family<ReasonLabel, Counter>,
+    pub stream_open_seconds: Histogram,
+    pub edge_rtt_seconds: Histogram,
+    pub edge_lost_packets: Counter,
+}
+
+impl CloudMetrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn register(registry: &mut Registry) -> CloudMetrics {
+        let m = CloudMetrics {
+            edges_connected: Gauge::default(),
+            sessions: Gauge::default(),
+            streams_open: Family::default(),
+            streams_total: Family::default(),
+            bytes: ByteCounters::default(),
+            resumes: Counter::default(),
+            migrations: Counter::default(),
+            refused: Family::default(),
+            stream_open_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            edge_rtt_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            edge_lost_packets: Counter::default(),
+        };
+        let r = registry.sub_registry_with_prefix("tether_cloud");
+        r.register(
+            "edges_connected",
+            "Edges with a live QUIC connection",
+            m.edges_connected.clone(),
+        );
+        r.register(
+            "sessions",
+            "Edge sessions (connected or within their grace period)",
+            m.sessions.clone(),
+        );
+        r.register(
+            "streams_open",
+            "Open logical streams by kind",
+            m.streams_open.clone(),
+        );
+        r.register(
+            "streams",
+            "Logical streams opened, by kind",
+            m.streams_total.clone(),
+        );
+        r.register(
+            "bytes_to_apiserver",
+            "Bytes relayed from edges to the apiserver",
+            m.bytes.received.clone(),
+        );
+        r.register(
+            "bytes_to_edge",
+            "Bytes relayed from the apiserver to edges",
+            m.bytes.sent.clone(),
+        );
+        r.register(
+            "resumes",
+            "Sessions resumed with a resume token",
+            m.resumes.clone(),
+        );
+        r.register(
+            "migrations",
+            "Edge address changes under a live connection",
+            m.migrations.clone(),
+        );
+        r.register(
+            "refused_requests",
+            "Apiserver requests answered by the cloud itself, by reason",
+            m.refused.clone(),
+        );
+        r.register(
+            "stream_open_seconds",
+            "Time from the apiserver's request to the kubelet's response head",
+            m.stream_open_seconds.clone(),
+        );
+        r.register(
+            "edge_rtt_seconds",
+            "QUIC RTT of connected edges, sampled every 10 s",
+            m.edge_rtt_seconds.clone(),
+        );
+        r.register(
+            "edge_lost_packets",
+            "QUIC packets lost on edge connections",
+            m.edge_lost_packets.clone(),
+        );
+        m
+    }
+
+    /// Counts a new stream and returns the guard that keeps it in `streams_open`.
+    pub fn stream_opened(&self, kind: StreamKind) -> OpenStream {
+        let label = KindLabel {
+            kind: kind.as_str(),
+        };
+        self.streams_total.get_or_create(&label).inc();
+        let gauge = self.streams_open.get_or_create(&label).clone();
+        gauge.inc();
+        OpenStream(gauge)
+    }
+
+    pub fn refuse(&self, reason: &'static str) {
+        self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+}
+
+/// Decrements `streams_open` when the stream's relay ends.
+pub struct OpenStream(Gauge);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}

@@ -1,0 +1,166 @@
+//! The edge's side of bootstrap: `tether-edge join` — obtain this node's
+//! certificate from the cloud with a join token, trusting the cloud only
+//! through the CA pin.
+//!
+//! 1. Check the token's form and the pin locally; make a P-256 key and a CSR
+//!    naming the node. The key never leaves the device.
+//! 2. Dial the cloud over QUIC with ALPN `tether-join/1`, no client
+//!    certificate, and a verifier that accepts the cloud only if its chain
+//!    holds a CA whose public key hashes to the pin and its leaf chains to
+//!    that CA for the name dialled (`tether_certs::PinnedCaVerifier`). A wrong
+//!    pin fails the TLS handshake, so the token is never sent.
+//! 3. Send the `JoinRequest`, read the `JoinResponse`; check a grant (pinned
+//!    CA, the very CA the handshake verified; a client certificate for this
+//!    node and this key) before writing anything.
+//! 4. Write `node.key` (0600), `node.crt` and `ca.crt` into the output
+//!    directory, each atomically; the edge then starts with
+//!    `--cert node.crt --key node.key --ca ca.crt`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tether_certs::files::{write_public, write_secret};
+use tether_certs::join::{self, JoinRequest, JoinResponse};
+use tether_certs::{CaPin, JoinToken};
+use tracing::info;
+
+/// The files a join writes, by name inside the output directory.
+pub const NODE_KEY_FILE: &str = "node.key";
+pub const NODE_CERT_FILE: &str = "node.crt";
+pub const CA_CERT_FILE: &str = "ca.crt";
+
+/// How long the whole join may take.
+pub const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Where a successful join put its files.
+#[derive(Debug, Clone)]
+pub struct JoinedFiles {
+    pub key: PathBuf,
+    pub cert: PathBuf,
+    pub ca: PathBuf,
+}
+
+/// Joins `cloud` (`host:port`) as `node`; the TLS server name is the host.
+pub async fn join(
+    cloud: &str,
+    token: &str,
+    ca_pin: &str,
+    node: &str,
+    out_dir: &Path,
+) -> anyhow::Result<JoinedFiles> {
+    join_with_server_name(cloud, None, token, ca_pin, node, out_dir).await
+}
+
+/// The host part of `host:port`, `[v6]:port` or a bare host.
+fn host_of(cloud: &str) -> &str {
+    if let Some(rest) = cloud.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match cloud.rsplit_once(':') {
+        Some((host, _)) if !host.contains(':') => host,
+        _ => cloud,
+    }
+}
+
+/// As [`join`], verifying the cloud's certificate for `server_name` when the
+/// address dialled is not a name in it.
+pub async fn join_with_server_name(
+    cloud: &str,
+    server_name: Option<&str>,
+    token: &str,
+    ca_pin: &str,
+    node: &str,
+    out_dir: &Path,
+) -> anyhow::Result<JoinedFiles> {
+    // Everything that can be checked locally is, before any packet leaves.
+    let pin = CaPin::parse(ca_pin).context("--ca-pin")?;
+    JoinToken::parse(token).context("--token")?;
+    let request = tether_certs::make_edge_csr(node).context("--node")?;
+    let server_name = server_name.unwrap_or_else(|| host_of(cloud)).to_string();
+    tokio::time::timeout(JOIN_TIMEOUT, async {
+        let addr: SocketAddr = tokio::net::lookup_host(cloud)
+            .await
+            .with_context(|| format!("resolving --cloud {cloud}"))?
+            .next()
+            .with_context(|| format!("--cloud {cloud} resolves to no address"))?;
+        let (tls, verifier) = join::join_client_config(pin)?;
+        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
+            .context("QUIC TLS configuration")?;
+        let bind: SocketAddr = if addr.is_ipv6() {
+            "[::]:0".parse()?
+        } else {
+            "0.0.0.0:0".parse()?
+        };
+        let mut endpoint = quinn::Endpoint::client(bind).context("binding a UDP socket")?;
+        endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+        let conn = endpoint
+            .connect(addr, &server_name)
+            .with_context(|| format!("dialling {cloud} as {server_name:?}"))?
+            .await
+            .with_context(|| {
+                format!(
+                    "the cloud at {cloud} did not prove it holds the CA pinned by {pin} \
+                     for the name {server_name:?}; nothing was sent"
+                )
+            })?;
+        let (mut send, mut recv) = conn.open_bi().await.context("opening the join stream")?;
+        let req = JoinRequest {
+            token: token.trim().to_string(),
+            node: node.to_string(),
+            csr_pem: request.csr_pem.clone(),
+        };
+        send.write_all(&join::encode(&req)?)
+            .await
+            .context("sending the join request")?;
+        let _ = send.finish();
+        let mut prefix = [0u8; 4];
+        recv.read_exact(&mut prefix)
+            .await
+            .context("reading the cloud's answer")?;
+        let mut body = vec![0u8; join::decode_len(prefix)?];
+        recv.read_exact(&mut body)
+            .await
+            .context("reading the cloud's answer")?;
+        let answer: JoinResponse = join::decode(&body)?;
+        conn.close(0u32.into(), b"done");
+        let accepted = join::accept_grant(
+            node,
+            &request.key_pem,
+            &pin,
+            verifier.matched_ca().as_ref(),
+            answer,
+        )?;
+        std::fs::create_dir_all(out_dir)
+            .with_context(|| format!("creating {}", out_dir.display()))?;
+        let files = JoinedFiles {
+            key: out_dir.join(NODE_KEY_FILE),
+            cert: out_dir.join(NODE_CERT_FILE),
+            ca: out_dir.join(CA_CERT_FILE),
+        };
+        write_public(&files.ca, &accepted.ca_pem)?;
+        write_secret(&files.key, &request.key_pem)?;
+        write_public(&files.cert, &accepted.cert_pem)?;
+        let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+        info!(node, cloud, cert = %files.cert.display(), "joined: certificate written");
+        Ok(files)
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("join with {cloud} took over {JOIN_TIMEOUT:?}"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_of;
+
+    #[test]
+    fn hosts() {
+        assert_eq!(host_of("cloud.example:10004"), "cloud.example");
+        assert_eq!(host_of("10.0.0.1:10004"), "10.0.0.1");
+        assert_eq!(host_of("[::1]:10004"), "::1");
+        assert_eq!(host_of("cloud.example"), "cloud.example");
+        assert_eq!(host_of("::1"), "::1");
+    }
+}

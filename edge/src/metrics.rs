@@ -1,0 +1,79 @@
+//! The edge's Prometheus metrics, registered in one place.
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::{Gauge, Gauge as FloatGauge};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+use tether_proto::ops::ByteCounters;
+
+/// Every metric of `tether-edge`.
+#[derive(Clone, Default)]
+pub struct EdgeMetrics {
+    pub connected: Gauge,
+    pub connects: Counter,
+    pub resumes: Counter,
+    pub sessions_lost: Counter,
+    pub streams_open: Gauge,
+    pub streams_total: Counter,
+    pub migrations: Counter,
+    pub rtt_seconds: FloatGauge<f64, AtomicU64>,
+    pub bytes: ByteCounters,
+}
+
+impl EdgeMetrics {
+    pub fn register(registry: &mut Registry) -> EdgeMetrics {
+        let m = EdgeMetrics::default();
+        let r = registry.sub_registry_with_prefix("tether_edge");
+        r.register(
+            "connected",
+            "1 while connected to the cloud",
+            m.connected.clone(),
+        );
+        r.register(
+            "connects",
+            "Connections established to the cloud (first and reconnects)",
+            m.connects.clone(),
+        );
+        r.register(
+            "resumes",
+            "Reconnections that resumed the session",
+            m.resumes.clone(),
+        );
+        r.register(
+            "sessions_lost",
+            "Sessions whose streams ended because they could not be resumed",
+            m.sessions_lost.clone(),
+        );
+        r.register(
+            "streams_open",
+            "Open logical streams",
+            m.streams_open.clone(),
+        );
+        r.register(
+            "streams",
+            "Logical streams started",
+            m.streams_total.clone(),
+        );
+        r.register(
+            "migrations",
+            "Socket rebinds after local address changes",
+            m.migrations.clone(),
+        );
+        r.register(
+            "rtt_seconds",
+            "QUIC RTT to the cloud",
+            m.rtt_seconds.clone(),
+        );
+        r.register(
+            "bytes_to_cloud",
+            "Bytes sent to the cloud through streams",
+            m.bytes.sent.clone(),
+        );
+        r.register(
+            "bytes_to_kubelet",
+            "Bytes received from the cloud through streams",
+            m.bytes.received.clone(),
+        );
+        m
+    }
+}
