@@ -1,1 +1,52 @@
-//! placeholder
+//! # tether-tests — the harness behind Tether's end-to-end suite and demo
+//!
+//! Everything here runs the workspace's real binaries as processes, on loopback:
+//!
+//! ```text
+//! kubectl ──HTTPS──► apiserver-sim ──HTTPS (--kubelet-dial)──► tether-cloud
+//!                                        ◄── QUIC, mTLS ── tether-edge ──HTTP──► kubelet-sim
+//! ```
+//!
+//! - [`bins`]: finds the binaries in the target directory next to the running executable
+//!   and fails with a clear message when one is missing.
+//! - [`process`]: a child process killed on drop, its stdout read line by line (ready
+//!   lines are awaited with a bound), its stderr written to a log file.
+//! - [`pki`]: mints every certificate a cluster needs into its run directory.
+//! - [`cluster`]: starts a whole cluster — kubelet simulators, cloud, edges and the
+//!   apiserver stand-in — either through the tunnel or, behind one switch
+//!   ([`cluster::Mode`]), with the apiserver dialling the kubelets directly.
+//! - [`probe`]: a small HTTPS client that talks to the cloud's kubelet API as the
+//!   apiserver would, for readiness checks and routing assertions.
+//! - [`kubectl`]: which kubectl binaries are under test, and running them.
+//! - [`pty`]: running a program (kubectl exec -it) under a pseudo-terminal, typing into
+//!   it, reading what it prints and resizing its window.
+//! - [`podhttp`]: a tiny HTTP server "behind the pod" for port-forward, and a client.
+//! - [`report`]: running named cases concurrently under a time bound and summarising
+//!   the results per kubectl version.
+//!
+//! Every wait in this crate is bounded in time; a bound that expires is an error that
+//! says what was being waited for.
+
+pub mod bins;
+pub mod cluster;
+pub mod kubectl;
+pub mod pki;
+pub mod podhttp;
+pub mod probe;
+pub mod process;
+pub mod pty;
+pub mod report;
+
+/// SHA-256 of `data`, lower-case hex: how the suite compares large payloads.
+pub fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(data))
+}
+
+/// `n` random bytes.
+pub fn random_bytes(n: usize) -> Vec<u8> {
+    use rand::RngCore;
+    let mut v = vec![0u8; n];
+    rand::rng().fill_bytes(&mut v);
+    v
+}

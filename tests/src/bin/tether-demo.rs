@@ -1,0 +1,225 @@
+//! `tether-demo`: Tether end to end on loopback with a real kubectl, in one command
+//! (`scripts/demo.sh` builds the workspace and runs this).
+//!
+//! It mints every certificate, starts a kubelet simulator running pod `default/hello`
+//! on node `edge-1`, `tether-cloud`, a `tether-edge` for `edge-1`, and the apiserver
+//! stand-in whose kubelet connections all go to the cloud; writes a kubeconfig; runs
+//! `kubectl exec` and `kubectl logs` through the tunnel and prints what they printed;
+//! then keeps everything running and says how to use kubectl against it. Ctrl-C (or
+//! SIGTERM/SIGHUP) stops every process in order and removes the run directory.
+//!
+//! kubectl: `$KUBECTL`, else `/usr/lib/google-cloud-sdk/bin/kubectl.1.33`, else `kubectl`
+//! on `PATH`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use tether_tests::cluster::{Cluster, ClusterSpec, Mode, NodeSpec, PodSpec};
+use tether_tests::kubectl::{self, Kubectl, KubectlBin};
+use tokio::signal::unix::{signal, SignalKind};
+
+const NODE: &str = "edge-1";
+const POD: &str = "hello";
+const CONTAINER: &str = "app";
+
+fn main() -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("tether-demo: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(demo()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("tether-demo: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The kubectl the demo uses.
+async fn find_kubectl() -> Result<KubectlBin> {
+    let path = match std::env::var_os("KUBECTL") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ if Path::new(kubectl::KUBECTL_133).is_file() => PathBuf::from(kubectl::KUBECTL_133),
+        _ => std::env::var_os("PATH")
+            .and_then(|paths| {
+                std::env::split_paths(&paths)
+                    .map(|d| d.join("kubectl"))
+                    .find(|p| p.is_file())
+            })
+            .context(
+                "no kubectl found: install kubectl, or set KUBECTL=/path/to/kubectl \
+                 (tried $KUBECTL, /usr/lib/google-cloud-sdk/bin/kubectl.1.33, PATH)",
+            )?,
+    };
+    if !path.is_file() {
+        bail!("KUBECTL={} does not exist", path.display());
+    }
+    let version = kubectl::client_version(&path).await?;
+    Ok(KubectlBin { path, version })
+}
+
+fn spec() -> ClusterSpec {
+    ClusterSpec {
+        mode: Mode::Tunnel,
+        nodes: vec![NodeSpec {
+            name: NODE.into(),
+            pods: vec![PodSpec::new("default", POD, &[CONTAINER])],
+        }],
+        phantom_pods: Vec::new(),
+        own_process_groups: true,
+    }
+}
+
+/// Runs `kubectl args` and prints it like a terminal session would.
+async fn show(k: &Kubectl, shown: &str, args: &[&str]) -> Result<()> {
+    println!("$ kubectl {shown}");
+    let out = k
+        .run(args, None, Duration::from_secs(30))
+        .await
+        .with_context(|| format!("kubectl {shown}"))?;
+    print!("{}", out.stdout_text());
+    if out.code != Some(0) {
+        bail!(
+            "kubectl {shown} exited with {:?}: {}",
+            out.code,
+            out.stderr.trim()
+        );
+    }
+    Ok(())
+}
+
+async fn demo() -> Result<ExitCode> {
+    let bin = find_kubectl().await?;
+    let root = tempfile::Builder::new()
+        .prefix("tether-demo-")
+        .tempdir()
+        .context("creating the run directory")?;
+    let dir = root.path().to_path_buf();
+    println!(
+        "Tether demo: everything on loopback; certificates, kubeconfig and logs in {}",
+        dir.display()
+    );
+    let mut cluster = match Cluster::start(&spec(), &dir).await {
+        Ok(c) => c,
+        Err(e) => {
+            let kept = root.keep();
+            bail!(
+                "{e:#}\n(run directory kept for inspection: {})",
+                kept.display()
+            );
+        }
+    };
+    let log = cluster.log_path(NODE, "default", POD, CONTAINER)?;
+    std::fs::write(
+        &log,
+        "hello from the container's log\nthis line travelled through tether-cloud and tether-edge\n\
+         the kubelet here is kubelet-sim, the apiserver apiserver-sim\n",
+    )
+    .with_context(|| format!("writing {}", log.display()))?;
+
+    let node = cluster.node(NODE)?;
+    if let Some(cloud) = &cluster.cloud {
+        println!(
+            "  tether-cloud    tunnel (QUIC) {}   kubelet API (HTTPS) {}",
+            cloud.tunnel_addr, cloud.kubelet_api_addr
+        );
+    }
+    println!(
+        "  tether-edge     node {NODE}, replays streams to http://{}",
+        node.kubelet_addr
+    );
+    println!(
+        "  kubelet-sim     node {NODE} at {}, pod default/{POD} (container {CONTAINER})",
+        node.kubelet_addr
+    );
+    println!(
+        "  apiserver-sim   {}  (dials every kubelet at tether-cloud)",
+        cluster.apiserver_url
+    );
+    println!("  kubectl         {} ({})", bin.path.display(), bin.version);
+    println!();
+
+    let k = Kubectl::new(bin.clone(), &cluster.kubeconfig, &dir.join("kubectl-home"))?;
+    let shown = show(
+        &k,
+        "exec hello -- sh -c 'echo \"hello from pod $HOSTNAME\"; uname -sm'",
+        &[
+            "exec",
+            POD,
+            "--",
+            "sh",
+            "-c",
+            "echo \"hello from pod $HOSTNAME\"; uname -sm",
+        ],
+    )
+    .await;
+    let shown = match shown {
+        Ok(()) => show(&k, "logs hello", &["logs", POD]).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = shown {
+        eprintln!("tether-demo: {e:#}\n{}", cluster.diagnostics(20));
+        for line in cluster.shutdown().await {
+            eprintln!("  {line}");
+        }
+        let kept = root.keep();
+        eprintln!("(run directory kept for inspection: {})", kept.display());
+        return Ok(ExitCode::FAILURE);
+    }
+
+    let kc = bin.path.display();
+    println!();
+    println!("Tether demo is running. From another terminal:");
+    println!("  export KUBECONFIG={}", cluster.kubeconfig.display());
+    println!("  {kc} exec -it {POD} -- sh");
+    println!(
+        "  {kc} logs -f {POD}        # then: echo more >> {}",
+        log.display()
+    );
+    println!("  {kc} get --raw /api/v1/nodes/{NODE}/proxy/stats/summary");
+    println!(
+        "Process logs: {}. Press Ctrl-C to stop everything.",
+        dir.join("process-logs").display()
+    );
+
+    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+    let mut hup = signal(SignalKind::hangup()).context("SIGHUP handler")?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let code = loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break ExitCode::SUCCESS,
+            _ = term.recv() => break ExitCode::SUCCESS,
+            _ = hup.recv() => break ExitCode::SUCCESS,
+            _ = tick.tick() => {
+                let dead = cluster.exited();
+                if !dead.is_empty() {
+                    eprintln!("tether-demo: {}\n{}", dead.join("; "), cluster.diagnostics(20));
+                    break ExitCode::FAILURE;
+                }
+            }
+        }
+    };
+    println!();
+    println!("Stopping…");
+    for line in cluster.shutdown().await {
+        println!("  {line}");
+    }
+    if code == ExitCode::SUCCESS {
+        drop(root);
+        println!("Stopped; {} removed.", dir.display());
+    } else {
+        let kept = root.keep();
+        println!("Stopped; logs kept in {}.", kept.display());
+    }
+    Ok(code)
+}

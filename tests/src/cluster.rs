@@ -1,0 +1,623 @@
+//! A whole test cluster on loopback, every part a real process:
+//!
+//! - one `kubelet-sim` per node, running that node's fake pods, logs in its own directory;
+//! - [`Mode::Tunnel`] (the default): `tether-cloud`, and one `tether-edge` per node that
+//!   dials it over QUIC and replays streams against its node's kubelet-sim; the
+//!   apiserver's kubelet connections all go to the cloud's kubelet API (`--kubelet-dial`,
+//!   like the DNAT of a real deployment), and node addresses are the node names, so SNI
+//!   and `Host` carry them where kube-apiserver would;
+//! - [`Mode::Direct`] (`TETHER_E2E_MODE=direct`): no tunnel; the kubelet simulators serve
+//!   HTTPS themselves and the apiserver dials each at its own address. This is the
+//!   baseline that tells fixture problems from tunnel problems;
+//! - `apiserver-sim`, with the pods and nodes above, writing the kubeconfig kubectl uses.
+//!
+//! [`Cluster::start`] returns once every process announced itself and every pod answers
+//! through the kubelet API the apiserver dials (from the node that runs it), all
+//! bounded in time. Processes die with the [`Cluster`]; [`Cluster::shutdown`] stops them
+//! politely in order.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use tokio::process::Command;
+
+use crate::bins;
+use crate::pki::{self, Pki};
+use crate::probe::KubeletClient;
+use crate::process::{Proc, SpawnOptions};
+
+/// Bound on a process printing its ready line.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// Bound on every pod becoming reachable through the kubelet API.
+const ROUTABLE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Grace between SIGTERM and SIGKILL at shutdown.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+/// The kubelet port in node addresses (KubeEdge's edgecore port).
+pub const KUBELET_PORT: u16 = 10350;
+
+/// How the apiserver reaches the kubelets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Through tether-cloud and tether-edge.
+    Tunnel,
+    /// Straight to each kubelet-sim (no Tether).
+    Direct,
+}
+
+impl Mode {
+    /// `TETHER_E2E_MODE` = `tunnel` (default) or `direct`.
+    pub fn from_env() -> Result<Mode> {
+        match std::env::var("TETHER_E2E_MODE").as_deref() {
+            Err(_) | Ok("") | Ok("tunnel") => Ok(Mode::Tunnel),
+            Ok("direct") => Ok(Mode::Direct),
+            Ok(other) => bail!("TETHER_E2E_MODE={other:?}: expected `tunnel` or `direct`"),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Tunnel => "tunnel (apiserver-sim → tether-cloud → tether-edge → kubelet-sim)",
+            Mode::Direct => "direct (apiserver-sim → kubelet-sim, no tunnel)",
+        })
+    }
+}
+
+/// A fake pod.
+#[derive(Debug, Clone)]
+pub struct PodSpec {
+    pub namespace: String,
+    pub name: String,
+    pub containers: Vec<String>,
+}
+
+impl PodSpec {
+    /// A pod `namespace/name` with `containers`.
+    pub fn new(namespace: &str, name: &str, containers: &[&str]) -> Self {
+        PodSpec {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            containers: containers.iter().map(|c| c.to_string()).collect(),
+        }
+    }
+}
+
+/// A node and the pods its kubelet runs.
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    pub name: String,
+    pub pods: Vec<PodSpec>,
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    pub mode: Mode,
+    pub nodes: Vec<NodeSpec>,
+    /// Pods the apiserver believes run on a node (by name) whose kubelet does not run
+    /// them: requests for them must fail, never reach another kubelet.
+    pub phantom_pods: Vec<(String, PodSpec)>,
+    /// Start every process in its own process group (see [`SpawnOptions`]).
+    pub own_process_groups: bool,
+}
+
+/// A node of a running cluster.
+pub struct RunningNode {
+    pub name: String,
+    pub pods: Vec<PodSpec>,
+    /// Where its kubelet-sim listens.
+    pub kubelet_addr: SocketAddr,
+    /// Its kubelet-sim's container log directory.
+    pub log_dir: PathBuf,
+    kubelet: Proc,
+    edge: Option<Proc>,
+}
+
+/// The tunnel's cloud end.
+pub struct RunningCloud {
+    pub tunnel_addr: SocketAddr,
+    pub kubelet_api_addr: SocketAddr,
+    proc: Proc,
+}
+
+/// A running cluster.
+pub struct Cluster {
+    pub mode: Mode,
+    pub dir: PathBuf,
+    pub pki: Pki,
+    pub kubeconfig: PathBuf,
+    /// `https://127.0.0.1:PORT` of apiserver-sim.
+    pub apiserver_url: String,
+    pub nodes: Vec<RunningNode>,
+    pub cloud: Option<RunningCloud>,
+    apiserver: Proc,
+    client: KubeletClient,
+}
+
+fn spawn_options(spec: &ClusterSpec) -> SpawnOptions {
+    SpawnOptions {
+        stdin: false,
+        own_process_group: spec.own_process_groups,
+    }
+}
+
+/// A command for one of the cluster's processes: plain-text logs (no ANSI colours), at
+/// the level `TETHER_E2E_LOG` names (a `RUST_LOG` filter), if set; operations listeners
+/// on ephemeral ports.
+fn command(program: &Path) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.env("NO_COLOR", "1")
+        // tether-cloud and tether-edge serve /metrics on fixed default ports; several
+        // clusters on one machine need ephemeral ones. (An environment variable, unlike
+        // a flag, is harmless to binaries that do not know it.)
+        .env("TETHER_METRICS_LISTEN", "127.0.0.1:0");
+    if let Some(filter) = std::env::var_os("TETHER_E2E_LOG") {
+        cmd.env("RUST_LOG", filter);
+    }
+    cmd
+}
+
+fn parse_addr(token: &str, what: &str) -> Result<SocketAddr> {
+    token
+        .parse()
+        .with_context(|| format!("{what}: {token:?} is not an IP:PORT"))
+}
+
+/// The value of `key=` among the whitespace-separated tokens of `line`.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|t| t.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+}
+
+fn pod_arg(p: &PodSpec) -> String {
+    format!("{}/{}={}", p.namespace, p.name, p.containers.join(","))
+}
+
+fn api_pod_arg(node: &str, p: &PodSpec) -> String {
+    format!(
+        "{}/{}={node}:{}",
+        p.namespace,
+        p.name,
+        p.containers.join(",")
+    )
+}
+
+impl Cluster {
+    /// Starts everything in `spec` under `dir` (created; certificates, logs, kubeconfig
+    /// and kubectl homes go there).
+    pub async fn start(spec: &ClusterSpec, dir: &Path) -> Result<Cluster> {
+        let kubelet_bin = bins::binary(bins::KUBELET_SIM)?;
+        let apiserver_bin = bins::binary(bins::APISERVER_SIM)?;
+        let (cloud_bin, edge_bin) = match spec.mode {
+            Mode::Tunnel => (
+                Some(bins::binary(bins::CLOUD)?),
+                Some(bins::binary(bins::EDGE)?),
+            ),
+            Mode::Direct => (None, None),
+        };
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let logs = dir.join("process-logs");
+        std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+        let names: Vec<&str> = spec.nodes.iter().map(|n| n.name.as_str()).collect();
+        let pki = pki::mint(&dir.join("pki"), &names)?;
+        let client = KubeletClient::new(
+            &pki.tether_ca_pem,
+            &pki.apiserver_client.cert_pem,
+            &pki.apiserver_client.key_pem,
+        )?;
+        let opts = spawn_options(spec);
+
+        // Kubelet simulators.
+        let mut starting = Vec::new();
+        for node in &spec.nodes {
+            let node_dir = dir.join("nodes").join(&node.name);
+            let log_dir = node_dir.join("logs");
+            let tmp = node_dir.join("tmp");
+            for d in [&log_dir, &tmp] {
+                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+            }
+            for p in &node.pods {
+                for c in &p.containers {
+                    let f = log_dir.join(format!("{}_{}_{c}.log", p.namespace, p.name));
+                    if !f.exists() {
+                        std::fs::write(&f, b"")
+                            .with_context(|| format!("creating {}", f.display()))?;
+                    }
+                }
+            }
+            let mut cmd = command(&kubelet_bin);
+            cmd.arg("--listen")
+                .arg("127.0.0.1:0")
+                .arg("--node-name")
+                .arg(&node.name)
+                .arg("--log-dir")
+                .arg(&log_dir)
+                // Containers' working directories live under TMPDIR: keep them here.
+                .env("TMPDIR", &tmp);
+            for p in &node.pods {
+                cmd.arg("--pod").arg(pod_arg(p));
+            }
+            if spec.mode == Mode::Direct {
+                let tls = &pki.kubelets[&node.name];
+                cmd.arg("--tls-cert")
+                    .arg(&tls.cert)
+                    .arg("--tls-key")
+                    .arg(&tls.key)
+                    .arg("--client-ca")
+                    .arg(&pki.apiserver_client_ca);
+            }
+            let proc = Proc::spawn(&format!("kubelet-sim-{}", node.name), cmd, &logs, opts)?;
+            starting.push((node, log_dir, proc));
+        }
+        let mut nodes = Vec::new();
+        for (node, log_dir, mut proc) in starting {
+            let line = proc
+                .wait_line("its listening line", READY_TIMEOUT, |l| {
+                    l.starts_with("kubelet-sim listening on ")
+                })
+                .await?;
+            let url = line
+                .split_whitespace()
+                .nth(3)
+                .with_context(|| format!("no address in {line:?}"))?;
+            let addr = url
+                .strip_prefix("http://")
+                .or_else(|| url.strip_prefix("https://"))
+                .with_context(|| format!("no URL in {line:?}"))?;
+            nodes.push(RunningNode {
+                name: node.name.clone(),
+                pods: node.pods.clone(),
+                kubelet_addr: parse_addr(addr, "kubelet-sim address")?,
+                log_dir,
+                kubelet: proc,
+                edge: None,
+            });
+        }
+
+        // The tunnel.
+        let mut cloud = None;
+        if let (Some(cloud_bin), Some(edge_bin)) = (cloud_bin, edge_bin) {
+            let mut cmd = command(&cloud_bin);
+            cmd.arg("--tunnel-listen")
+                .arg("127.0.0.1:0")
+                .arg("--tunnel-cert")
+                .arg(&pki.cloud_tunnel.cert)
+                .arg("--tunnel-key")
+                .arg(&pki.cloud_tunnel.key)
+                .arg("--edge-ca")
+                .arg(&pki.tether_ca)
+                .arg("--kubelet-listen")
+                .arg("127.0.0.1:0")
+                .arg("--kubelet-cert")
+                .arg(&pki.cloud_kubelet.cert)
+                .arg("--kubelet-key")
+                .arg(&pki.cloud_kubelet.key)
+                .arg("--apiserver-client-ca")
+                .arg(&pki.apiserver_client_ca);
+            let mut proc = Proc::spawn("tether-cloud", cmd, &logs, opts)?;
+            let line = proc
+                .wait_line("`tether-cloud ready …`", READY_TIMEOUT, |l| {
+                    l.starts_with("tether-cloud ready")
+                })
+                .await?;
+            let tunnel_addr = parse_addr(
+                field(&line, "tunnel").with_context(|| format!("no tunnel= in {line:?}"))?,
+                "cloud tunnel address",
+            )?;
+            let kubelet_api_addr = parse_addr(
+                field(&line, "kubelet-api")
+                    .with_context(|| format!("no kubelet-api= in {line:?}"))?,
+                "cloud kubelet-api address",
+            )?;
+            for node in &mut nodes {
+                let tls = &pki.edges[&node.name];
+                let mut cmd = command(&edge_bin);
+                cmd.arg("--cloud")
+                    .arg(tunnel_addr.to_string())
+                    .arg("--server-name")
+                    .arg(pki::CLOUD_SERVER_NAME)
+                    .arg("--ca")
+                    .arg(&pki.tether_ca)
+                    .arg("--cert")
+                    .arg(&tls.cert)
+                    .arg("--key")
+                    .arg(&tls.key)
+                    .arg("--kubelet-url")
+                    .arg(format!("http://{}", node.kubelet_addr))
+                    .arg("--pods-refresh")
+                    .arg("1s");
+                node.edge = Some(Proc::spawn(
+                    &format!("tether-edge-{}", node.name),
+                    cmd,
+                    &logs,
+                    opts,
+                )?);
+            }
+            for node in &mut nodes {
+                let name = node.name.clone();
+                if let Some(edge) = node.edge.as_mut() {
+                    let prefix = format!("tether-edge connected node={name} ");
+                    edge.wait_line(&format!("`{}…`", prefix), READY_TIMEOUT, |l| {
+                        l.starts_with(&prefix)
+                    })
+                    .await?;
+                }
+            }
+            cloud = Some(RunningCloud {
+                tunnel_addr,
+                kubelet_api_addr,
+                proc,
+            });
+        }
+
+        // The apiserver stand-in.
+        let kubeconfig = dir.join("kubeconfig");
+        let mut cmd = command(&apiserver_bin);
+        cmd.arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--write-kubeconfig")
+            .arg(&kubeconfig)
+            .arg("--kubelet-client-cert")
+            .arg(&pki.apiserver_client.cert)
+            .arg("--kubelet-client-key")
+            .arg(&pki.apiserver_client.key)
+            // Verify the kubelet serving certificate (the cloud's, in tunnel mode) against
+            // the node's address, as kube-apiserver does with
+            // --kubelet-certificate-authority.
+            .arg("--kubelet-ca")
+            .arg(&pki.tether_ca);
+        for node in &nodes {
+            let address = match &cloud {
+                Some(_) => format!("{}:{KUBELET_PORT}", node.name),
+                None => node.kubelet_addr.to_string(),
+            };
+            cmd.arg("--node").arg(format!("{}={address}", node.name));
+            for p in &node.pods {
+                cmd.arg("--pod").arg(api_pod_arg(&node.name, p));
+            }
+        }
+        for (node, p) in &spec.phantom_pods {
+            cmd.arg("--pod").arg(api_pod_arg(node, p));
+        }
+        if let Some(c) = &cloud {
+            cmd.arg("--kubelet-dial")
+                .arg(c.kubelet_api_addr.to_string());
+        }
+        let mut apiserver = Proc::spawn("apiserver-sim", cmd, &logs, opts)?;
+        let apiserver_url = wait_kubeconfig(&kubeconfig, &mut apiserver).await?;
+
+        let cluster = Cluster {
+            mode: spec.mode,
+            dir: dir.to_path_buf(),
+            pki,
+            kubeconfig,
+            apiserver_url,
+            nodes,
+            cloud,
+            apiserver,
+            client,
+        };
+        cluster.wait_routable().await?;
+        Ok(cluster)
+    }
+
+    /// The kubelet API the apiserver dials for `node`: the cloud, or the node's kubelet.
+    pub fn kubelet_api_for(&self, node: &str) -> Result<SocketAddr> {
+        match &self.cloud {
+            Some(c) => Ok(c.kubelet_api_addr),
+            None => Ok(self.node(node)?.kubelet_addr),
+        }
+    }
+
+    /// The running node called `name`.
+    pub fn node(&self, name: &str) -> Result<&RunningNode> {
+        self.nodes
+            .iter()
+            .find(|n| n.name == name)
+            .with_context(|| format!("no node {name} in this cluster"))
+    }
+
+    /// The container log file kubelet-sim serves for `ns/pod/container` on `node`.
+    pub fn log_path(&self, node: &str, ns: &str, pod: &str, container: &str) -> Result<PathBuf> {
+        Ok(self
+            .node(node)?
+            .log_dir
+            .join(format!("{ns}_{pod}_{container}.log")))
+    }
+
+    /// The HTTPS client with the apiserver's kubelet-client certificate.
+    pub fn kubelet_client(&self) -> &KubeletClient {
+        &self.client
+    }
+
+    /// `GET path` as the apiserver would send it for `node`: to the cloud (or the
+    /// kubelet), TLS server name = the node's name (SNI) in tunnel mode, `Host` = the
+    /// node's address.
+    pub async fn kubelet_get(&self, node: &str, path: &str) -> Result<crate::probe::Reply> {
+        let addr = self.kubelet_api_for(node)?;
+        let (server_name, host) = match self.mode {
+            Mode::Tunnel => (node.to_string(), format!("{node}:{KUBELET_PORT}")),
+            Mode::Direct => ("127.0.0.1".to_string(), addr.to_string()),
+        };
+        self.client.get(addr, &server_name, &host, path).await
+    }
+
+    /// Waits until every pod's first container answers a log request through the kubelet
+    /// API, from its own node's kubelet (`X-Kubelet-Sim-Node`). In tunnel mode this is
+    /// when the cloud has the edges' pod lists.
+    async fn wait_routable(&self) -> Result<()> {
+        let start = Instant::now();
+        for node in &self.nodes {
+            for pod in &node.pods {
+                let Some(c) = pod.containers.first() else {
+                    continue;
+                };
+                let path = format!(
+                    "/containerLogs/{}/{}/{c}?limitBytes=1",
+                    pod.namespace, pod.name
+                );
+                loop {
+                    let last = match self.kubelet_get(&node.name, &path).await {
+                        Ok(r) if r.status.is_success() && r.node() == Some(node.name.as_str()) => {
+                            break
+                        }
+                        Ok(r) => format!(
+                            "{} from node {:?}: {}",
+                            r.status,
+                            r.node(),
+                            String::from_utf8_lossy(&r.body).trim()
+                        ),
+                        Err(e) => format!("{e:#}"),
+                    };
+                    if start.elapsed() > ROUTABLE_TIMEOUT {
+                        bail!(
+                            "pod {}/{} on {} not reachable through the kubelet API within \
+                             {ROUTABLE_TIMEOUT:?}; last answer to GET {path}: {last}\n{}",
+                            pod.namespace,
+                            pod.name,
+                            node.name,
+                            self.diagnostics(15)
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every process's name, pid and stderr log path.
+    pub fn processes(&self) -> Vec<(String, Option<u32>, PathBuf)> {
+        self.procs()
+            .into_iter()
+            .map(|p| (p.name().to_string(), p.pid(), p.log_path().to_path_buf()))
+            .collect()
+    }
+
+    fn procs(&self) -> Vec<&Proc> {
+        let mut v = vec![&self.apiserver];
+        for n in &self.nodes {
+            if let Some(e) = &n.edge {
+                v.push(e);
+            }
+        }
+        if let Some(c) = &self.cloud {
+            v.push(&c.proc);
+        }
+        for n in &self.nodes {
+            v.push(&n.kubelet);
+        }
+        v
+    }
+
+    /// The last `lines` lines of every process's stderr log, for failure reports.
+    pub fn diagnostics(&self, lines: usize) -> String {
+        let mut s = String::new();
+        for p in self.procs() {
+            s.push_str(&format!(
+                "--- {} ({}) ---\n{}\n",
+                p.name(),
+                p.log_path().display(),
+                p.stderr_tail(lines)
+            ));
+        }
+        s
+    }
+
+    /// Processes that have exited although the cluster is still up.
+    pub fn exited(&mut self) -> Vec<String> {
+        let mut dead = Vec::new();
+        let mut check = |p: &mut Proc| {
+            if let Some(status) = p.exited() {
+                dead.push(format!("{} exited: {status}", p.name()));
+            }
+        };
+        check(&mut self.apiserver);
+        if let Some(c) = self.cloud.as_mut() {
+            check(&mut c.proc);
+        }
+        for n in &mut self.nodes {
+            check(&mut n.kubelet);
+            if let Some(e) = n.edge.as_mut() {
+                check(e);
+            }
+        }
+        dead
+    }
+
+    /// Stops every process in order (apiserver, edges, cloud, kubelets): SIGTERM, then
+    /// SIGKILL after a grace period. Returns one line per process.
+    pub async fn shutdown(mut self) -> Vec<String> {
+        let mut report = Vec::new();
+        let mut stop = |name: String, status: Option<std::process::ExitStatus>| {
+            report.push(match status {
+                Some(s) => format!("{name}: stopped ({s})"),
+                None => format!("{name}: killed after {STOP_GRACE:?}"),
+            });
+        };
+        let s = self.apiserver.terminate(STOP_GRACE).await;
+        stop(self.apiserver.name().to_string(), s);
+        for n in &mut self.nodes {
+            if let Some(e) = n.edge.as_mut() {
+                let s = e.terminate(STOP_GRACE).await;
+                stop(e.name().to_string(), s);
+            }
+        }
+        if let Some(c) = self.cloud.as_mut() {
+            let s = c.proc.terminate(STOP_GRACE).await;
+            stop(c.proc.name().to_string(), s);
+        }
+        for n in &mut self.nodes {
+            let s = n.kubelet.terminate(STOP_GRACE).await;
+            stop(n.kubelet.name().to_string(), s);
+        }
+        report
+    }
+}
+
+/// Waits for apiserver-sim's kubeconfig and returns its server URL.
+async fn wait_kubeconfig(path: &Path, apiserver: &mut Proc) -> Result<String> {
+    let start = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            let server = text
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("server:"))
+                .map(|v| v.trim().trim_matches('"').to_string())
+                .ok_or_else(|| anyhow!("no server: in {}", path.display()))?;
+            return Ok(server);
+        }
+        if let Some(status) = apiserver.exited() {
+            bail!(
+                "apiserver-sim exited ({status}) before writing its kubeconfig; stderr:\n{}",
+                apiserver.stderr_tail(30)
+            );
+        }
+        if start.elapsed() > READY_TIMEOUT {
+            bail!(
+                "apiserver-sim wrote no kubeconfig within {READY_TIMEOUT:?}; stderr:\n{}",
+                apiserver.stderr_tail(30)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_line_fields() {
+        let l = "tether-cloud ready tunnel=127.0.0.1:4433 kubelet-api=127.0.0.1:10003";
+        assert_eq!(field(l, "tunnel"), Some("127.0.0.1:4433"));
+        assert_eq!(field(l, "kubelet-api"), Some("127.0.0.1:10003"));
+        assert_eq!(field(l, "nothing"), None);
+        let p = PodSpec::new("default", "p1", &["c1", "c2"]);
+        assert_eq!(pod_arg(&p), "default/p1=c1,c2");
+        assert_eq!(api_pod_arg("edge-1", &p), "default/p1=edge-1:c1,c2");
+    }
+}

@@ -1,0 +1,187 @@
+//! The certificates of one test cluster, minted with `tether-certs` and written as PEM
+//! files into the cluster's run directory (keys with mode 0600).
+//!
+//! Two authorities, as in a real deployment:
+//! - the **Tether CA** signs the cloud's tunnel certificate (the edges pin this CA), the
+//!   cloud's kubelet-API serving certificate, every edge's node certificate, and — in
+//!   direct mode only — the kubelet simulators' serving certificates;
+//! - the **apiserver client CA** signs the apiserver's kubelet-client certificate; the
+//!   cloud (`--apiserver-client-ca`) and, in direct mode, the kubelet simulators
+//!   (`--client-ca`) trust only it.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use tether_certs::{Ca, CertKey};
+
+/// Validity of every test certificate.
+const VALIDITY: Duration = Duration::from_secs(24 * 3600);
+
+/// The DNS name in the cloud's tunnel certificate (edges pass it as `--server-name`).
+pub const CLOUD_SERVER_NAME: &str = "tether-cloud";
+
+/// A certificate and key written to disk.
+#[derive(Debug, Clone)]
+pub struct Pair {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+/// Every certificate of a cluster.
+#[derive(Debug, Clone)]
+pub struct Pki {
+    /// The Tether CA certificate (file).
+    pub tether_ca: PathBuf,
+    pub tether_ca_pem: String,
+    /// The apiserver client CA certificate (file).
+    pub apiserver_client_ca: PathBuf,
+    /// The cloud's QUIC tunnel certificate.
+    pub cloud_tunnel: Pair,
+    /// The cloud's kubelet-API serving certificate (SANs: every node name, localhost,
+    /// 127.0.0.1, ::1).
+    pub cloud_kubelet: Pair,
+    /// The apiserver's kubelet-client certificate.
+    pub apiserver_client: Pair,
+    /// Per node: its edge certificate.
+    pub edges: BTreeMap<String, Pair>,
+    /// Per node: a kubelet serving certificate (direct mode).
+    pub kubelets: BTreeMap<String, Pair>,
+}
+
+fn write_file(path: &Path, text: &str, mode: u32) -> Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(text.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+fn write_pair(dir: &Path, name: &str, ck: CertKey) -> Result<Pair> {
+    let cert = dir.join(format!("{name}.crt"));
+    let key = dir.join(format!("{name}.key"));
+    write_file(&cert, &ck.cert_pem, 0o644)?;
+    write_file(&key, &ck.key_pem, 0o600)?;
+    Ok(Pair {
+        cert,
+        key,
+        cert_pem: ck.cert_pem,
+        key_pem: ck.key_pem,
+    })
+}
+
+/// Mints the certificates for `nodes` into `dir` (created if needed).
+pub fn mint(dir: &Path, nodes: &[&str]) -> Result<Pki> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let loopback = [
+        IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(Ipv6Addr::LOCALHOST),
+    ];
+    let ca = Ca::new("tether-test-ca", VALIDITY).context("minting the Tether CA")?;
+    let client_ca =
+        Ca::new("apiserver-client-ca", VALIDITY).context("minting the apiserver client CA")?;
+
+    let tether_ca = dir.join("tether-ca.crt");
+    write_file(&tether_ca, &ca.cert_pem, 0o644)?;
+    let apiserver_client_ca = dir.join("apiserver-client-ca.crt");
+    write_file(&apiserver_client_ca, &client_ca.cert_pem, 0o644)?;
+
+    let cloud_tunnel = write_pair(
+        dir,
+        "cloud-tunnel",
+        ca.issue_server(&[CLOUD_SERVER_NAME, "localhost"], &loopback, VALIDITY)
+            .context("minting the cloud tunnel certificate")?,
+    )?;
+    let mut kubelet_names: Vec<&str> = nodes.to_vec();
+    kubelet_names.push("localhost");
+    let cloud_kubelet = write_pair(
+        dir,
+        "cloud-kubelet",
+        ca.issue_server(&kubelet_names, &loopback, VALIDITY)
+            .context("minting the cloud kubelet-API certificate")?,
+    )?;
+    let apiserver_client = write_pair(
+        dir,
+        "apiserver-kubelet-client",
+        client_ca
+            .issue_client(
+                "kube-apiserver-kubelet-client",
+                &["system:masters"],
+                VALIDITY,
+            )
+            .context("minting the apiserver kubelet-client certificate")?,
+    )?;
+    let mut edges = BTreeMap::new();
+    let mut kubelets = BTreeMap::new();
+    for node in nodes {
+        let edge = ca
+            .issue_edge(node, VALIDITY)
+            .with_context(|| format!("minting the edge certificate of {node}"))?;
+        edges.insert(
+            node.to_string(),
+            write_pair(dir, &format!("edge-{node}"), edge)?,
+        );
+        let kubelet = ca
+            .issue_server(&[node, "localhost"], &loopback, VALIDITY)
+            .with_context(|| format!("minting the kubelet certificate of {node}"))?;
+        kubelets.insert(
+            node.to_string(),
+            write_pair(dir, &format!("kubelet-{node}"), kubelet)?,
+        );
+    }
+    Ok(Pki {
+        tether_ca,
+        tether_ca_pem: ca.cert_pem.clone(),
+        apiserver_client_ca,
+        cloud_tunnel,
+        cloud_kubelet,
+        apiserver_client,
+        edges,
+        kubelets,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn mints_every_file_with_private_keys() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = mint(dir.path(), &["edge-1", "edge-2"]).expect("mint");
+        assert_eq!(
+            pki.edges.keys().collect::<Vec<_>>(),
+            vec!["edge-1", "edge-2"]
+        );
+        for pair in [&pki.cloud_tunnel, &pki.cloud_kubelet, &pki.edges["edge-2"]] {
+            assert!(pair.cert.is_file());
+            let mode = std::fs::metadata(&pair.key)
+                .expect("key")
+                .permissions()
+                .mode();
+            assert_eq!(
+                mode & 0o077,
+                0,
+                "{} is readable by others",
+                pair.key.display()
+            );
+        }
+        let der = tether_certs::pem::certs_from_pem(&pki.edges["edge-1"].cert_pem, "edge")
+            .expect("parse");
+        assert_eq!(
+            tether_certs::node_name_from_cert(&der[0]).expect("node"),
+            "edge-1"
+        );
+    }
+}

@@ -1,0 +1,536 @@
+//! Fault tests on emulated links (issue "Sessions survive the network").
+//!
+//! `tether-cloud` runs in one network namespace, `tether-edge` and a kubelet
+//! stand-in in another, joined by the userspace link emulator (`linkemu`:
+//! delay, jitter, loss, outage, address change; this kernel has no netem).
+//! Two streams run through every fault, as `kubectl logs -f` and an
+//! interactive `kubectl exec` would: a follow log of numbered lines and an
+//! upgraded echo stream carrying a checksummed byte pattern. Each test checks
+//! that every line and byte arrives exactly once and in order, or that the
+//! streams end with an error within a bound — never hang.
+//!
+//! Needs root, `ip` and the workspace binaries (`cargo build --workspace --bins`).
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http_body_util::BodyExt;
+use hyper::{Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use linkemu::{Impairment, Link, LinkOptions};
+use support::{empty, Client, Kubelet};
+use tether_tests::pki::{self, Pki};
+use tether_tests::process::{Proc, SpawnOptions};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const TUNNEL_PORT: u16 = 10004;
+const API: &str = "127.0.0.1:10003";
+
+/// Cloud and edge on the two sides of an emulated link.
+struct NsEnv {
+    link: Arc<Link>,
+    dir: tempfile::TempDir,
+    pki: Pki,
+    cloud: Proc,
+    edge: Proc,
+    _kubelet: Kubelet,
+    kubelet_port: u16,
+    client: Client,
+    cloud_args: Vec<String>,
+}
+
+fn cloud_cmd(link: &Link, pki: &Pki, extra: &[String]) -> tokio::process::Command {
+    let mut cmd = link.exec_in_cloud(tether_tests::bins::binary("tether-cloud").unwrap());
+    cmd.args([
+        "--tunnel-listen",
+        &format!("0.0.0.0:{TUNNEL_PORT}"),
+        "--kubelet-listen",
+        API,
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ])
+    .arg("--tunnel-cert")
+    .arg(&pki.cloud_tunnel.cert)
+    .arg("--tunnel-key")
+    .arg(&pki.cloud_tunnel.key)
+    .arg("--edge-ca")
+    .arg(&pki.tether_ca)
+    .arg("--kubelet-cert")
+    .arg(&pki.cloud_kubelet.cert)
+    .arg("--kubelet-key")
+    .arg(&pki.cloud_kubelet.key)
+    .arg("--apiserver-client-ca")
+    .arg(&pki.apiserver_client_ca)
+    .args(extra)
+    .env("TETHER_LOG", "info,tether_cloud=debug")
+    .env("RUST_BACKTRACE", "0");
+    tokio::process::Command::from(cmd)
+}
+
+impl NsEnv {
+    async fn start(cloud_args: &[&str], edge_args: &[&str]) -> NsEnv {
+        let link = Arc::new(
+            Link::create(LinkOptions::new())
+                .expect("creating the emulated link (needs root and `ip`)"),
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let pki = pki::mint(dir.path(), &["edge-1"]).unwrap();
+        let cloud_args: Vec<String> = cloud_args.iter().map(|s| s.to_string()).collect();
+        let mut cloud = Proc::spawn(
+            "tether-cloud",
+            cloud_cmd(&link, &pki, &cloud_args),
+            dir.path(),
+            SpawnOptions::default(),
+        )
+        .unwrap();
+        cloud
+            .wait_line("cloud ready", Duration::from_secs(20), |l| {
+                l.starts_with("tether-cloud ready")
+            })
+            .await
+            .unwrap();
+        let listener = link
+            .in_edge(|| std::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap()
+            .unwrap();
+        let kubelet_port = listener.local_addr().unwrap().port();
+        let kubelet = Kubelet::start_on(listener, "edge-1", &["default/p1"]).unwrap();
+        let edge = spawn_edge(&link, &pki, dir.path(), kubelet_port, edge_args).await;
+        let l2 = link.clone();
+        let client = Client::new(&pki, API.parse().unwrap())
+            .unwrap()
+            .with_dial(Arc::new(move |a| {
+                l2.in_cloud(|| std::net::TcpStream::connect(a))
+                    .map_err(std::io::Error::other)?
+            }));
+        let env = NsEnv {
+            link,
+            dir,
+            pki,
+            cloud,
+            edge,
+            _kubelet: kubelet,
+            kubelet_port,
+            client,
+            cloud_args,
+        };
+        env.wait_routable().await;
+        env
+    }
+
+    async fn wait_routable(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = self
+                .client
+                .get("/containerLogs/default/p1/c", "10.96.0.1:6443", None, &[])
+                .await;
+            if matches!(&r, Ok(r) if r.status == StatusCode::OK) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pod never routable: {:?}",
+                r.map(|r| (r.status, r.body))
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn edge_log(&self) -> String {
+        std::fs::read_to_string(self.edge.log_path()).unwrap_or_default()
+    }
+
+    fn cloud_log(&self) -> String {
+        std::fs::read_to_string(self.cloud.log_path()).unwrap_or_default()
+    }
+}
+
+async fn spawn_edge(
+    link: &Link,
+    pki: &Pki,
+    dir: &std::path::Path,
+    kubelet_port: u16,
+    extra: &[&str],
+) -> Proc {
+    let pair = &pki.edges["edge-1"];
+    let mut cmd = link.exec_in_edge(tether_tests::bins::binary("tether-edge").unwrap());
+    cmd.arg("--cloud")
+        .arg(format!("{}:{TUNNEL_PORT}", link.cloud_ip()))
+        .args(["--server-name", pki::CLOUD_SERVER_NAME])
+        .arg("--ca")
+        .arg(&pki.tether_ca)
+        .arg("--cert")
+        .arg(&pair.cert)
+        .arg("--key")
+        .arg(&pair.key)
+        .args([
+            "--kubelet-url",
+            &format!("http://127.0.0.1:{kubelet_port}"),
+            "--pods-refresh",
+            "500ms",
+        ])
+        .args([
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--announce-address",
+            "edge-1.invalid",
+        ])
+        .args(extra)
+        .env("TETHER_LOG", "info,tether_edge=debug")
+        .env("RUST_BACKTRACE", "0");
+    let mut edge = Proc::spawn(
+        "tether-edge",
+        tokio::process::Command::from(cmd),
+        dir,
+        SpawnOptions::default(),
+    )
+    .unwrap();
+    edge.wait_line("edge connected", Duration::from_secs(30), |l| {
+        l.starts_with("tether-edge connected")
+    })
+    .await
+    .unwrap();
+    edge
+}
+
+fn pattern_byte(i: u64) -> u8 {
+    (i.wrapping_mul(2654435761) >> 13) as u8
+}
+
+/// The two streams of every fault test: a follow log and an echo stream.
+struct Traffic {
+    log_text: Arc<Mutex<String>>,
+    log_ended: Arc<Mutex<Option<Result<(), String>>>>,
+    received: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    writer: tokio::task::JoinHandle<std::io::Result<u64>>,
+    reader: tokio::task::JoinHandle<anyhow::Result<u64>>,
+    log_task: tokio::task::JoinHandle<()>,
+}
+
+impl Traffic {
+    async fn start(client: &Client) -> Traffic {
+        let resp = client
+            .send(
+                None,
+                Request::get("/containerLogs/default/p1/c?follow=true")
+                    .header("host", "edge-1")
+                    .body(empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let mut log = resp.into_body();
+        let log_text = Arc::new(Mutex::new(String::new()));
+        let log_ended = Arc::new(Mutex::new(None));
+        let (lt, le) = (log_text.clone(), log_ended.clone());
+        let log_task = tokio::spawn(async move {
+            let end = loop {
+                match log.frame().await {
+                    Some(Ok(f)) => {
+                        if let Ok(d) = f.into_data() {
+                            lt.lock().unwrap().push_str(&String::from_utf8_lossy(&d));
+                        }
+                    }
+                    Some(Err(e)) => break Err(e.to_string()),
+                    None => break Ok(()),
+                }
+            };
+            *le.lock().unwrap() = Some(end);
+        });
+        let (_, up) = client
+            .upgrade(
+                "/exec/default/p1/c?command=cat&input=1&output=1",
+                "10.96.0.1:6443",
+            )
+            .await
+            .unwrap();
+        let (mut r, mut w) = tokio::io::split(TokioIo::new(up));
+        let stop = Arc::new(AtomicBool::new(false));
+        let s2 = stop.clone();
+        let writer = tokio::spawn(async move {
+            let mut off = 0u64;
+            while !s2.load(Ordering::Relaxed) {
+                let chunk: Vec<u8> = (off..off + 1024).map(pattern_byte).collect();
+                w.write_all(&chunk).await?;
+                off += 1024;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            w.shutdown().await?;
+            Ok(off)
+        });
+        let received = Arc::new(AtomicU64::new(0));
+        let rcv = received.clone();
+        let reader = tokio::spawn(async move {
+            let mut off = 0u64;
+            let mut buf = vec![0u8; 65536];
+            loop {
+                let n = r.read(&mut buf).await?;
+                if n == 0 {
+                    return Ok(off);
+                }
+                for (i, b) in buf[..n].iter().enumerate() {
+                    anyhow::ensure!(
+                        *b == pattern_byte(off + i as u64),
+                        "echo byte {} wrong",
+                        off + i as u64
+                    );
+                }
+                off += n as u64;
+                rcv.store(off, Ordering::Relaxed);
+            }
+        });
+        Traffic {
+            log_text,
+            log_ended,
+            received,
+            stop,
+            writer,
+            reader,
+            log_task,
+        }
+    }
+
+    fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
+    fn log_lines(&self) -> usize {
+        self.log_text.lock().unwrap().lines().count()
+    }
+
+    /// Waits until both streams move again after `since`; returns the delay.
+    async fn wait_flowing(&self, since: Instant, limit: Duration) -> Duration {
+        let (bytes, lines) = (self.received(), self.log_lines());
+        while self.received() == bytes || self.log_lines() == lines {
+            assert!(
+                since.elapsed() < limit,
+                "streams did not resume within {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        since.elapsed()
+    }
+
+    /// Stops the echo writer and checks every byte and line exactly once.
+    async fn finish_intact(self) -> (u64, usize) {
+        self.stop.store(true, Ordering::Relaxed);
+        let total = tokio::time::timeout(Duration::from_secs(30), self.writer)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(60), self.reader)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(got, total, "every echoed byte exactly once");
+        assert!(
+            self.log_ended.lock().unwrap().is_none(),
+            "the log stream must still be open: {:?}",
+            self.log_ended.lock().unwrap()
+        );
+        self.log_task.abort();
+        let text = self.log_text.lock().unwrap().clone();
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, l) in lines.iter().enumerate() {
+            if i + 1 < lines.len() {
+                assert_eq!(
+                    *l,
+                    format!("edge-1 line {i}"),
+                    "log line {i} lost, doubled or reordered"
+                );
+            }
+        }
+        (total, lines.len())
+    }
+
+    /// Both streams end with an error (not a clean end) within `limit`.
+    async fn expect_errors_within(self, limit: Duration) -> Duration {
+        let t = Instant::now();
+        let reader = tokio::time::timeout(limit, self.reader)
+            .await
+            .expect("echo must end, not hang")
+            .unwrap();
+        assert!(
+            reader.is_err(),
+            "echo must end with an error, got a clean end"
+        );
+        while self.log_ended.lock().unwrap().is_none() {
+            assert!(t.elapsed() < limit, "log must end, not hang");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let end = self.log_ended.lock().unwrap().clone().unwrap();
+        assert!(
+            end.is_err(),
+            "a cut log must be an aborted response, not a clean end"
+        );
+        self.stop.store(true, Ordering::Relaxed);
+        self.writer.abort();
+        t.elapsed()
+    }
+}
+
+fn connects(log_lines: &[String]) -> usize {
+    log_lines
+        .iter()
+        .filter(|l| l.starts_with("tether-edge connected"))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_address_change_migrates_without_reconnect() {
+    let env = NsEnv::start(&[], &[]).await;
+    let traffic = Traffic::start(&env.client).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let new_ip = env.link.change_edge_address().unwrap();
+    let t = Instant::now();
+    let stall = traffic.wait_flowing(t, Duration::from_secs(20)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (bytes, lines) = traffic.finish_intact().await;
+    assert_eq!(
+        connects(&env.edge.lines()),
+        1,
+        "no reconnect may happen: {:?}",
+        env.edge.lines()
+    );
+    let log = env.cloud_log();
+    assert!(
+        log.contains("edge migrated to a new address") && log.contains(&new_ip.to_string()),
+        "cloud must see the migration"
+    );
+    println!("FIGURE address change to {new_ip}: streams moving again after {:.0} ms; {bytes} bytes and {lines} lines intact; no reconnect", stall.as_secs_f64() * 1e3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_second_outage_is_survived_exactly_once() {
+    // Default QUIC settings: the connection dies after the 30 s idle timeout
+    // and the session is resumed when the link returns.
+    let env = NsEnv::start(&[], &[]).await;
+    let traffic = Traffic::start(&env.client).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    env.link.outage(true).unwrap();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    env.link.outage(false).unwrap();
+    let restored = Instant::now();
+    let back = traffic
+        .wait_flowing(restored, Duration::from_secs(30))
+        .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let stats = env.link.stats().ok();
+    let (bytes, lines) = traffic.finish_intact().await;
+    let edge_lines = env.edge.lines();
+    assert!(
+        edge_lines.iter().any(|l| l.contains("resumed=true")),
+        "the session must be resumed: {edge_lines:?}"
+    );
+    println!(
+        "FIGURE 60 s outage: first resumed byte {:.0} ms after the link returned; {bytes} bytes and {lines} lines exactly once; link stats {stats:?}",
+        back.as_secs_f64() * 1e3
+    );
+    let _ = (&env.dir, env.kubelet_port, &env.pki);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_cellular_link_for_a_minute_keeps_streams_intact() {
+    let env = NsEnv::start(&[], &[]).await;
+    let traffic = Traffic::start(&env.client).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // 200 ms RTT (100 ms each way), 20 ms jitter, 5 % loss, both directions.
+    let bad = Impairment::clean()
+        .with_delay(Duration::from_millis(100))
+        .with_jitter(Duration::from_millis(20))
+        .with_loss(5.0);
+    env.link.set(bad).unwrap();
+    let start = (traffic.received(), traffic.log_lines());
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let during = (traffic.received() - start.0, traffic.log_lines() - start.1);
+    env.link.set(Impairment::clean()).unwrap();
+    let stats = env.link.stats().ok();
+    let (bytes, lines) = traffic.finish_intact().await;
+    assert!(
+        during.0 > 0 && during.1 > 0,
+        "streams must keep moving on the bad link: {during:?}"
+    );
+    println!("FIGURE 200 ms RTT + 5 % loss for 60 s: {} echo bytes and {} log lines moved during it; totals {bytes} bytes, {lines} lines intact; {stats:?}", during.0, during.1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outage_longer_than_grace_ends_both_streams_with_errors() {
+    let fast = ["--idle-timeout", "3s", "--keep-alive", "1s"];
+    let env = NsEnv::start(&[&fast[..], &["--grace", "3s"]].concat(), &fast).await;
+    let traffic = Traffic::start(&env.client).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    env.link.outage(true).unwrap();
+    let took = traffic.expect_errors_within(Duration::from_secs(30)).await;
+    env.link.outage(false).unwrap();
+    println!("FIGURE outage beyond grace (idle 3 s + grace 3 s): both streams ended with errors {:.1} s into the outage", took.as_secs_f64());
+    // After the link returns the edge starts a new session and new requests work.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    env.wait_routable().await;
+    assert!(
+        env.edge_log().contains("ending streams") || env.edge_log().contains("did not resume"),
+        "edge must end its side too"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_edge_and_restarted_cloud_end_streams_promptly() {
+    let fast = ["--idle-timeout", "3s", "--keep-alive", "1s"];
+    let mut env = NsEnv::start(&[&fast[..], &["--grace", "2s"]].concat(), &fast).await;
+
+    // kill -9 the edge: streams end promptly (idle timeout + grace), then a
+    // restarted edge serves new requests.
+    let traffic = Traffic::start(&env.client).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    env.edge.kill().await;
+    let took = traffic.expect_errors_within(Duration::from_secs(20)).await;
+    println!(
+        "FIGURE kill -9 edge: streams ended {:.1} s later",
+        took.as_secs_f64()
+    );
+    env.edge = spawn_edge(&env.link, &env.pki, env.dir.path(), env.kubelet_port, &fast).await;
+    env.wait_routable().await;
+
+    // Restart the cloud: streams end promptly, the edge reconnects by itself
+    // (a new session: the cloud lost its state), new requests work.
+    let traffic = Traffic::start(&env.client).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    env.cloud.kill().await;
+    let took = traffic.expect_errors_within(Duration::from_secs(20)).await;
+    println!(
+        "FIGURE kill -9 cloud: streams ended {:.1} s later",
+        took.as_secs_f64()
+    );
+    env.cloud = Proc::spawn(
+        "tether-cloud-2",
+        cloud_cmd(&env.link, &env.pki, &env.cloud_args),
+        env.dir.path(),
+        SpawnOptions::default(),
+    )
+    .unwrap();
+    env.cloud
+        .wait_line("cloud ready", Duration::from_secs(20), |l| {
+            l.starts_with("tether-cloud ready")
+        })
+        .await
+        .unwrap();
+    let t = Instant::now();
+    env.edge
+        .wait_line("edge reconnects", Duration::from_secs(30), |l| {
+            l.starts_with("tether-edge connected") && l.contains("resumed=false")
+        })
+        .await
+        .unwrap();
+    env.wait_routable().await;
+    println!(
+        "FIGURE cloud restart: edge back with a new session {:.1} s after the new cloud was ready",
+        t.elapsed().as_secs_f64()
+    );
+}

@@ -1,0 +1,210 @@
+//! Operations: metrics that move with traffic, health and readiness, the
+//! status document, and graceful shutdown of both binaries.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use http_body_util::BodyExt;
+use hyper::{Request, StatusCode};
+use support::{empty, plain_get, sample, Env, NodeSpec};
+
+const ONE: &[NodeSpec<'static>] = &[NodeSpec {
+    name: "edge-1",
+    pods: &["default/p1"],
+    announce: &["10.77.0.1"],
+}];
+
+fn edge_metrics_addr(env: &Env) -> std::net::SocketAddr {
+    env.nodes[0]
+        .edge
+        .lines()
+        .iter()
+        .find_map(|l| {
+            l.strip_prefix("tether-edge started ")
+                .and_then(|r| r.split("metrics=").nth(1))
+        })
+        .expect("edge printed its metrics address")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_health_and_status() {
+    let env = Env::start(ONE, &[]).await.unwrap();
+    let (s, _) = plain_get(env.metrics, "/healthz").await.unwrap();
+    assert_eq!(s, StatusCode::OK);
+    let (s, _) = plain_get(env.metrics, "/readyz").await.unwrap();
+    assert_eq!(s, StatusCode::OK);
+    let (_, before) = plain_get(env.metrics, "/metrics").await.unwrap();
+    for name in [
+        "tether_cloud_edges_connected",
+        "tether_cloud_streams_open",
+        "tether_cloud_streams ",
+        "tether_cloud_bytes_to_apiserver ",
+        "tether_cloud_bytes_to_edge ",
+        "tether_cloud_resumes ",
+        "tether_cloud_migrations ",
+        "tether_cloud_stream_open_seconds",
+        "tether_cloud_edge_rtt_seconds",
+    ] {
+        assert!(before.contains(name), "{name} missing from:\n{before}");
+    }
+    assert_eq!(sample(&before, "tether_cloud_edges_connected"), Some(1.0));
+    let streams_before =
+        sample(&before, "tether_cloud_streams_total{kind=\"metrics\"}").unwrap_or(0.0);
+    let bytes_before = sample(&before, "tether_cloud_bytes_to_apiserver_total").unwrap_or(0.0);
+    for _ in 0..3 {
+        let r = env
+            .client
+            .get("/metrics", "edge-1", None, &[])
+            .await
+            .unwrap();
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    let r = env
+        .client
+        .get("/metrics", "nowhere", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let (_, after) = plain_get(env.metrics, "/metrics").await.unwrap();
+    assert_eq!(
+        sample(&after, "tether_cloud_streams_total{kind=\"metrics\"}"),
+        Some(streams_before + 3.0),
+        "{after}"
+    );
+    assert!(sample(&after, "tether_cloud_bytes_to_apiserver_total").unwrap() > bytes_before);
+    assert!(
+        sample(
+            &after,
+            "tether_cloud_refused_requests_total{reason=\"not_found\"}"
+        )
+        .unwrap()
+            >= 1.0
+    );
+    assert_eq!(
+        sample(&after, "tether_cloud_streams_open{kind=\"metrics\"}"),
+        Some(0.0)
+    );
+
+    let (s, status) = plain_get(env.metrics, "/status").await.unwrap();
+    assert_eq!(s, StatusCode::OK);
+    let v: serde_json::Value = serde_json::from_str(&status).unwrap();
+    let node = &v["nodes"][0];
+    assert_eq!(node["node"], "edge-1");
+    assert_eq!(node["connected"], true);
+    assert_eq!(node["addresses"][0], "10.77.0.1");
+    assert!(node["rtt_ms"].as_f64().is_some());
+
+    let edge = edge_metrics_addr(&env);
+    let (s, _) = plain_get(edge, "/readyz").await.unwrap();
+    assert_eq!(s, StatusCode::OK);
+    let (_, m) = plain_get(edge, "/metrics").await.unwrap();
+    assert_eq!(sample(&m, "tether_edge_connected"), Some(1.0), "{m}");
+    assert!(
+        sample(&m, "tether_edge_streams_total").unwrap() >= 3.0,
+        "{m}"
+    );
+    assert!(
+        sample(&m, "tether_edge_bytes_to_cloud_total").unwrap() > 0.0,
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_sigterm_ends_its_session_at_once() {
+    let mut env = Env::start(ONE, &[]).await.unwrap();
+    let resp = env
+        .client
+        .send(
+            None,
+            Request::get("/containerLogs/default/p1/c?follow=true")
+                .header("host", "edge-1")
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let t = Instant::now();
+    let status = env.nodes[0].edge.terminate(Duration::from_secs(5)).await;
+    assert!(
+        status.map(|s| s.success()).unwrap_or(false),
+        "edge must exit cleanly on SIGTERM: {status:?}"
+    );
+    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match body.frame().await {
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(()),
+            }
+        }
+    })
+    .await
+    .expect("stream must end promptly");
+    assert!(outcome.is_err(), "cut stream must be an aborted response");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    let r = env
+        .client
+        .get("/containerLogs/default/p1/c", "edge-1", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.body);
+    assert!(env.cloud_log().contains("edge shut down"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloud_sigterm_drains_then_disconnects_edges() {
+    let mut env = Env::start(ONE, &["--shutdown-grace", "2s"]).await.unwrap();
+    // A short request finishes during the drain; a follow stream outlives it.
+    let resp = env
+        .client
+        .send(
+            None,
+            Request::get("/containerLogs/default/p1/c?follow=true")
+                .header("host", "edge-1")
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let t = Instant::now();
+    let status = env.cloud.terminate(Duration::from_secs(10)).await;
+    let took = t.elapsed();
+    assert!(
+        status.map(|s| s.success()).unwrap_or(false),
+        "cloud must exit cleanly: {status:?}"
+    );
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(8),
+        "drained for {took:?}"
+    );
+    let log = env.cloud_log();
+    assert!(log.contains("draining open streams"), "{log}");
+    // The edge noticed and is trying to reconnect (to another replica).
+    let edge = &mut env.nodes[0].edge;
+    let edge_log = std::fs::read_to_string(edge.log_path()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut seen = edge_log.contains("cannot reach the cloud")
+        || edge_log.contains("connection to the cloud lost");
+    while !seen && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let l = std::fs::read_to_string(edge.log_path()).unwrap();
+        seen = l.contains("cannot reach the cloud") || l.contains("connection to the cloud lost");
+    }
+    assert!(seen, "edge must notice the cloud going away");
+}

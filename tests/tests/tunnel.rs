@@ -1,0 +1,683 @@
+//! Integration tests of the core tunnel: the real `tether-cloud` and
+//! `tether-edge` binaries on loopback, an in-process kubelet stand-in, and an
+//! HTTPS client holding the apiserver's client certificate.
+//!
+//! Needs the binaries built first: `cargo build --workspace --bins`.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::{Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use support::{echo, empty, Env, NodeSpec};
+use tether_tests::{random_bytes, sha256_hex};
+
+const ONE: &[NodeSpec<'static>] = &[NodeSpec {
+    name: "edge-1",
+    pods: &["default/p1"],
+    announce: &["10.77.0.1"],
+}];
+
+fn two() -> Vec<NodeSpec<'static>> {
+    vec![
+        NodeSpec {
+            name: "edge-a",
+            pods: &["default/pa", "kube-system/shared"],
+            announce: &["10.77.1.1", "10.77.9.9"],
+        },
+        NodeSpec {
+            name: "edge-b",
+            pods: &["default/pb", "kube-system/shared"],
+            announce: &["10.77.2.1", "10.77.9.9"],
+        },
+    ]
+}
+
+/// Starts a healthy 1 MiB echo on pod `pod` that stays open until the returned
+/// sender is used, then checks it was intact: the "healthy stream running at
+/// the same time" of the bad-input tests.
+async fn healthy_stream(env: &Env, pod: &str) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_, up) = env
+        .client
+        .upgrade(
+            &format!("/exec/default/{pod}/c?command=cat&input=1&output=1"),
+            "apiserver.example:6443",
+        )
+        .await
+        .expect("healthy stream upgrade");
+    tokio::spawn(async move {
+        let data = random_bytes(1 << 20);
+        let (mut r, mut w) = tokio::io::split(TokioIo::new(up));
+        let want = data.clone();
+        let reader = tokio::spawn(async move {
+            let mut got = vec![0u8; want.len()];
+            r.read_exact(&mut got).await?;
+            anyhow::ensure!(got == want, "healthy stream corrupted");
+            Ok::<_, anyhow::Error>(())
+        });
+        // Trickle the data over ~2 s so it overlaps the bad inputs.
+        for chunk in data.chunks(32 * 1024) {
+            w.write_all(chunk).await?;
+            tokio::time::sleep(Duration::from_millis(60)).await;
+        }
+        reader.await??;
+        w.shutdown().await?;
+        Ok(())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follow_log_streams_while_it_grows() {
+    let env = Env::start(ONE, &[]).await.unwrap();
+    let resp = env
+        .client
+        .send(
+            None,
+            Request::get("/containerLogs/default/p1/c?follow=true")
+                .header("host", "edge-1:10250")
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers().get("x-kubelet-node").unwrap(), "edge-1");
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    let started = Instant::now();
+    while text.lines().count() < 40 {
+        let frame = tokio::time::timeout(Duration::from_secs(10), body.frame())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if let Ok(d) = frame.into_data() {
+            text.push_str(&String::from_utf8_lossy(&d));
+        }
+    }
+    // 40 lines at 20 ms each: the body streamed as it grew, never buffered whole.
+    assert!(
+        started.elapsed() >= Duration::from_millis(600),
+        "{:?}",
+        started.elapsed()
+    );
+    for (i, line) in text.lines().take(40).enumerate() {
+        assert_eq!(line, format!("edge-1 line {i}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_echo_10_mib_byte_exact_with_half_close() {
+    let env = Env::start(ONE, &[]).await.unwrap();
+    let data = random_bytes(10 << 20);
+    let want = sha256_hex(&data);
+    // Through the tunnel.
+    let (reply, up) = env
+        .client
+        .upgrade(
+            "/exec/default/p1/c?command=cat&input=1&output=1",
+            "apiserver.example:6443",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        reply.headers.get("x-stream-protocol-version").unwrap(),
+        "v4.channel.k8s.io"
+    );
+    assert_eq!(reply.headers.get("upgrade").unwrap(), "SPDY/3.1");
+    let t = Instant::now();
+    let back = echo(TokioIo::new(up), data.clone()).await.unwrap();
+    let tunnel = t.elapsed();
+    assert_eq!(back.len(), data.len());
+    assert_eq!(sha256_hex(&back), want);
+    // Directly against the kubelet stand-in, for the figure.
+    let tcp = tokio::net::TcpStream::connect(env.nodes[0].kubelet.addr)
+        .await
+        .unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    tokio::spawn(conn.with_upgrades());
+    let mut resp = sender
+        .send_request(
+            Request::post("/exec/default/p1/c")
+                .header("connection", "Upgrade")
+                .header("upgrade", "SPDY/3.1")
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let up = hyper::upgrade::on(&mut resp).await.unwrap();
+    let t = Instant::now();
+    let back = echo(TokioIo::new(up), data).await.unwrap();
+    let direct = t.elapsed();
+    assert_eq!(sha256_hex(&back), want);
+    println!(
+        "FIGURE 10 MiB echo: tunnel {:.0} ms, direct {:.0} ms, ratio {:.1}x",
+        tunnel.as_secs_f64() * 1e3,
+        direct.as_secs_f64() * 1e3,
+        tunnel.as_secs_f64() / direct.as_secs_f64()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_get_and_request_body() {
+    let env = Env::start(ONE, &[]).await.unwrap();
+    let tls = env.client.connect(Some("edge-1"), true).await.unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let resp = sender
+        .send_request(
+            Request::get("https://edge-1:10250/metrics")
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"node_name{node=\"edge-1\"} 1\n");
+    // A POST body reaches the kubelet (the stand-in echoes /stats/summary bodies).
+    let payload = Bytes::from(random_bytes(300_000));
+    let req = Request::post("https://edge-1:10250/stats/summary")
+        .body(
+            http_body_util::Full::new(payload.clone())
+                .map_err(|n| match n {})
+                .boxed(),
+        )
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(
+        resp.into_body().collect().await.unwrap().to_bytes(),
+        payload
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_concurrent_streams_through_one_edge() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let env = Env::start(ONE, &[]).await.unwrap();
+    let rss = |pid: Option<u32>| -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", pid.unwrap())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    };
+    let (cloud_idle, edge_idle) = (rss(env.cloud.pid()), rss(env.nodes[0].edge.pid()));
+    // All 200 streams are open at once (barrier) before any finishes.
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(201));
+    let mut tasks = Vec::new();
+    for i in 0..200u32 {
+        let client = env.client.clone();
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            let (_, up) = client
+                .upgrade(
+                    &format!("/exec/default/p1/c?command=cat&n={i}"),
+                    "apiserver.example:6443",
+                )
+                .await?;
+            let data = random_bytes(64 * 1024 + i as usize);
+            let (mut r, mut w) = tokio::io::split(TokioIo::new(up));
+            w.write_all(&data[..1024]).await?;
+            let mut first = vec![0u8; 1024];
+            r.read_exact(&mut first).await?;
+            barrier.wait().await;
+            w.write_all(&data[1024..]).await?;
+            w.shutdown().await?;
+            let mut back = first;
+            r.read_to_end(&mut back).await?;
+            anyhow::ensure!(back == data, "stream {i} corrupted");
+            Ok::<_, anyhow::Error>(())
+        }));
+    }
+    let t = Instant::now();
+    tokio::time::timeout(Duration::from_secs(60), barrier.wait())
+        .await
+        .unwrap();
+    let (cloud_open, edge_open) = (rss(env.cloud.pid()), rss(env.nodes[0].edge.pid()));
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(60), t)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+    println!(
+        "FIGURE 200 open streams: cloud RSS {} KiB (idle {} KiB), edge RSS {} KiB (idle {} KiB); all 200 echoes done in {:.0} ms",
+        cloud_open,
+        cloud_idle,
+        edge_open,
+        edge_idle,
+        t.elapsed().as_secs_f64() * 1e3
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_edges_each_reach_only_their_own_kubelet() {
+    let env = Env::start(&two(), &[]).await.unwrap();
+    for (pod, node) in [("pa", "edge-a"), ("pb", "edge-b")] {
+        let r = env
+            .client
+            .get(
+                &format!("/containerLogs/default/{pod}/c"),
+                "apiserver.example:6443",
+                None,
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(r.node(), Some(node));
+        assert!(r.body.starts_with(&format!("{node} line 0")));
+    }
+    for node in ["edge-a", "edge-b"] {
+        let r = env
+            .client
+            .get("/metrics", &format!("{node}:10250"), None, &[])
+            .await
+            .unwrap();
+        assert_eq!((r.status, r.node()), (StatusCode::OK, Some(node)));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routing_never_guesses() {
+    let env = Env::start(&two(), &[]).await.unwrap();
+    let c = &env.client;
+    // An upgrade whose Host is the apiserver's own address reaches the pod's node.
+    let (reply, up) = c
+        .upgrade("/exec/default/pb/c?command=sh", "10.96.0.1:6443")
+        .await
+        .unwrap();
+    assert_eq!(reply.headers.get("x-kubelet-node").unwrap(), "edge-b");
+    assert_eq!(
+        echo(TokioIo::new(up), b"ping".to_vec()).await.unwrap(),
+        b"ping"
+    );
+    // Node-scoped: by X-Forwarded-Uri (wins over a Host naming the other node)…
+    let r = c
+        .get(
+            "/metrics",
+            "edge-a:10250",
+            None,
+            &[("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.node(), Some("edge-b"));
+    // …by Host naming the node or an address it announced…
+    assert_eq!(
+        c.get("/metrics", "edge-a:10250", None, &[])
+            .await
+            .unwrap()
+            .node(),
+        Some("edge-a")
+    );
+    assert_eq!(
+        c.get("/metrics", "10.77.2.1:10350", None, &[])
+            .await
+            .unwrap()
+            .node(),
+        Some("edge-b")
+    );
+    // …and by SNI (Host unrelated).
+    assert_eq!(
+        c.get("/metrics", "10.96.0.1:6443", Some("edge-b"), &[])
+            .await
+            .unwrap()
+            .node(),
+        Some("edge-b")
+    );
+    // The kubelet's own 404 and 500 arrive unchanged.
+    let r = c.get("/runningpods/", "edge-a", None, &[]).await.unwrap();
+    assert_eq!(
+        (r.status, r.node()),
+        (StatusCode::NOT_FOUND, Some("edge-a"))
+    );
+    assert!(r.body.contains("kubelet edge-a"));
+    let r = c.get("/metrics/probes", "edge-a", None, &[]).await.unwrap();
+    assert_eq!(
+        (r.status, r.body.as_str()),
+        (StatusCode::INTERNAL_SERVER_ERROR, "probe failure\n")
+    );
+    // An address announced by both edges, or a pod both report: refused, named.
+    let r = c
+        .get("/metrics", "10.77.9.9:10350", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.body);
+    assert!(
+        r.body.contains("10.77.9.9") && r.body.contains("edge-a") && r.body.contains("edge-b"),
+        "{}",
+        r.body
+    );
+    let r = c
+        .get("/containerLogs/kube-system/shared/c", "edge-a", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.body);
+    // Unknown host, unknown pod, unforwarded path: clear errors from the cloud itself.
+    let r = c
+        .get("/metrics", "nowhere.example:10250", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert!(r.body.contains("nowhere.example"), "{}", r.body);
+    assert!(r.headers.get("x-kubelet-node").is_none());
+    let r = c
+        .get("/containerLogs/default/ghost/c", "edge-a", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert!(r.body.contains("default/ghost"), "{}", r.body);
+    for path in ["/run/default/pa/c", "/configz", "/debug/pprof/heap", "/"] {
+        let r = c.get(path, "edge-a", None, &[]).await.unwrap();
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{path}");
+        assert!(r.body.starts_with("tether-cloud:"), "{path}: {}", r.body);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_clear_errors_and_spare_healthy_streams() {
+    let env = Env::start(ONE, &[]).await.unwrap();
+    let healthy = healthy_stream(&env, "p1").await;
+
+    // Garbage datagrams on the QUIC port.
+    let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    for i in 0..500u32 {
+        let junk = random_bytes(1 + (i as usize * 37) % 1400);
+        sock.send_to(&junk, env.tunnel).await.unwrap();
+    }
+
+    // An apiserver without a client certificate: the TLS handshake fails.
+    let no_cert = {
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(
+                tether_certs::pem::certs_from_pem(&env.pki.tether_ca_pem, "ca")
+                    .unwrap()
+                    .remove(0),
+            )
+            .unwrap();
+        let cfg = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(env.kubelet_api)
+            .await
+            .unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        match tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+            .connect(name, tcp)
+            .await
+        {
+            // TLS 1.3: the server's refusal arrives with the first read.
+            Ok(mut tls) => {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let _ = tls
+                    .write_all(b"GET /metrics HTTP/1.1\r\nhost: edge-1\r\n\r\n")
+                    .await;
+                let mut buf = Vec::new();
+                tls.read_to_end(&mut buf).await.is_err() || buf.is_empty()
+            }
+            Err(_) => true,
+        }
+    };
+    assert!(no_cert, "a client without a certificate must be refused");
+
+    // Oversized request headers: 431, not a crash.
+    let big = "x".repeat(100 * 1024);
+    let r = env
+        .client
+        .get("/metrics", "edge-1", None, &[("x-big", &big)])
+        .await;
+    match r {
+        Ok(r) => assert_eq!(r.status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
+        Err(e) => panic!("oversized headers should get 431, got {e:#}"),
+    }
+
+    // A hello whose node name differs from the certificate's.
+    let refusal = hello_as(&env, "edge-intruder", "edge-1").await;
+    assert!(
+        refusal.contains("NodeMismatch") && refusal.contains("edge-intruder"),
+        "{refusal}"
+    );
+
+    // An edge certificate from another CA.
+    let other = tether_certs::Ca::new("other-ca", Duration::from_secs(3600)).unwrap();
+    let rogue = other
+        .issue_edge("edge-1", Duration::from_secs(3600))
+        .unwrap();
+    let cert = env.dir.path().join("rogue.crt");
+    let key = env.dir.path().join("rogue.key");
+    std::fs::write(&cert, &rogue.cert_pem).unwrap();
+    std::fs::write(&key, &rogue.key_pem).unwrap();
+    let mut rogue_edge = env
+        .edge_process("rogue", &cert, &key, "http://127.0.0.1:9", &[], &[])
+        .unwrap();
+    let seen = rogue_edge
+        .wait_line("rogue connected", Duration::from_secs(3), |l| {
+            l.starts_with("tether-edge connected")
+        })
+        .await;
+    assert!(
+        seen.is_err(),
+        "an edge with a foreign certificate must not be welcomed"
+    );
+    rogue_edge.kill().await;
+
+    // Unknown host.
+    let r = env
+        .client
+        .get("/metrics", "10.1.2.3:10250", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+
+    healthy.await.unwrap().expect("healthy stream intact");
+    // The real edge is still the one connected.
+    let r = env
+        .client
+        .get("/metrics", "edge-1", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.node(), Some("edge-1"));
+    let log = env.cloud_log();
+    assert!(log.contains("NodeMismatch"), "refusal not logged");
+}
+
+/// Connects to the cloud as `cert_node` and says hello as `hello_node`;
+/// returns what the cloud answered.
+async fn hello_as(env: &Env, cert_node: &str, hello_node: &str) -> String {
+    use tether_proto::handshake::{Hello, ALPN_TUNNEL, PROTOCOL_VERSION};
+    use tether_proto::io::{write_frame, FrameReader};
+    let pair = &env.pki.edges[cert_node];
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(
+            tether_certs::pem::certs_from_pem(&env.pki.tether_ca_pem, "ca")
+                .unwrap()
+                .remove(0),
+        )
+        .unwrap();
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(
+            tether_certs::pem::certs_from_pem(&pair.cert_pem, "c").unwrap(),
+            tether_certs::pem::key_from_pem(&pair.key_pem, "k").unwrap(),
+        )
+        .unwrap();
+    tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(std::sync::Arc::new(crypto)));
+    let conn = ep
+        .connect(env.tunnel, tether_tests::pki::CLOUD_SERVER_NAME)
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let hello = Hello {
+        versions: vec![PROTOCOL_VERSION],
+        node: hello_node.into(),
+        addresses: vec![],
+        resume: None,
+        limits: tether_proto::Limits::default(),
+    };
+    write_frame(&mut send, &tether_proto::Frame::Hello(hello), 1 << 20)
+        .await
+        .unwrap();
+    let mut reader = FrameReader::new(1 << 20);
+    let answer = tokio::time::timeout(Duration::from_secs(5), reader.next(&mut recv))
+        .await
+        .unwrap();
+    format!("{answer:?}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_edge_aborts_streams_and_never_hangs() {
+    // Short timers so the dead edge is noticed in seconds.
+    let env = Env::start(
+        ONE,
+        &[
+            "--idle-timeout",
+            "2s",
+            "--keep-alive",
+            "500ms",
+            "--grace",
+            "1s",
+        ],
+    )
+    .await
+    .unwrap();
+    let resp = env
+        .client
+        .send(
+            None,
+            Request::get("/containerLogs/default/p1/c?follow=true")
+                .header("host", "edge-1")
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    // Some lines flow, then the edge dies.
+    let first = tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(first.is_data());
+    let mut env = env;
+    env.nodes[0].edge.kill().await;
+    let t = Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match body.frame().await {
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(()),
+            }
+        }
+    })
+    .await
+    .expect("the response must end, not hang");
+    assert!(
+        outcome.is_err(),
+        "a cut log must end as an aborted response, not a clean end"
+    );
+    println!(
+        "FIGURE killed edge: log response aborted {:.1} s after the kill",
+        t.elapsed().as_secs_f64()
+    );
+    // New requests get 502 naming the edge, not a hang.
+    let r = env
+        .client
+        .get("/containerLogs/default/p1/c", "edge-1", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.body);
+    assert!(r.body.contains("edge-1"), "{}", r.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_down_gives_502_and_restarted_edge_ends_old_streams() {
+    let mut env = Env::start(ONE, &[]).await.unwrap();
+    // An edge whose kubelet refuses connections: 502 with the reason.
+    let kubelet_url = format!("http://{}", env.nodes[0].kubelet.addr);
+    let r = env
+        .client
+        .get("/metrics", "edge-1", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::OK);
+    // Open a follow stream, then restart the edge (state lost): the stream ends promptly.
+    let resp = env
+        .client
+        .send(
+            None,
+            Request::get("/containerLogs/default/p1/c?follow=true")
+                .header("host", "edge-1")
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    env.nodes[0].edge.kill().await;
+    let restarted = env
+        .spawn_edge("edge-1", "http://127.0.0.1:9", &["10.77.0.1"], &[])
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match body.frame().await {
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(()),
+            }
+        }
+    })
+    .await
+    .expect("old stream must end promptly when the edge restarts");
+    assert!(outcome.is_err());
+    assert!(t.elapsed() < Duration::from_secs(5));
+    // The restarted edge points at a closed port: 502 naming the kubelet.
+    let r = env
+        .client
+        .get("/metrics", "edge-1", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.body);
+    assert!(r.body.contains("could not reach its kubelet"), "{}", r.body);
+    drop(restarted);
+    let _ = kubelet_url;
+}
