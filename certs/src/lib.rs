@@ -4,13 +4,35 @@
 //!   client naming its node, apiserver-style client), made with rcgen.
 //! - [`identity`]: reading the node name out of an edge certificate.
 //! - [`pem`]: loading PEM files into rustls types, with errors naming the file.
+//! - [`files`]: atomic writes, keys 0600.
+//! - [`pin`]: the CA pin (`sha256:` of its public key) and the TLS verifier
+//!   a joining edge trusts the cloud with.
+//! - [`token`]: join tokens and the hashed token store.
+//! - [`csr`]: the edge's key and CSR, and the cloud's CSR signing policy.
+//! - [`join`]: the join exchange — messages, the cloud's decision, the
+//!   edge's checks — without I/O.
+//! - [`inspect`]: a readable summary of a certificate.
+//! - [`rotation`]: when an edge certificate is due for renewal.
+//!
+//! The `tether-certs` binary (`main.rs`, `cli.rs`) is a thin CLI over these.
 
+pub mod csr;
+pub mod files;
 pub mod identity;
+pub mod inspect;
+pub mod join;
 pub mod mint;
 pub mod pem;
+pub mod pin;
+pub mod rotation;
+pub mod token;
 
+pub use csr::{make_edge_csr, sign_edge_csr};
 pub use identity::node_name_from_cert;
-pub use mint::{Ca, CertKey};
+pub use join::{JoinError, JoinRequest, JoinResponse, ALPN_JOIN};
+pub use mint::{Ca, CertKey, KeyAlgorithm};
+pub use pin::{ca_pin, CaPin, PinnedCaVerifier};
+pub use token::{Grant, IssuedCert, JoinStore, JoinToken};
 
 /// What can go wrong with certificates.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,6 @@
 //! Minting a CA and the certificates Tether uses, with rcgen.
 //!
-//! Kinds (all ECDSA P-256):
+//! Kinds (keys ECDSA P-256; the CA may also be Ed25519):
 //! - the **CA** that signs everything below;
 //! - the cloud's **server** certificates (QUIC listener, kubelet-API front):
 //!   DNS names and IPs as SANs, server-auth EKU;
@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, SanType, PKCS_ECDSA_P256_SHA256,
+    Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber, PKCS_ECDSA_P256_SHA256, PKCS_ED25519,
 };
 use time::OffsetDateTime;
 
@@ -25,6 +25,40 @@ use crate::CertError;
 pub struct CertKey {
     pub cert_pem: String,
     pub key_pem: String,
+}
+
+/// The key algorithm of a CA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyAlgorithm {
+    /// ECDSA on NIST P-256 with SHA-256: what every TLS stack accepts.
+    #[default]
+    EcdsaP256,
+    /// Ed25519: smaller and faster; accepted by rustls and recent OpenSSL.
+    Ed25519,
+}
+
+impl KeyAlgorithm {
+    fn rcgen(self) -> &'static rcgen::SignatureAlgorithm {
+        match self {
+            KeyAlgorithm::EcdsaP256 => &PKCS_ECDSA_P256_SHA256,
+            KeyAlgorithm::Ed25519 => &PKCS_ED25519,
+        }
+    }
+}
+
+/// A random, positive 128-bit serial number. rcgen would otherwise derive the
+/// serial from the public key, so a renewed certificate with the same key
+/// would repeat its predecessor's serial.
+pub(crate) fn random_serial() -> SerialNumber {
+    let mut bytes: [u8; 16] = rand::random();
+    bytes[0] &= 0x7f;
+    bytes[0] |= 0x01;
+    SerialNumber::from_slice(&bytes)
+}
+
+/// Sets `not_before` (five minutes back, for clock skew) and `not_after`.
+pub(crate) fn set_validity(p: &mut CertificateParams, valid_for: Duration) {
+    validity(p, valid_for)
 }
 
 /// A certificate authority that can sign.
@@ -43,7 +77,16 @@ fn validity(p: &mut CertificateParams, valid_for: Duration) {
 impl Ca {
     /// A new self-signed CA.
     pub fn new(common_name: &str, valid_for: Duration) -> Result<Ca, CertError> {
-        let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256)?;
+        Ca::new_with(common_name, valid_for, KeyAlgorithm::EcdsaP256)
+    }
+
+    /// A new self-signed CA with a key of the given algorithm.
+    pub fn new_with(
+        common_name: &str,
+        valid_for: Duration,
+        algorithm: KeyAlgorithm,
+    ) -> Result<Ca, CertError> {
+        let key = KeyPair::generate_for(algorithm.rcgen())?;
         let mut p = CertificateParams::default();
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, common_name);
@@ -56,6 +99,7 @@ impl Ca {
             KeyUsagePurpose::DigitalSignature,
         ];
         validity(&mut p, valid_for);
+        p.serial_number = Some(random_serial());
         let cert = p.self_signed(&key)?;
         Ok(Ca {
             cert_pem: cert.pem(),
@@ -80,9 +124,15 @@ impl Ca {
         self.key_pem.clone()
     }
 
+    /// The rcgen issuer, for signing CSRs.
+    pub(crate) fn issuer(&self) -> &Issuer<'static, KeyPair> {
+        &self.issuer
+    }
+
     fn sign(&self, mut p: CertificateParams, valid_for: Duration) -> Result<CertKey, CertError> {
         let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256)?;
         validity(&mut p, valid_for);
+        p.serial_number = Some(random_serial());
         p.use_authority_key_identifier_extension = true;
         let cert = p.signed_by(&key, &self.issuer)?;
         Ok(CertKey {

@@ -74,6 +74,19 @@ pub struct CloudArgs {
     /// On SIGTERM, how long open streams may finish before edges are disconnected.
     #[arg(long, env = "TETHER_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+    /// Join-token store written by `tether-certs token create`; enables the
+    /// join ALPN (new edges obtain their certificate with a token).
+    #[arg(long, env = "TETHER_JOIN_STORE", requires_all = ["join_ca_cert", "join_ca_key"])]
+    pub join_store: Option<PathBuf>,
+    /// CA certificate (PEM) that signs joining edges' certificates (normally the edge CA).
+    #[arg(long, env = "TETHER_JOIN_CA_CERT")]
+    pub join_ca_cert: Option<PathBuf>,
+    /// CA private key (PEM) for signing joining edges' certificates.
+    #[arg(long, env = "TETHER_JOIN_CA_KEY")]
+    pub join_ca_key: Option<PathBuf>,
+    /// Lifetime of certificates issued to joining edges.
+    #[arg(long, env = "TETHER_JOIN_CERT_VALIDITY", default_value = "720h", value_parser = parse_duration)]
+    pub join_cert_validity: Duration,
     /// Concurrent edge connections (handshaking or established).
     #[arg(long, env = "TETHER_MAX_EDGES", default_value_t = 20000)]
     pub max_edges: usize,
@@ -83,6 +96,15 @@ pub struct CloudArgs {
     pub quic: QuicArgs,
     #[command(flatten)]
     pub log: LogArgs,
+}
+
+/// Where joining edges' certificates come from.
+#[derive(Debug, Clone)]
+pub struct JoinConfig {
+    pub store: PathBuf,
+    pub ca_cert: PathBuf,
+    pub ca_key: PathBuf,
+    pub validity: Duration,
 }
 
 /// The validated configuration.
@@ -106,6 +128,8 @@ pub struct CloudConfig {
     pub max_edges: usize,
     pub metrics_listen: SocketAddr,
     pub shutdown_grace: Duration,
+    /// Join settings, when joins are enabled.
+    pub join: Option<JoinConfig>,
     pub limits: Limits,
     pub quic: QuicSettings,
 }
@@ -141,6 +165,16 @@ impl CloudArgs {
             max_edges: self.max_edges,
             metrics_listen: self.metrics_listen,
             shutdown_grace: self.shutdown_grace,
+            join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {
+                (Some(store), Some(ca_cert), Some(ca_key)) => Some(JoinConfig {
+                    store,
+                    ca_cert,
+                    ca_key,
+                    validity: self.join_cert_validity,
+                }),
+                (None, _, _) => None,
+                _ => return Err("--join-store needs --join-ca-cert and --join-ca-key".into()),
+            },
             limits,
             quic,
         })

@@ -12,6 +12,8 @@
 //!   token, and the logical streams that outlive any one connection;
 //! - [`tunnel`]: the QUIC listener for edges: mutual TLS, hello/welcome,
 //!   resume, pod reports, connection loss and grace expiry;
+//! - [`join`]: the join ALPN: a new edge presents a join token and a CSR
+//!   and receives its certificate;
 //! - [`tls`]: rustls configurations for both listeners;
 //! - [`metrics`]: the Prometheus metrics, registered in one place (served
 //!   with `/healthz`, `/readyz` and `/status` by [`tether_proto::ops`]);
@@ -20,6 +22,7 @@
 pub mod config;
 pub mod forward;
 pub mod front;
+pub mod join;
 pub mod metrics;
 pub mod registry;
 pub mod session;

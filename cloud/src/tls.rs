@@ -22,10 +22,26 @@ pub fn quic_server_config(
     settings: &QuicSettings,
 ) -> anyhow::Result<quinn::ServerConfig> {
     let roots = load_roots(&cfg.edge_ca).context("loading --edge-ca")?;
-    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+    let mut builder = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider());
+    if cfg.join.is_some() {
+        // Joining edges have no certificate yet; the tunnel ALPN still
+        // requires one (checked per connection in `tunnel`).
+        builder = builder.allow_unauthenticated();
+    }
+    let verifier = builder
         .build()
         .context("building the edge certificate verifier")?;
-    let chain = load_certs(&cfg.tunnel_cert).context("loading --tunnel-cert")?;
+    let mut chain = load_certs(&cfg.tunnel_cert).context("loading --tunnel-cert")?;
+    if let Some(join) = &cfg.join {
+        // A joining edge pins the CA by hash and finds it in the chain the
+        // cloud presents: make sure it is there.
+        let ca = load_certs(&join.ca_cert).context("loading --join-ca-cert")?;
+        for c in ca {
+            if !chain.contains(&c) {
+                chain.push(c);
+            }
+        }
+    }
     let key = load_key(&cfg.tunnel_key).context("loading --tunnel-key")?;
     let mut tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -34,6 +50,9 @@ pub fn quic_server_config(
         .with_single_cert(chain, key)
         .context("--tunnel-cert and --tunnel-key do not match")?;
     tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
+    if cfg.join.is_some() {
+        tls.alpn_protocols.push(tether_certs::ALPN_JOIN.to_vec());
+    }
     let crypto =
         quinn::crypto::rustls::QuicServerConfig::try_from(tls).context("QUIC TLS configuration")?;
     let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));

@@ -54,6 +54,24 @@ pub async fn serve(
     metrics: CloudMetrics,
 ) -> anyhow::Result<()> {
     let slots = Arc::new(Semaphore::new(cfg.max_edges));
+    let join = match &cfg.join {
+        Some(j) => {
+            let store = tether_certs::JoinStore::open(&j.store)
+                .with_context(|| format!("opening the join-token store {}", j.store.display()))?;
+            let read = |p: &std::path::Path| {
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+            };
+            let ca = tether_certs::Ca::from_pem(&read(&j.ca_cert)?, &read(&j.ca_key)?)
+                .context("loading the join CA")?;
+            info!(store = %j.store.display(), "edge joins enabled");
+            Some(Arc::new(JoinCtx {
+                store: Arc::new(store),
+                ca: Arc::new(ca),
+                validity: j.validity,
+            }))
+        }
+        None => None,
+    };
     while let Some(incoming) = endpoint.accept().await {
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             warn!(remote = %incoming.remote_address(), limit = cfg.max_edges, "refusing edge connection: --max-edges reached");
@@ -63,10 +81,11 @@ pub async fn serve(
         let cfg = cfg.clone();
         let registry = registry.clone();
         let metrics = metrics.clone();
+        let join = join.clone();
         let remote = incoming.remote_address();
         tokio::spawn(
             async move {
-                if let Err(e) = handle(incoming, &cfg, &registry, &metrics).await {
+                if let Err(e) = handle(incoming, &cfg, &registry, &metrics, join).await {
                     warn!(error = format!("{e:#}"), "edge connection failed");
                 }
                 drop(permit);
@@ -112,16 +131,50 @@ async fn refuse(
     conn.close(close_code::REFUSED.into(), message.as_bytes());
 }
 
+/// What joins need, loaded once.
+struct JoinCtx {
+    store: Arc<tether_certs::JoinStore>,
+    ca: Arc<tether_certs::Ca>,
+    validity: Duration,
+}
+
+fn alpn_of(conn: &quinn::Connection) -> Option<Vec<u8>> {
+    conn.handshake_data()?
+        .downcast::<quinn::crypto::rustls::HandshakeData>()
+        .ok()?
+        .protocol
+}
+
 async fn handle(
     incoming: quinn::Incoming,
     cfg: &CloudConfig,
     registry: &Arc<Registry>,
     metrics: &CloudMetrics,
+    join: Option<Arc<JoinCtx>>,
 ) -> anyhow::Result<()> {
     let max = cfg.limits.max_frame_bytes as usize;
+    let conn = tokio::time::timeout(cfg.handshake_timeout, incoming)
+        .await
+        .map_err(|_| anyhow::anyhow!("no QUIC handshake within --handshake-timeout"))?
+        .context("QUIC/TLS handshake")?;
+    if alpn_of(&conn).as_deref() == Some(tether_certs::ALPN_JOIN) {
+        let Some(j) = join else {
+            conn.close(close_code::REFUSED.into(), b"joins are not enabled");
+            anyhow::bail!("join attempt, but joins are not enabled (--join-store)");
+        };
+        return crate::join::serve_join(conn, j.store.clone(), j.ca.clone(), j.validity).await;
+    }
     let handshake = async {
-        let conn = incoming.await.context("QUIC/TLS handshake")?;
-        let node = node_of(&conn)?;
+        let node = match node_of(&conn) {
+            Ok(n) => n,
+            Err(e) => {
+                conn.close(
+                    close_code::REFUSED.into(),
+                    b"a valid edge certificate is required",
+                );
+                return Err(e);
+            }
+        };
         let (send, mut recv) = conn
             .accept_bi()
             .await

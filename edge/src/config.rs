@@ -95,6 +95,33 @@ pub struct EdgeArgs {
     pub log: LogArgs,
 }
 
+/// Flags of `tether-edge join`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "tether-edge join",
+    about = "Obtain this edge's certificate from the cloud with a join token (the key never leaves the device)"
+)]
+pub struct JoinArgs {
+    /// The cloud's tunnel address, HOST:PORT (UDP).
+    #[arg(long, env = "TETHER_CLOUD")]
+    pub cloud: String,
+    /// The join token, `id.secret` (from `tether-certs token create`).
+    #[arg(long, env = "TETHER_JOIN_TOKEN")]
+    pub token: String,
+    /// The cloud CA's pin, `sha256:<hex>` (printed by `tether-certs`); checked before the token is sent.
+    #[arg(long, env = "TETHER_CA_PIN")]
+    pub ca_pin: String,
+    /// This node's name (must match the token's node pattern).
+    #[arg(long, env = "TETHER_NODE_NAME")]
+    pub node: String,
+    /// Name to verify in the cloud's certificate (default: the host part of --cloud).
+    #[arg(long, env = "TETHER_SERVER_NAME")]
+    pub server_name: Option<String>,
+    /// Where `node.key`, `node.crt` and `ca.crt` are written.
+    #[arg(long, env = "TETHER_STATE_DIR", default_value = "/var/lib/tether-edge")]
+    pub out_dir: PathBuf,
+}
+
 /// How to reach the kubelet.
 #[derive(Debug, Clone)]
 pub struct KubeletConfig {

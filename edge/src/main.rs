@@ -1,17 +1,23 @@
 //! `tether-edge`: parses flags, serves the operations endpoints and runs the
 //! dialer; on SIGTERM or Ctrl-C closes its connection cleanly (the cloud
 //! then ends the session at once instead of waiting for a resume).
+//! `tether-edge join …` obtains the edge's certificate and exits.
 
 use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
-use tether_edge::config::EdgeArgs;
+use tether_edge::config::{EdgeArgs, JoinArgs};
 use tether_proto::handshake::close_code;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = EdgeArgs::parse();
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv.get(1).map(|a| a == "join").unwrap_or(false) {
+        argv.remove(1);
+        return join(JoinArgs::parse_from(argv)).await;
+    }
+    let args = EdgeArgs::parse_from(argv);
     args.log.init().map_err(anyhow::Error::msg)?;
     let cfg = args
         .into_config()
@@ -55,5 +61,33 @@ async fn main() -> anyhow::Result<()> {
     }
     endpoint.close(close_code::SHUTDOWN.into(), b"edge shutting down");
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), endpoint.wait_idle()).await;
+    Ok(())
+}
+
+async fn join(a: JoinArgs) -> anyhow::Result<()> {
+    let files = tether_edge::join::join_with_server_name(
+        &a.cloud,
+        a.server_name.as_deref(),
+        &a.token,
+        &a.ca_pin,
+        &a.node,
+        &a.out_dir,
+    )
+    .await
+    .context("joining the cloud")?;
+    println!(
+        "tether-edge joined node={} cert={} key={} ca={}",
+        a.node,
+        files.cert.display(),
+        files.key.display(),
+        files.ca.display()
+    );
+    println!(
+        "start with: tether-edge --cloud {} --cert {} --key {} --ca {}",
+        a.cloud,
+        files.cert.display(),
+        files.key.display(),
+        files.ca.display()
+    );
     Ok(())
 }

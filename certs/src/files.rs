@@ -1,0 +1,92 @@
+//! Writing files atomically, private keys readable by their owner only.
+//!
+//! Every file Tether's certificate tooling writes goes through here: the
+//! content lands in a temporary file in the same directory (created with its
+//! final mode, so a key is never world-readable even for a moment), is
+//! flushed to disk, then renamed over the destination. A reader sees the old
+//! file or the new one, never half of either.
+
+use std::io::Write;
+use std::path::Path;
+
+use crate::CertError;
+
+/// Mode of files holding secrets: private keys, the join-token store.
+pub const SECRET_MODE: u32 = 0o600;
+/// Mode of public files: certificates.
+pub const PUBLIC_MODE: u32 = 0o644;
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CertError + '_ {
+    move |source| CertError::File {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Writes `contents` to `path` atomically with the given Unix mode.
+pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), CertError> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "file".into());
+    let tmp = dir.join(format!(
+        ".{name}.tmp-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(mode);
+    }
+    #[cfg(not(unix))]
+    let _ = mode;
+    let result = (|| {
+        let mut f = opts.open(&tmp).map_err(io_err(&tmp))?;
+        f.write_all(contents).map_err(io_err(&tmp))?;
+        f.sync_all().map_err(io_err(&tmp))?;
+        std::fs::rename(&tmp, path).map_err(io_err(path))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Writes a private key (mode 0600).
+pub fn write_secret(path: &Path, contents: &str) -> Result<(), CertError> {
+    write_atomic(path, contents.as_bytes(), SECRET_MODE)
+}
+
+/// Writes a certificate (mode 0644).
+pub fn write_public(path: &Path, contents: &str) -> Result<(), CertError> {
+    write_atomic(path, contents.as_bytes(), PUBLIC_MODE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secret_files_are_owner_only_and_replaced_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("k.pem");
+        write_secret(&p, "one").unwrap();
+        write_secret(&p, "two").unwrap();
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "two");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600);
+        }
+        // No temporary files left behind.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+}

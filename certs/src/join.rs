@@ -1,0 +1,393 @@
+//! The join exchange: how a new edge obtains its certificate with a token.
+//!
+//! On the wire (ALPN [`ALPN_JOIN`], on the cloud's QUIC listener): the edge
+//! opens one bidirectional stream and sends a [`JoinRequest`]; the cloud
+//! answers with a [`JoinResponse`] and both sides close. Each message is a
+//! 4-byte big-endian length followed by the postcard encoding, at most
+//! [`MAX_JOIN_MESSAGE`] bytes — the same framing idea as the tunnel's frames,
+//! with its own small limit because a join carries only a CSR.
+//!
+//! Everything here is sans-IO, so the whole decision is tested without
+//! sockets:
+//! - the cloud calls [`decide`] (token checked and used once, CSR checked
+//!   and signed, issue recorded — all or nothing) and sends
+//!   [`response_for`] of the outcome;
+//! - the edge builds its TLS configuration with [`join_client_config`]
+//!   (the CA pinned by hash: see [`crate::pin`]) and checks the answer with
+//!   [`accept_grant`] before writing anything.
+//!
+//! Replay: a token's use is spent when a certificate is issued, so a replayed
+//! exchange with a single-use token is refused as exhausted; and the exchange
+//! runs inside TLS 1.3 to a pinned server, so an observer sees no token.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use rustls::pki_types::CertificateDer;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+use crate::mint::Ca;
+use crate::pin::{CaPin, PinnedCaVerifier};
+use crate::token::{Grant, IssuedCert, JoinStore};
+
+/// ALPN of the join connection.
+pub const ALPN_JOIN: &[u8] = b"tether-join/1";
+/// Largest join message, either direction.
+pub const MAX_JOIN_MESSAGE: usize = 64 * 1024;
+/// How long the cloud waits for a joining edge's request.
+pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Edge → cloud: "I am `node`, here is my token and my CSR."
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JoinRequest {
+    /// `<id>.<secret>`.
+    pub token: String,
+    pub node: String,
+    /// PKCS#10, PEM. The key stays on the edge.
+    pub csr_pem: String,
+}
+
+/// Cloud → edge.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JoinResponse {
+    /// The node's certificate and the CA that signed it.
+    Granted { cert_pem: String, ca_pem: String },
+    /// Why not; meant for the operator.
+    Refused { reason: String },
+}
+
+/// Why a join failed, on either side. Every message says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error("malformed join token: {0}")]
+    MalformedToken(String),
+    #[error(
+        "join token {0} is not known to this cloud (mistyped, or made for another cloud's store)"
+    )]
+    UnknownToken(String),
+    #[error("join token {0}: the secret does not match")]
+    WrongSecret(String),
+    #[error("join token {id} expired at {at}; create a new one with `tether-certs token create`")]
+    Expired { id: String, at: String },
+    #[error("join token {0} was revoked; create a new one with `tether-certs token create`")]
+    Revoked(String),
+    #[error("join token {0} is exhausted: all its uses are spent (a replayed join is refused the same way)")]
+    Exhausted(String),
+    #[error("join token {id} does not allow node {node:?} (its node pattern is {pattern:?})")]
+    NodeNotAllowed {
+        id: String,
+        node: String,
+        pattern: String,
+    },
+    #[error("{0:?} is not a valid node name (a lowercase DNS-1123 subdomain)")]
+    InvalidNodeName(String),
+    #[error("the CSR for node {node:?} names another node: {asked}")]
+    OtherNode { node: String, asked: String },
+    #[error("the CSR for node {node:?} asks for a name beyond the node's own: {san}")]
+    ExtraSans { node: String, san: String },
+    #[error("the CSR's key is refused: {0}")]
+    WeakKey(String),
+    #[error("bad CSR: {0}")]
+    Csr(String),
+    #[error("making or signing a certificate: {0}")]
+    Sign(rcgen::Error),
+    #[error("join-token store {0}")]
+    Store(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("join protocol: {0}")]
+    Protocol(String),
+    #[error("the cloud refused the join: {0}")]
+    Refused(String),
+    #[error("the cloud's answer is not usable: {0}")]
+    BadGrant(String),
+}
+
+impl JoinError {
+    /// Whether this is the cloud's own trouble rather than the request's:
+    /// the edge gets a generic message, the cloud's log the detail.
+    pub fn is_internal(&self) -> bool {
+        matches!(
+            self,
+            JoinError::Sign(_) | JoinError::Store(_) | JoinError::Invalid(_)
+        )
+    }
+}
+
+/// Encodes a message: 4-byte big-endian length, then postcard.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, JoinError> {
+    let body = postcard::to_stdvec(msg).map_err(|e| JoinError::Protocol(e.to_string()))?;
+    if body.len() > MAX_JOIN_MESSAGE {
+        return Err(JoinError::Protocol(format!(
+            "message of {} bytes is over the {MAX_JOIN_MESSAGE}-byte limit",
+            body.len()
+        )));
+    }
+    let mut out = (body.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// The body length announced by a 4-byte prefix, refused over the limit.
+pub fn decode_len(prefix: [u8; 4]) -> Result<usize, JoinError> {
+    let len = u32::from_be_bytes(prefix) as usize;
+    if len > MAX_JOIN_MESSAGE {
+        return Err(JoinError::Protocol(format!(
+            "announced message of {len} bytes is over the {MAX_JOIN_MESSAGE}-byte limit"
+        )));
+    }
+    Ok(len)
+}
+
+/// Decodes a message body (without its prefix).
+pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, JoinError> {
+    postcard::from_bytes(body).map_err(|e| JoinError::Protocol(format!("undecodable message: {e}")))
+}
+
+/// The cloud's decision on one request: check and use the token, check and
+/// sign the CSR, record the issue — or nothing at all.
+pub fn decide(
+    store: &JoinStore,
+    ca: &Ca,
+    req: &JoinRequest,
+    valid_for: Duration,
+    now: SystemTime,
+) -> Result<(Grant, IssuedCert), JoinError> {
+    store.redeem_and_issue(&req.token, &req.node, now, |grant| {
+        crate::csr::sign_edge_csr(ca, &req.csr_pem, &grant.node, valid_for)
+    })
+}
+
+/// What to send the edge for an outcome of [`decide`].
+pub fn response_for(outcome: &Result<(Grant, IssuedCert), JoinError>, ca: &Ca) -> JoinResponse {
+    match outcome {
+        Ok((_, cert)) => JoinResponse::Granted {
+            cert_pem: cert.cert_pem.clone(),
+            ca_pem: ca.cert_pem.clone(),
+        },
+        Err(e) if e.is_internal() => JoinResponse::Refused {
+            reason: "the cloud could not issue the certificate (internal error: see the cloud's log); try again later".into(),
+        },
+        Err(e) => JoinResponse::Refused {
+            reason: e.to_string(),
+        },
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The edge's TLS configuration for joining: TLS 1.3, ALPN [`ALPN_JOIN`],
+/// no client certificate, the server trusted only through `pin`. The
+/// returned verifier tells, after the handshake, which CA matched.
+pub fn join_client_config(
+    pin: CaPin,
+) -> Result<(rustls::ClientConfig, Arc<PinnedCaVerifier>), JoinError> {
+    let verifier = Arc::new(PinnedCaVerifier::new(pin, provider()));
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| JoinError::Invalid(format!("TLS 1.3 with ring: {e}")))?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier.clone())
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![ALPN_JOIN.to_vec()];
+    Ok((tls, verifier))
+}
+
+/// A certificate the edge has checked and may write.
+#[derive(Debug, Clone)]
+pub struct AcceptedGrant {
+    pub cert_pem: String,
+    pub ca_pem: String,
+}
+
+/// The edge's checks on the cloud's answer: a refusal becomes an error; a
+/// grant must carry the pinned CA (the very one the TLS handshake verified,
+/// when given), and a client certificate for `node`, for the edge's own key,
+/// that this CA signed.
+pub fn accept_grant(
+    node: &str,
+    key_pem: &str,
+    pin: &CaPin,
+    verified_ca: Option<&CertificateDer<'_>>,
+    response: JoinResponse,
+) -> Result<AcceptedGrant, JoinError> {
+    let (cert_pem, ca_pem) = match response {
+        JoinResponse::Refused { reason } => return Err(JoinError::Refused(reason)),
+        JoinResponse::Granted { cert_pem, ca_pem } => (cert_pem, ca_pem),
+    };
+    let bad = |what: String| JoinError::BadGrant(what);
+    let ca_chain =
+        crate::pem::certs_from_pem(&ca_pem, "CA from the cloud").map_err(|e| bad(e.to_string()))?;
+    let ca = &ca_chain[0];
+    if !pin.matches(ca.as_ref()) {
+        return Err(bad(format!("its CA does not match {pin}")));
+    }
+    if let Some(v) = verified_ca {
+        if v.as_ref() != ca.as_ref() {
+            return Err(bad(
+                "its CA is not the one the TLS handshake verified".into()
+            ));
+        }
+    }
+    let cert = crate::pem::certs_from_pem(&cert_pem, "certificate from the cloud")
+        .map_err(|e| bad(e.to_string()))?
+        .remove(0);
+    let named = crate::node_name_from_cert(&cert).map_err(|e| bad(e.to_string()))?;
+    if named != node {
+        return Err(bad(format!(
+            "the certificate names node {named:?}, not {node:?}"
+        )));
+    }
+    let key = rcgen::KeyPair::from_pem(key_pem).map_err(JoinError::Sign)?;
+    let (_, x) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| bad(format!("certificate does not parse: {e}")))?;
+    if x.tbs_certificate
+        .subject_pki
+        .subject_public_key
+        .data
+        .as_ref()
+        != key.public_key_raw()
+    {
+        return Err(bad("the certificate is not for this edge's key".into()));
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(ca.clone())
+        .map_err(|e| bad(format!("CA not usable: {e}")))?;
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+            .build()
+            .map_err(|e| bad(e.to_string()))?;
+    verifier
+        .verify_client_cert(&cert, &[], rustls::pki_types::UnixTime::now())
+        .map_err(|e| {
+            bad(format!(
+                "the certificate does not verify as a client of the CA: {e}"
+            ))
+        })?;
+    Ok(AcceptedGrant { cert_pem, ca_pem })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::csr::make_edge_csr;
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    struct Cloud {
+        _dir: tempfile::TempDir,
+        store: JoinStore,
+        ca: Ca,
+    }
+
+    fn cloud() -> Cloud {
+        let dir = tempfile::tempdir().unwrap();
+        let store = JoinStore::open(dir.path().join("t.json")).unwrap();
+        Cloud {
+            _dir: dir,
+            store,
+            ca: Ca::new("join ca", HOUR * 24).unwrap(),
+        }
+    }
+
+    fn roundtrip<T: Serialize + DeserializeOwned>(m: &T) -> T {
+        let bytes = encode(m).unwrap();
+        let len = decode_len(bytes[..4].try_into().unwrap()).unwrap();
+        assert_eq!(len, bytes.len() - 4);
+        decode(&bytes[4..]).unwrap()
+    }
+
+    #[test]
+    fn messages_round_trip_and_sizes_are_bounded() {
+        let r = JoinRequest {
+            token: "abcdef.0123456789abcdef".into(),
+            node: "edge-1".into(),
+            csr_pem: "x".into(),
+        };
+        assert_eq!(roundtrip(&r), r);
+        let g = JoinResponse::Refused {
+            reason: "no".into(),
+        };
+        assert_eq!(roundtrip(&g), g);
+        assert!(decode_len((MAX_JOIN_MESSAGE as u32 + 1).to_be_bytes()).is_err());
+        let huge = JoinRequest {
+            csr_pem: "x".repeat(MAX_JOIN_MESSAGE),
+            ..r
+        };
+        assert!(encode(&huge).is_err());
+        assert!(decode::<JoinRequest>(&[0xff, 0xff]).is_err());
+    }
+
+    #[test]
+    fn a_join_is_granted_once_and_the_grant_checks_out_on_the_edge() {
+        let c = cloud();
+        let now = SystemTime::now();
+        let (token, _) = c.store.create(HOUR, "edge-*", 1, "", now).unwrap();
+        let edge = make_edge_csr("edge-7").unwrap();
+        let req = JoinRequest {
+            token: token.reveal(),
+            node: "edge-7".into(),
+            csr_pem: edge.csr_pem.clone(),
+        };
+        let outcome = decide(&c.store, &c.ca, &req, HOUR, now);
+        let resp = response_for(&outcome, &c.ca);
+        let pin = CaPin::parse(&crate::pin::ca_pin(&c.ca.cert_pem).unwrap()).unwrap();
+        let accepted = accept_grant("edge-7", &edge.key_pem, &pin, None, resp.clone()).unwrap();
+        assert_eq!(accepted.ca_pem, c.ca.cert_pem);
+        assert_eq!(c.store.issued().unwrap()[0].node, "edge-7");
+
+        // The same exchange replayed: refused, nothing issued.
+        let again = decide(&c.store, &c.ca, &req, HOUR, now);
+        match response_for(&again, &c.ca) {
+            JoinResponse::Refused { reason } => assert!(reason.contains("exhausted"), "{reason}"),
+            other => panic!("replay granted: {other:?}"),
+        }
+        assert_eq!(c.store.issued().unwrap().len(), 1);
+
+        // The edge refuses a grant for another key, another node or another CA.
+        let other_key = make_edge_csr("edge-7").unwrap().key_pem;
+        assert!(accept_grant("edge-7", &other_key, &pin, None, resp.clone()).is_err());
+        assert!(accept_grant("edge-8", &edge.key_pem, &pin, None, resp.clone()).is_err());
+        let other_ca = Ca::new("other", HOUR).unwrap();
+        let other_pin = CaPin::parse(&crate::pin::ca_pin(&other_ca.cert_pem).unwrap()).unwrap();
+        assert!(accept_grant("edge-7", &edge.key_pem, &other_pin, None, resp).is_err());
+    }
+
+    #[test]
+    fn a_bad_csr_is_refused_without_spending_the_token() {
+        let c = cloud();
+        let now = SystemTime::now();
+        let (token, _) = c.store.create(HOUR, "edge-*", 1, "", now).unwrap();
+        let req = JoinRequest {
+            token: token.reveal(),
+            node: "edge-1".into(),
+            csr_pem: make_edge_csr("edge-2").unwrap().csr_pem,
+        };
+        let outcome = decide(&c.store, &c.ca, &req, HOUR, now);
+        assert!(matches!(outcome, Err(JoinError::OtherNode { .. })));
+        match response_for(&outcome, &c.ca) {
+            JoinResponse::Refused { reason } => assert!(reason.contains("edge-2"), "{reason}"),
+            other => panic!("granted: {other:?}"),
+        }
+        assert_eq!(c.store.list().unwrap()[0].uses_left, 1);
+        assert!(c.store.issued().unwrap().is_empty());
+    }
+
+    #[test]
+    fn refusals_reach_the_edge_as_errors() {
+        let e = accept_grant(
+            "edge-1",
+            "",
+            &CaPin::parse(&format!("sha256:{}", "00".repeat(32))).unwrap(),
+            None,
+            JoinResponse::Refused {
+                reason: "join token abc is exhausted".into(),
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("exhausted"));
+    }
+}

@@ -1,0 +1,724 @@
+//! Join tokens and the file that stores them.
+//!
+//! A join token lets one new edge (or a few, up to its usage limit) obtain a
+//! certificate without an operator signing it by hand, the way `kubeadm join`
+//! works. Its text form is `<id>.<secret>`: a 6-character id (`[a-z0-9]`),
+//! public, used to find the token and in logs; and a 16-character secret
+//! (`[a-z0-9]`, about 82 bits) that proves possession.
+//!
+//! [`JoinStore`] keeps tokens in a JSON file (mode 0600): for each, the id,
+//! the SHA-256 of the secret — never the secret itself, so a leaked store
+//! grants nothing — the expiry, the node-name pattern it may be used for
+//! (`*` matches any run of characters), the uses left and whether it was
+//! revoked; plus one record per certificate issued (token, node, serial,
+//! time). Every change re-reads the file, applies the change and writes the
+//! file atomically under a lock file, so the cloud and the `tether-certs`
+//! CLI can share one store: a token revoked on the command line is refused
+//! by the running cloud at its next join.
+//!
+//! Time is always passed in (`now`), so expiry is tested without clocks.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::identity::valid_node_name;
+use crate::join::JoinError;
+
+/// Length of a token id.
+pub const TOKEN_ID_LEN: usize = 6;
+/// Length of a token secret.
+pub const TOKEN_SECRET_LEN: usize = 16;
+/// How long to wait for another process holding the store's lock.
+pub const STORE_LOCK_WAIT: Duration = Duration::from_secs(5);
+/// A lock file older than this is left over from a crashed process.
+pub const STORE_LOCK_STALE: Duration = Duration::from_secs(30);
+
+const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+
+/// A join token in clear, as the operator hands it to an edge.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JoinToken {
+    /// Public part: finds the token in the store.
+    pub id: String,
+    /// Secret part: only its hash is stored.
+    secret: String,
+}
+
+impl std::fmt::Debug for JoinToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "JoinToken({}.<secret>)", self.id)
+    }
+}
+
+fn is_token_char(b: u8) -> bool {
+    b.is_ascii_lowercase() || b.is_ascii_digit()
+}
+
+impl JoinToken {
+    /// A new random token.
+    pub fn generate() -> JoinToken {
+        let mut rng = rand::rng();
+        let mut pick = |n: usize| -> String {
+            (0..n)
+                .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+                .collect()
+        };
+        JoinToken {
+            id: pick(TOKEN_ID_LEN),
+            secret: pick(TOKEN_SECRET_LEN),
+        }
+    }
+
+    /// Parses `<id>.<secret>`.
+    pub fn parse(s: &str) -> Result<JoinToken, JoinError> {
+        let malformed = || {
+            JoinError::MalformedToken(format!(
+                "expected <{TOKEN_ID_LEN} chars [a-z0-9]>.<{TOKEN_SECRET_LEN} chars [a-z0-9]>"
+            ))
+        };
+        let (id, secret) = s.trim().split_once('.').ok_or_else(malformed)?;
+        if id.len() != TOKEN_ID_LEN
+            || secret.len() != TOKEN_SECRET_LEN
+            || !id.bytes().all(is_token_char)
+            || !secret.bytes().all(is_token_char)
+        {
+            return Err(malformed());
+        }
+        Ok(JoinToken {
+            id: id.to_string(),
+            secret: secret.to_string(),
+        })
+    }
+
+    /// The `<id>.<secret>` text. Only for showing the operator once.
+    pub fn reveal(&self) -> String {
+        format!("{}.{}", self.id, self.secret)
+    }
+
+    fn secret_sha256(&self) -> String {
+        hex::encode(Sha256::digest(self.secret.as_bytes()))
+    }
+}
+
+/// Whether `name` matches `pattern`, where `*` stands for any run of
+/// characters (including none) and everything else matches itself.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let (p, n) = (pattern.as_bytes(), name.as_bytes());
+    let (mut pi, mut ni) = (0, 0);
+    // Position of the last `*` seen and the name position it resumes from.
+    let mut star: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        if pi < p.len() && p[pi] == b'*' {
+            star = Some((pi, ni));
+            pi += 1;
+        } else if pi < p.len() && p[pi] == n[ni] {
+            pi += 1;
+            ni += 1;
+        } else if let Some((sp, sn)) = star {
+            pi = sp + 1;
+            ni = sn + 1;
+            star = Some((sp, sn + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == b'*')
+}
+
+/// Seconds since the Unix epoch (negative before it).
+fn unix(t: SystemTime) -> i64 {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => d.as_secs() as i64,
+        Err(e) => -(e.duration().as_secs() as i64),
+    }
+}
+
+/// RFC 3339 text of a Unix time, for messages and listings.
+pub fn format_unix(secs: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp(secs)
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_else(|| format!("@{secs}"))
+}
+
+/// One token as stored.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TokenRecord {
+    pub id: String,
+    /// Hex SHA-256 of the secret.
+    pub secret_sha256: String,
+    pub created_unix: i64,
+    pub expires_unix: i64,
+    /// Node names this token may join, `*` as wildcard.
+    pub node_pattern: String,
+    pub uses_left: u32,
+    pub revoked: bool,
+    /// Free text from the operator.
+    #[serde(default)]
+    pub description: String,
+}
+
+impl TokenRecord {
+    /// `valid`, `expired`, `revoked` or `exhausted`, as of `now`.
+    pub fn status(&self, now: SystemTime) -> &'static str {
+        if self.revoked {
+            "revoked"
+        } else if unix(now) >= self.expires_unix {
+            "expired"
+        } else if self.uses_left == 0 {
+            "exhausted"
+        } else {
+            "valid"
+        }
+    }
+}
+
+/// One certificate issued through a token.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct IssueRecord {
+    pub token_id: String,
+    pub node: String,
+    /// Hex serial number of the certificate.
+    pub serial: String,
+    pub issued_unix: i64,
+    pub expires_unix: i64,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct StoreFile {
+    version: u32,
+    tokens: Vec<TokenRecord>,
+    issued: Vec<IssueRecord>,
+}
+
+const STORE_VERSION: u32 = 1;
+
+/// What a token allows: one certificate for `node`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub token_id: String,
+    pub node: String,
+    /// Uses left after this one.
+    pub uses_left: u32,
+}
+
+/// A certificate signed for a grant.
+#[derive(Debug, Clone)]
+pub struct IssuedCert {
+    pub cert_pem: String,
+    /// Hex serial number.
+    pub serial: String,
+    pub expires_unix: i64,
+}
+
+/// The token store file. See the module docs.
+pub struct JoinStore {
+    path: PathBuf,
+    /// Serialises changes from tasks of this process; the lock file
+    /// serialises them across processes.
+    local: Mutex<()>,
+}
+
+struct LockFile(PathBuf);
+
+impl Drop for LockFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+impl JoinStore {
+    /// A store at `path`. The file need not exist yet (no tokens); if it
+    /// exists it must parse.
+    pub fn open(path: impl Into<PathBuf>) -> Result<JoinStore, JoinError> {
+        let store = JoinStore {
+            path: path.into(),
+            local: Mutex::new(()),
+        };
+        store.load()?;
+        Ok(store)
+    }
+
+    /// Where the store lives.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn store_err(&self, what: impl std::fmt::Display) -> JoinError {
+        JoinError::Store(format!("{}: {what}", self.path.display()))
+    }
+
+    fn load(&self) -> Result<StoreFile, JoinError> {
+        match std::fs::read(&self.path) {
+            Ok(bytes) => {
+                let f: StoreFile = serde_json::from_slice(&bytes)
+                    .map_err(|e| self.store_err(format!("not a join-token store: {e}")))?;
+                if f.version != STORE_VERSION {
+                    return Err(self.store_err(format!(
+                        "store version {} is not supported (expected {STORE_VERSION})",
+                        f.version
+                    )));
+                }
+                Ok(f)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(StoreFile {
+                version: STORE_VERSION,
+                ..StoreFile::default()
+            }),
+            Err(e) => Err(self.store_err(e)),
+        }
+    }
+
+    fn save(&self, f: &StoreFile) -> Result<(), JoinError> {
+        let json = serde_json::to_vec_pretty(f).map_err(|e| self.store_err(e))?;
+        crate::files::write_atomic(&self.path, &json, crate::files::SECRET_MODE)
+            .map_err(|e| JoinError::Store(e.to_string()))
+    }
+
+    fn lock_file(&self) -> Result<LockFile, JoinError> {
+        let mut name = self.path.as_os_str().to_owned();
+        name.push(".lock");
+        let lock = PathBuf::from(name);
+        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| self.store_err(e))?;
+        }
+        let start = std::time::Instant::now();
+        loop {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&lock)
+            {
+                Ok(_) => return Ok(LockFile(lock)),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let stale = std::fs::metadata(&lock)
+                        .and_then(|m| m.modified())
+                        .ok()
+                        .and_then(|t| t.elapsed().ok())
+                        .is_some_and(|age| age > STORE_LOCK_STALE);
+                    if stale {
+                        let _ = std::fs::remove_file(&lock);
+                        continue;
+                    }
+                    if start.elapsed() > STORE_LOCK_WAIT {
+                        return Err(self.store_err(format!(
+                            "locked by another process for over {STORE_LOCK_WAIT:?} \
+                             (remove {} if no tether-cloud or tether-certs is using the store)",
+                            lock.display()
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => return Err(self.store_err(format!("lock {}: {e}", lock.display()))),
+            }
+        }
+    }
+
+    /// Runs `change` on the current contents and writes the result, all
+    /// under both locks. Nothing is written if `change` fails.
+    fn update<T>(
+        &self,
+        change: impl FnOnce(&mut StoreFile) -> Result<T, JoinError>,
+    ) -> Result<T, JoinError> {
+        let _local = self
+            .local
+            .lock()
+            .map_err(|_| self.store_err("lock poisoned"))?;
+        let _file = self.lock_file()?;
+        let mut f = self.load()?;
+        let out = change(&mut f)?;
+        self.save(&f)?;
+        Ok(out)
+    }
+
+    /// Creates a token valid for `ttl` from `now`, for nodes matching
+    /// `node_pattern`, usable `uses` times. Returns it in clear: this is the
+    /// only time the secret exists outside the edge.
+    pub fn create(
+        &self,
+        ttl: Duration,
+        node_pattern: &str,
+        uses: u32,
+        description: &str,
+        now: SystemTime,
+    ) -> Result<(JoinToken, TokenRecord), JoinError> {
+        if uses == 0 {
+            return Err(JoinError::Invalid("a token needs at least one use".into()));
+        }
+        if node_pattern.is_empty()
+            || !node_pattern
+                .bytes()
+                .all(|b| b == b'*' || b == b'.' || b == b'-' || is_token_char(b))
+        {
+            return Err(JoinError::Invalid(format!(
+                "node pattern {node_pattern:?} may only hold [a-z0-9.-] and *"
+            )));
+        }
+        self.update(|f| {
+            // Ids are short: draw again on the rare collision.
+            let token = loop {
+                let t = JoinToken::generate();
+                if f.tokens.iter().all(|r| r.id != t.id) {
+                    break t;
+                }
+            };
+            let record = TokenRecord {
+                id: token.id.clone(),
+                secret_sha256: token.secret_sha256(),
+                created_unix: unix(now),
+                expires_unix: unix(now).saturating_add(ttl.as_secs() as i64),
+                node_pattern: node_pattern.to_string(),
+                uses_left: uses,
+                revoked: false,
+                description: description.to_string(),
+            };
+            f.tokens.push(record.clone());
+            Ok((token, record))
+        })
+    }
+
+    /// All tokens, oldest first.
+    pub fn list(&self) -> Result<Vec<TokenRecord>, JoinError> {
+        Ok(self.load()?.tokens)
+    }
+
+    /// Every certificate issued through tokens, oldest first.
+    pub fn issued(&self) -> Result<Vec<IssueRecord>, JoinError> {
+        Ok(self.load()?.issued)
+    }
+
+    /// Revokes the token with this id (the id alone, or a whole token).
+    pub fn revoke(&self, id: &str) -> Result<TokenRecord, JoinError> {
+        let id = id.split('.').next().unwrap_or(id).to_string();
+        self.update(|f| {
+            let r = f
+                .tokens
+                .iter_mut()
+                .find(|r| r.id == id)
+                .ok_or_else(|| JoinError::UnknownToken(id.clone()))?;
+            r.revoked = true;
+            Ok(r.clone())
+        })
+    }
+
+    /// Whether `token` may join `node` at `now`, without using it.
+    pub fn check(&self, token: &str, node: &str, now: SystemTime) -> Result<Grant, JoinError> {
+        let token = JoinToken::parse(token)?;
+        check_record(&self.load()?, &token, node, now).map(|r| Grant {
+            token_id: r.id.clone(),
+            node: node.to_string(),
+            uses_left: r.uses_left.saturating_sub(1),
+        })
+    }
+
+    /// Uses `token` once for `node`: checks it (unexpired, not revoked,
+    /// uses left, node name valid and matching the pattern) and decrements
+    /// its uses, durably, before returning.
+    pub fn redeem(&self, token: &str, node: &str, now: SystemTime) -> Result<Grant, JoinError> {
+        self.redeem_with(token, node, now, |_| Ok(None))
+            .map(|(grant, _)| grant)
+    }
+
+    /// Uses `token` once for `node` and issues a certificate with `issue`,
+    /// all under the store's lock: the use is consumed and the issue
+    /// recorded in the same write, and only if `issue` succeeds — a bad
+    /// CSR does not burn the token.
+    pub fn redeem_and_issue(
+        &self,
+        token: &str,
+        node: &str,
+        now: SystemTime,
+        issue: impl FnOnce(&Grant) -> Result<IssuedCert, JoinError>,
+    ) -> Result<(Grant, IssuedCert), JoinError> {
+        let (grant, cert) = self.redeem_with(token, node, now, |g| issue(g).map(Some))?;
+        match cert {
+            Some(c) => Ok((grant, c)),
+            None => Err(JoinError::Invalid("no certificate issued".into())),
+        }
+    }
+
+    fn redeem_with(
+        &self,
+        token: &str,
+        node: &str,
+        now: SystemTime,
+        issue: impl FnOnce(&Grant) -> Result<Option<IssuedCert>, JoinError>,
+    ) -> Result<(Grant, Option<IssuedCert>), JoinError> {
+        let token = JoinToken::parse(token)?;
+        self.update(|f| {
+            let id = check_record(f, &token, node, now)?.id.clone();
+            let record = f
+                .tokens
+                .iter_mut()
+                .find(|r| r.id == id)
+                .ok_or_else(|| JoinError::UnknownToken(id.clone()))?;
+            let grant = Grant {
+                token_id: id.clone(),
+                node: node.to_string(),
+                uses_left: record.uses_left.saturating_sub(1),
+            };
+            let cert = issue(&grant)?;
+            record.uses_left = grant.uses_left;
+            if let Some(c) = &cert {
+                f.issued.push(IssueRecord {
+                    token_id: id,
+                    node: node.to_string(),
+                    serial: c.serial.clone(),
+                    issued_unix: unix(now),
+                    expires_unix: c.expires_unix,
+                });
+            }
+            Ok((grant, cert))
+        })
+    }
+}
+
+/// Equality of two hex digests without an early exit.
+fn same_digest(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+fn check_record<'a>(
+    f: &'a StoreFile,
+    token: &JoinToken,
+    node: &str,
+    now: SystemTime,
+) -> Result<&'a TokenRecord, JoinError> {
+    let r = f
+        .tokens
+        .iter()
+        .find(|r| r.id == token.id)
+        .ok_or_else(|| JoinError::UnknownToken(token.id.clone()))?;
+    if !same_digest(&r.secret_sha256, &token.secret_sha256()) {
+        return Err(JoinError::WrongSecret(r.id.clone()));
+    }
+    if r.revoked {
+        return Err(JoinError::Revoked(r.id.clone()));
+    }
+    if unix(now) >= r.expires_unix {
+        return Err(JoinError::Expired {
+            id: r.id.clone(),
+            at: format_unix(r.expires_unix),
+        });
+    }
+    if r.uses_left == 0 {
+        return Err(JoinError::Exhausted(r.id.clone()));
+    }
+    if !valid_node_name(node) {
+        return Err(JoinError::InvalidNodeName(node.to_string()));
+    }
+    if !glob_match(&r.node_pattern, node) {
+        return Err(JoinError::NodeNotAllowed {
+            id: r.id.clone(),
+            node: node.to_string(),
+            pattern: r.node_pattern.clone(),
+        });
+    }
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    fn store() -> (tempfile::TempDir, JoinStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let s = JoinStore::open(dir.path().join("tokens.json")).unwrap();
+        (dir, s)
+    }
+
+    #[test]
+    fn token_text_form() {
+        let t = JoinToken::generate();
+        let text = t.reveal();
+        assert_eq!(text.len(), 6 + 1 + 16);
+        assert_eq!(JoinToken::parse(&text).unwrap(), t);
+        assert!(!format!("{t:?}").contains(&t.secret));
+        for bad in [
+            "",
+            "abcdef",
+            "abcdef.",
+            "abcde.0123456789abcdef",
+            "abcdef.0123456789abcde",
+            "ABCDEF.0123456789abcdef",
+            "abcdef.0123456789abcdeF",
+            "abc_ef.0123456789abcdef",
+            "abcdef.0123456789abcdef.x",
+        ] {
+            assert!(
+                matches!(JoinToken::parse(bad), Err(JoinError::MalformedToken(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("edge-*", "edge-1"));
+        assert!(glob_match("edge-*", "edge-"));
+        assert!(!glob_match("edge-*", "cloud-1"));
+        assert!(glob_match("*", "anything"));
+        assert!(glob_match("edge-1", "edge-1"));
+        assert!(!glob_match("edge-1", "edge-10"));
+        assert!(glob_match("*-site-*.example", "a-site-b.example"));
+        assert!(!glob_match("*-site-*.example", "a-site-b.example.com"));
+        assert!(glob_match("a*b*c", "aXXbYYbc"));
+        assert!(!glob_match("a*b*c", "aXXbYYb"));
+    }
+
+    #[test]
+    fn secret_is_stored_hashed_only() {
+        let (_d, s) = store();
+        let (t, _) = s.create(HOUR, "edge-*", 1, "", SystemTime::now()).unwrap();
+        let text = std::fs::read_to_string(s.path()).unwrap();
+        assert!(!text.contains(&t.secret));
+        assert!(text.contains(&t.secret_sha256()));
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(s.path()).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600);
+        }
+    }
+
+    #[test]
+    fn single_use_token_is_exhausted_after_one_join() {
+        let (_d, s) = store();
+        let now = SystemTime::now();
+        let (t, _) = s.create(HOUR, "edge-*", 1, "", now).unwrap();
+        let g = s.redeem(&t.reveal(), "edge-1", now).unwrap();
+        assert_eq!(g.node, "edge-1");
+        assert_eq!(g.uses_left, 0);
+        // The same exchange again (a replay): refused.
+        let e = s.redeem(&t.reveal(), "edge-1", now).unwrap_err();
+        assert!(matches!(e, JoinError::Exhausted(_)), "{e}");
+        assert!(e.to_string().contains("exhausted"));
+        assert_eq!(s.list().unwrap()[0].status(now), "exhausted");
+    }
+
+    #[test]
+    fn multi_use_token_counts_down() {
+        let (_d, s) = store();
+        let now = SystemTime::now();
+        let (t, _) = s.create(HOUR, "*", 2, "", now).unwrap();
+        s.redeem(&t.reveal(), "a", now).unwrap();
+        s.redeem(&t.reveal(), "b", now).unwrap();
+        assert!(matches!(
+            s.redeem(&t.reveal(), "c", now),
+            Err(JoinError::Exhausted(_))
+        ));
+    }
+
+    #[test]
+    fn expiry_revocation_secret_and_pattern_are_checked() {
+        let (_d, s) = store();
+        let now = SystemTime::now();
+        let (t, _) = s.create(HOUR, "edge-*", 5, "", now).unwrap();
+        let later = now + HOUR + Duration::from_secs(1);
+        assert!(matches!(
+            s.redeem(&t.reveal(), "edge-1", later),
+            Err(JoinError::Expired { .. })
+        ));
+        assert!(matches!(
+            s.redeem(&t.reveal(), "cloud-1", now),
+            Err(JoinError::NodeNotAllowed { .. })
+        ));
+        assert!(matches!(
+            s.redeem(&t.reveal(), "edge-UPPER", now),
+            Err(JoinError::InvalidNodeName(_))
+        ));
+        let wrong = format!("{}.{}", t.id, "0000000000000000");
+        assert!(matches!(
+            s.redeem(&wrong, "edge-1", now),
+            Err(JoinError::WrongSecret(_))
+        ));
+        assert!(matches!(
+            s.redeem("zzzzzz.0000000000000000", "edge-1", now),
+            Err(JoinError::UnknownToken(_))
+        ));
+        // None of the refusals used the token.
+        assert_eq!(s.list().unwrap()[0].uses_left, 5);
+        s.revoke(&t.id).unwrap();
+        assert!(matches!(
+            s.redeem(&t.reveal(), "edge-1", now),
+            Err(JoinError::Revoked(_))
+        ));
+        assert!(matches!(
+            s.revoke("nonexi"),
+            Err(JoinError::UnknownToken(_))
+        ));
+    }
+
+    #[test]
+    fn failed_issue_does_not_use_the_token_and_success_is_recorded() {
+        let (_d, s) = store();
+        let now = SystemTime::now();
+        let (t, _) = s.create(HOUR, "edge-*", 1, "", now).unwrap();
+        let e = s
+            .redeem_and_issue(&t.reveal(), "edge-1", now, |_| {
+                Err(JoinError::Csr("bad".into()))
+            })
+            .unwrap_err();
+        assert!(matches!(e, JoinError::Csr(_)));
+        assert_eq!(s.list().unwrap()[0].uses_left, 1);
+        s.redeem_and_issue(&t.reveal(), "edge-1", now, |g| {
+            assert_eq!(g.node, "edge-1");
+            Ok(IssuedCert {
+                cert_pem: String::new(),
+                serial: "0abc".into(),
+                expires_unix: 42,
+            })
+        })
+        .unwrap();
+        let issued = s.issued().unwrap();
+        assert_eq!(issued.len(), 1);
+        assert_eq!(issued[0].node, "edge-1");
+        assert_eq!(issued[0].serial, "0abc");
+        assert_eq!(s.list().unwrap()[0].uses_left, 0);
+    }
+
+    #[test]
+    fn a_change_from_another_handle_is_seen() {
+        // The CLI and the cloud open the same file separately.
+        let (_d, cloud) = store();
+        let cli = JoinStore::open(cloud.path()).unwrap();
+        let now = SystemTime::now();
+        let (t, _) = cli.create(HOUR, "*", 3, "", now).unwrap();
+        cloud.redeem(&t.reveal(), "n1", now).unwrap();
+        cli.revoke(&t.id).unwrap();
+        assert!(matches!(
+            cloud.redeem(&t.reveal(), "n2", now),
+            Err(JoinError::Revoked(_))
+        ));
+    }
+
+    #[test]
+    fn pattern_and_uses_are_validated_at_creation() {
+        let (_d, s) = store();
+        assert!(s.create(HOUR, "Edge-*", 1, "", SystemTime::now()).is_err());
+        assert!(s.create(HOUR, "edge-*", 0, "", SystemTime::now()).is_err());
+        assert!(s.create(HOUR, "", 1, "", SystemTime::now()).is_err());
+    }
+
+    #[test]
+    fn a_corrupt_store_is_an_error_not_an_empty_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.json");
+        std::fs::write(&p, "not json").unwrap();
+        assert!(matches!(JoinStore::open(&p), Err(JoinError::Store(_))));
+    }
+}

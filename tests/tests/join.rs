@@ -1,0 +1,243 @@
+//! Edge bootstrap with the real binaries: `tether-certs` makes the CA, the
+//! cloud's certificates and a join token; `tether-cloud` serves joins;
+//! `tether-edge join` obtains a certificate (its key never leaves the edge)
+//! and the edge then connects with it and serves requests. Also: a wrong CA
+//! pin is refused before the token is sent, and a used token is refused.
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use hyper::StatusCode;
+use support::{Client, Kubelet};
+use tether_tests::bins::binary;
+use tether_tests::process::{Proc, SpawnOptions};
+
+fn certs(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(binary("tether-certs").unwrap())
+        .arg("--dir")
+        .arg(dir.join("pki"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "tether-certs {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+}
+
+fn edge_join(cloud: &str, token: &str, pin: &str, node: &str, out: &Path) -> (bool, String) {
+    let o = Command::new(binary("tether-edge").unwrap())
+        .args([
+            "join",
+            "--cloud",
+            cloud,
+            "--server-name",
+            "tether-cloud",
+            "--token",
+            token,
+            "--ca-pin",
+            pin,
+            "--node",
+            node,
+        ])
+        .arg("--out-dir")
+        .arg(out)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_joins_with_a_token_then_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let pki = d.join("pki");
+    let ca_out = certs(d, &["ca", "create"]);
+    let pin = ca_out
+        .split_whitespace()
+        .find(|w| w.starts_with("sha256:"))
+        .expect("ca create prints the pin")
+        .to_string();
+    certs(
+        d,
+        &[
+            "issue",
+            "cloud-tunnel",
+            "--dns",
+            "tether-cloud",
+            "--ip",
+            "127.0.0.1",
+        ],
+    );
+    certs(
+        d,
+        &[
+            "issue",
+            "cloud-kubelet",
+            "--dns",
+            "localhost",
+            "--ip",
+            "127.0.0.1",
+        ],
+    );
+    certs(d, &["issue", "apiserver-client"]);
+    let tok_out = certs(
+        d,
+        &["token", "create", "--node-pattern", "edge-*", "--uses", "1"],
+    );
+    let token = tok_out
+        .split_whitespace()
+        .skip_while(|w| *w != "--token")
+        .nth(1)
+        .expect("token create prints the join command")
+        .to_string();
+
+    let mut cmd = tokio::process::Command::new(binary("tether-cloud").unwrap());
+    cmd.args([
+        "--tunnel-listen",
+        "127.0.0.1:0",
+        "--kubelet-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ])
+    .arg("--tunnel-cert")
+    .arg(pki.join("tunnel.crt"))
+    .arg("--tunnel-key")
+    .arg(pki.join("tunnel.key"))
+    .arg("--edge-ca")
+    .arg(pki.join("ca.crt"))
+    .arg("--kubelet-cert")
+    .arg(pki.join("kubelet.crt"))
+    .arg("--kubelet-key")
+    .arg(pki.join("kubelet.key"))
+    .arg("--apiserver-client-ca")
+    .arg(pki.join("ca.crt"))
+    .arg("--join-store")
+    .arg(pki.join("join-tokens.json"))
+    .arg("--join-ca-cert")
+    .arg(pki.join("ca.crt"))
+    .arg("--join-ca-key")
+    .arg(pki.join("ca.key"))
+    .env("RUST_BACKTRACE", "0");
+    let mut cloud = Proc::spawn("tether-cloud", cmd, d, SpawnOptions::default()).unwrap();
+    let ready = cloud
+        .wait_line("cloud ready", Duration::from_secs(20), |l| {
+            l.starts_with("tether-cloud ready")
+        })
+        .await
+        .unwrap();
+    let addr = |k: &str| {
+        ready
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .unwrap()
+            .to_string()
+    };
+    let tunnel = addr("tunnel");
+
+    // A wrong pin: refused before the token is sent, so the token stays usable.
+    let wrong = format!("sha256:{}", "00".repeat(32));
+    let (ok, out) = edge_join(&tunnel, &token, &wrong, "edge-7", &d.join("wrong"));
+    assert!(!ok, "a wrong pin must fail: {out}");
+    assert!(!d.join("wrong/node.crt").exists());
+
+    // The real join.
+    let (ok, out) = edge_join(&tunnel, &token, &pin, "edge-7", &d.join("edge"));
+    assert!(ok, "join failed: {out}");
+    let key_mode = std::fs::metadata(d.join("edge/node.key"))
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
+        .unwrap();
+    assert_eq!(key_mode, 0o600);
+    let inspect = certs(d, &["inspect", d.join("edge/node.crt").to_str().unwrap()]);
+    assert!(inspect.contains("system:node:edge-7"), "{inspect}");
+
+    // The same token again: exhausted.
+    let (ok, out) = edge_join(&tunnel, &token, &pin, "edge-8", &d.join("again"));
+    assert!(
+        !ok && out.contains("exhausted"),
+        "a used token must be refused: {out}"
+    );
+
+    // The joined edge connects with its new certificate and serves requests.
+    let kubelet = Kubelet::start("edge-7", &["default/p7"]).await.unwrap();
+    let mut cmd = tokio::process::Command::new(binary("tether-edge").unwrap());
+    cmd.args(["--cloud", &tunnel, "--server-name", "tether-cloud"])
+        .arg("--ca")
+        .arg(d.join("edge/ca.crt"))
+        .arg("--cert")
+        .arg(d.join("edge/node.crt"))
+        .arg("--key")
+        .arg(d.join("edge/node.key"))
+        .args([
+            "--kubelet-url",
+            &format!("http://{}", kubelet.addr),
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--pods-refresh",
+            "200ms",
+        ])
+        .args(["--announce-address", "edge-7.invalid"])
+        .env("RUST_BACKTRACE", "0");
+    let mut edge = Proc::spawn("tether-edge", cmd, d, SpawnOptions::default()).unwrap();
+    let line = edge
+        .wait_line("edge connected", Duration::from_secs(20), |l| {
+            l.starts_with("tether-edge connected")
+        })
+        .await
+        .unwrap();
+    assert!(line.contains("node=edge-7"), "{line}");
+
+    // An apiserver-style client certificate issued by the CLI reaches the edge's kubelet.
+    let read = |p: &str| std::fs::read_to_string(pki.join(p)).unwrap();
+    let pki_for_client = tether_tests::pki::Pki {
+        tether_ca: pki.join("ca.crt"),
+        tether_ca_pem: read("ca.crt"),
+        apiserver_client_ca: pki.join("ca.crt"),
+        cloud_tunnel: pair(&pki, "tunnel"),
+        cloud_kubelet: pair(&pki, "kubelet"),
+        apiserver_client: pair(&pki, "apiserver-client"),
+        edges: Default::default(),
+        kubelets: Default::default(),
+    };
+    let client = Client::new(&pki_for_client, addr("kubelet-api").parse().unwrap()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = client
+            .get("/metrics", "edge-7", Some("localhost"), &[])
+            .await
+            .unwrap();
+        if r.status == StatusCode::OK {
+            assert_eq!(r.node(), Some("edge-7"));
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} {}",
+            r.status,
+            r.body
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(kubelet);
+}
+
+fn pair(pki: &Path, name: &str) -> tether_tests::pki::Pair {
+    let cert = pki.join(format!("{name}.crt"));
+    let key = pki.join(format!("{name}.key"));
+    tether_tests::pki::Pair {
+        cert_pem: std::fs::read_to_string(&cert).unwrap(),
+        key_pem: std::fs::read_to_string(&key).unwrap(),
+        cert,
+        key,
+    }
+}
