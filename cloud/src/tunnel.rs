@@ -249,7 +249,15 @@ async fn handle(
         metrics.resumes.inc();
     }
     metrics.sessions.set(registry.sessions().len() as i64);
-    let control = control_loop(registry.clone(), session.clone(), recv, reader);
+    let control = control_loop(
+        registry.clone(),
+        session.clone(),
+        recv,
+        reader,
+        send,
+        join,
+        max,
+    );
     let migrations = watch_migration(&conn, &node, metrics);
     tokio::select! {
         () = migrations => {}
@@ -376,9 +384,28 @@ async fn control_loop(
     session: Arc<Session>,
     mut recv: quinn::RecvStream,
     mut reader: FrameReader,
+    mut send: quinn::SendStream,
+    join: Option<Arc<JoinCtx>>,
+    max: usize,
 ) -> anyhow::Result<()> {
     loop {
         match reader.next(&mut recv).await? {
+            Some(Frame::RenewCert { csr_pem }) => {
+                // The node is the session's (from its certificate), never the CSR's say-so.
+                let result = match &join {
+                    None => Err("certificate renewal is not enabled on this cloud (--join-ca-cert/--join-ca-key)".to_string()),
+                    Some(j) => tether_certs::sign_edge_csr(&j.ca, &csr_pem, &session.node, j.validity)
+                        .map(|issued| {
+                            info!(node = %session.node, serial = %issued.serial, "renewed the edge's certificate");
+                            issued.cert_pem
+                        })
+                        .map_err(|e| {
+                            warn!(node = %session.node, error = %e, "refusing certificate renewal");
+                            e.to_string()
+                        }),
+                };
+                write_frame(&mut send, &Frame::RenewedCert { result }, max).await?;
+            }
             Some(Frame::PodReport(report)) => {
                 if report.pods.len() > MAX_PODS {
                     anyhow::bail!(

@@ -32,6 +32,15 @@ use crate::kubelet::KubeletTarget;
 use crate::metrics::EdgeMetrics;
 use crate::streams::EdgeStreams;
 
+/// The control stream's receiving side, with what its reader buffered.
+struct ControlReader {
+    recv: quinn::RecvStream,
+    reader: FrameReader,
+}
+
+/// A connection that got its welcome.
+type Established = (quinn::Connection, quinn::SendStream, ControlReader, Welcome);
+
 /// The edge's connection loop and session memory.
 pub struct Dialer {
     cfg: EdgeConfig,
@@ -44,6 +53,8 @@ pub struct Dialer {
     grace: Duration,
     disconnected_since: Option<Instant>,
     metrics: EdgeMetrics,
+    /// The certificate file's contents the client config was built from.
+    loaded_cert: Vec<u8>,
 }
 
 /// How a connection ended.
@@ -58,25 +69,35 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// The QUIC client configuration from the certificate files: node name,
+/// config, and the certificate file's bytes (to notice a renewal).
+fn client_config(cfg: &EdgeConfig) -> anyhow::Result<(String, quinn::ClientConfig, Vec<u8>)> {
+    let raw = std::fs::read(&cfg.cert)
+        .with_context(|| format!("reading --cert {}", cfg.cert.display()))?;
+    let chain = tether_certs::pem::load_certs(&cfg.cert).context("loading --cert")?;
+    let leaf = chain.first().context("--cert holds no certificate")?;
+    let node =
+        tether_certs::node_name_from_cert(leaf).context("reading the node name from --cert")?;
+    let key = tether_certs::pem::load_key(&cfg.key).context("loading --key")?;
+    let roots = tether_certs::pem::load_roots(&cfg.ca).context("loading --ca")?;
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .context("TLS 1.3 with ring")?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .context("--cert and --key do not match")?;
+    tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
+    let crypto =
+        quinn::crypto::rustls::QuicClientConfig::try_from(tls).context("QUIC TLS configuration")?;
+    let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+    client.transport_config(cfg.quic.transport_arc().map_err(anyhow::Error::msg)?);
+    Ok((node, client, raw))
+}
+
 impl Dialer {
     /// Loads certificates and binds the UDP socket.
     pub fn new(cfg: EdgeConfig, metrics: EdgeMetrics) -> anyhow::Result<Dialer> {
-        let chain = tether_certs::pem::load_certs(&cfg.cert).context("loading --cert")?;
-        let node = tether_certs::node_name_from_cert(&chain[0])
-            .context("reading the node name from --cert")?;
-        let key = tether_certs::pem::load_key(&cfg.key).context("loading --key")?;
-        let roots = tether_certs::pem::load_roots(&cfg.ca).context("loading --ca")?;
-        let mut tls = rustls::ClientConfig::builder_with_provider(provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .context("TLS 1.3 with ring")?
-            .with_root_certificates(roots)
-            .with_client_auth_cert(chain, key)
-            .context("--cert and --key do not match")?;
-        tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
-        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
-            .context("QUIC TLS configuration")?;
-        let mut client = quinn::ClientConfig::new(Arc::new(crypto));
-        client.transport_config(cfg.quic.transport_arc().map_err(anyhow::Error::msg)?);
+        let (node, client, loaded_cert) = client_config(&cfg)?;
         let socket = bind_client_socket(cfg.quic.udp_buffer).context("binding the UDP socket")?;
         let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
         let endpoint =
@@ -89,6 +110,7 @@ impl Dialer {
         });
         let streams = EdgeStreams::new(node.clone(), cfg.limits, forward, metrics.clone());
         Ok(Dialer {
+            loaded_cert,
             cfg,
             node,
             endpoint,
@@ -145,7 +167,32 @@ impl Dialer {
     /// `--reconnect-max` while older ones are still waiting (each bounded by
     /// `--handshake-timeout`), so an attempt whose packets were lost in an
     /// outage never delays the reconnect once the link is back.
-    async fn establish(&self) -> anyhow::Result<(quinn::Connection, quinn::SendStream, Welcome)> {
+    /// Picks up a renewed certificate for the next connection. The client
+    /// configuration (and its TLS session cache) is rebuilt only when the
+    /// certificate file changed.
+    fn reload_certificate(&mut self) {
+        match std::fs::read(&self.cfg.cert) {
+            Ok(raw) if raw == self.loaded_cert => {}
+            Ok(_) => match client_config(&self.cfg) {
+                Ok((node, client, raw)) if node == self.node => {
+                    info!(node = %self.node, "using the renewed certificate");
+                    self.client = client;
+                    self.loaded_cert = raw;
+                }
+                Ok((node, ..)) => {
+                    warn!(node = %self.node, other = %node, "--cert now names another node; keeping the old certificate")
+                }
+                Err(e) => {
+                    warn!(node = %self.node, error = format!("{e:#}"), "cannot load the renewed certificate; keeping the old one")
+                }
+            },
+            Err(e) => {
+                warn!(node = %self.node, error = %e, "cannot read --cert; keeping the loaded certificate")
+            }
+        }
+    }
+
+    async fn establish(&self) -> anyhow::Result<Established> {
         const MAX_IN_FLIGHT: usize = 4;
         let mut attempts = tokio::task::JoinSet::new();
         let mut last_error = None;
@@ -207,7 +254,8 @@ impl Dialer {
     }
 
     async fn connect_once(&mut self) -> Ended {
-        let (conn, mut send, welcome) = match self.establish().await {
+        self.reload_certificate();
+        let (conn, mut send, recv, welcome) = match self.establish().await {
             Ok(x) => x,
             Err(e) => return Ended::Failed(e),
         };
@@ -230,12 +278,18 @@ impl Dialer {
             "tether-edge connected node={} session={} resumed={}",
             self.node, welcome.session, welcome.resumed
         );
+        let max = self.cfg.limits.max_frame_bytes as usize;
+        let (out_tx, out_rx) = tokio::sync::mpsc::channel::<Frame>(4);
+        let (renewed_tx, renewed_rx) = tokio::sync::mpsc::channel::<Result<String, String>>(1);
         let reporter = report_pods(
             self.target.clone(),
             &mut send,
             self.cfg.pods_refresh,
-            self.cfg.limits.max_frame_bytes as usize,
+            max,
+            out_rx,
         );
+        let control = read_control(recv, renewed_tx, &self.node);
+        let renewer = renew_certificate(&self.cfg, &self.node, out_tx, renewed_rx);
         let acceptor = async {
             loop {
                 match conn.accept_bi().await {
@@ -262,6 +316,13 @@ impl Dialer {
             e = acceptor => info!(node = %self.node, reason = %e, "connection to the cloud lost"),
             () = watcher => {}
             () = rtt => {}
+            () = renewer => {}
+            r = control => {
+                if let Err(e) = r {
+                    warn!(node = %self.node, error = format!("{e:#}"), "control stream failed");
+                }
+                conn.close(close_code::PROTOCOL.into(), b"control stream failed");
+            }
             r = reporter => {
                 if let Err(e) = r {
                     warn!(node = %self.node, error = format!("{e:#}"), "control stream failed");
@@ -329,7 +390,7 @@ struct Attempt {
 }
 
 impl Attempt {
-    async fn handshake(self) -> anyhow::Result<(quinn::Connection, quinn::SendStream, Welcome)> {
+    async fn handshake(self) -> anyhow::Result<Established> {
         let addr = lookup_host(&self.cloud)
             .await
             .with_context(|| format!("resolving {}", self.cloud))?
@@ -351,7 +412,7 @@ impl Attempt {
             .await
             .context("reading the welcome")?
         {
-            Some(Frame::Welcome(w)) => Ok((conn, send, w)),
+            Some(Frame::Welcome(w)) => Ok((conn, send, ControlReader { recv, reader }, w)),
             Some(Frame::Refused(r)) => {
                 anyhow::bail!("the cloud refused this edge ({:?}): {}", r.code, r.message)
             }
@@ -363,11 +424,129 @@ impl Attempt {
 
 /// Reads the kubelet's pods every `every` and reports them when they change
 /// (and at once on a new connection). Returns only on a control-stream error.
+/// Reads the cloud's control frames: renewal answers go to the renewer,
+/// go-aways are logged. Returns at the end of the stream or on an error.
+async fn read_control(
+    mut ctl: ControlReader,
+    renewed: tokio::sync::mpsc::Sender<Result<String, String>>,
+    node: &str,
+) -> anyhow::Result<()> {
+    loop {
+        match ctl.reader.next(&mut ctl.recv).await? {
+            Some(Frame::RenewedCert { result }) => {
+                let _ = renewed.try_send(result);
+            }
+            Some(Frame::GoAway { reason }) => info!(node, %reason, "the cloud is going away"),
+            Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
+            None => return Ok(()),
+        }
+    }
+}
+
+/// Renews the edge's certificate over the authenticated session when two
+/// thirds of its lifetime have passed: a new key is made here, only its CSR
+/// is sent, and key and certificate are written atomically (the key first).
+/// The new certificate is used from the next connection on; streams in
+/// flight are not touched. Never returns.
+async fn renew_certificate(
+    cfg: &EdgeConfig,
+    node: &str,
+    out: tokio::sync::mpsc::Sender<Frame>,
+    mut renewed: tokio::sync::mpsc::Receiver<Result<String, String>>,
+) {
+    loop {
+        let due = std::fs::read(&cfg.cert)
+            .map_err(|e| e.to_string())
+            .and_then(|_| tether_certs::pem::load_certs(&cfg.cert).map_err(|e| e.to_string()))
+            .and_then(|c| {
+                let leaf = c.first().ok_or_else(|| "no certificate".to_string())?;
+                tether_certs::rotation::renewal_time(leaf.as_ref()).map_err(|e| e.to_string())
+            });
+        let wait = match due {
+            Ok(t) => t
+                .duration_since(std::time::SystemTime::now())
+                .unwrap_or(Duration::ZERO),
+            Err(e) => {
+                warn!(node, error = %e, "cannot read the certificate's lifetime; retrying in an hour");
+                Duration::from_secs(3600)
+            }
+        };
+        if !wait.is_zero() {
+            tokio::time::sleep(wait.min(Duration::from_secs(3600))).await;
+            continue;
+        }
+        let req = match tether_certs::make_edge_csr(node) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(node, error = %e, "cannot make a renewal request");
+                tokio::time::sleep(Duration::from_secs(600)).await;
+                continue;
+            }
+        };
+        info!(
+            node,
+            "certificate is two thirds through its lifetime; asking the cloud to renew it"
+        );
+        if out
+            .send(Frame::RenewCert {
+                csr_pem: req.csr_pem,
+            })
+            .await
+            .is_err()
+        {
+            return std::future::pending().await;
+        }
+        match tokio::time::timeout(Duration::from_secs(30), renewed.recv()).await {
+            Ok(Some(Ok(cert_pem))) => {
+                let ok = tether_certs::pem::certs_from_pem(&cert_pem, "renewed certificate")
+                    .ok()
+                    .and_then(|c| c.into_iter().next())
+                    .and_then(|leaf| tether_certs::node_name_from_cert(&leaf).ok())
+                    .map(|n| n == node)
+                    .unwrap_or(false);
+                if !ok {
+                    warn!(
+                        node,
+                        "the renewed certificate does not name this node; ignoring it"
+                    );
+                    tokio::time::sleep(Duration::from_secs(600)).await;
+                    continue;
+                }
+                let written =
+                    tether_certs::files::write_atomic(&cfg.key, req.key_pem.as_bytes(), 0o600)
+                        .and_then(|_| {
+                            tether_certs::files::write_atomic(&cfg.cert, cert_pem.as_bytes(), 0o644)
+                        });
+                match written {
+                    Ok(()) => {
+                        info!(node, cert = %cfg.cert.display(), "certificate renewed; used from the next connection");
+                        // Certificates are back-dated a little; never renew twice in a row.
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                    }
+                    Err(e) => {
+                        warn!(node, error = %e, "cannot write the renewed certificate");
+                        tokio::time::sleep(Duration::from_secs(600)).await;
+                    }
+                }
+            }
+            Ok(Some(Err(reason))) => {
+                warn!(node, %reason, "the cloud refused to renew the certificate; retrying in 10 minutes");
+                tokio::time::sleep(Duration::from_secs(600)).await;
+            }
+            _ => {
+                warn!(node, "no renewal answer within 30 s; retrying in a minute");
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+        }
+    }
+}
+
 async fn report_pods(
     target: Arc<KubeletTarget>,
     send: &mut quinn::SendStream,
     every: Duration,
     max: usize,
+    mut extra: tokio::sync::mpsc::Receiver<Frame>,
 ) -> anyhow::Result<()> {
     let mut last: Option<Vec<tether_proto::handshake::PodRef>> = None;
     let mut failing = false;
@@ -402,6 +581,19 @@ async fn report_pods(
                 }
             }
         }
-        tokio::time::sleep(every).await;
+        // Wait for the next pod read, sending other control frames meanwhile.
+        let next = tokio::time::Instant::now() + every;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => break,
+                f = extra.recv() => match f {
+                    Some(f) => write_frame(send, &f, max).await.context("sending a control frame")?,
+                    None => {
+                        tokio::time::sleep_until(next).await;
+                        break;
+                    }
+                },
+            }
+        }
     }
 }

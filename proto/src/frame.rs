@@ -93,6 +93,11 @@ pub enum Frame {
         code: ResetCode,
         message: String,
     },
+    /// Edge → cloud on the control stream: renew my certificate (a CSR for a
+    /// key the edge just made; the node is the one of the session).
+    RenewCert { csr_pem: String },
+    /// Cloud → edge: the renewed certificate (PEM), or why not.
+    RenewedCert { result: Result<String, String> },
 }
 
 impl Frame {
@@ -121,6 +126,8 @@ impl Frame {
             Frame::Ack { .. } => "ack",
             Frame::End { .. } => "end",
             Frame::Reset { .. } => "reset",
+            Frame::RenewCert { .. } => "renew-cert",
+            Frame::RenewedCert { .. } => "renewed-cert",
         }
     }
 }

@@ -3,8 +3,10 @@
 //! A connection's life: the edge opens the first bidirectional QUIC stream and
 //! sends [`Hello`]; the cloud checks the node name against the edge's
 //! certificate and answers [`Welcome`] (or [`Refusal`] and closes). After that
-//! the edge sends a [`PodReport`] whenever its kubelet's pod list changes, and
-//! either side may send `GoAway`. Logical streams travel on their own QUIC
+//! the edge sends a [`PodReport`] whenever its kubelet's pod list changes,
+//! asks for a renewed certificate (`RenewCert` → `RenewedCert`) when two
+//! thirds of its certificate's lifetime have passed, and either side may send
+//! `GoAway`. Logical streams travel on their own QUIC
 //! streams (see [`frame`](crate::frame)).
 
 use serde::{Deserialize, Serialize};

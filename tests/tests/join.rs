@@ -128,6 +128,8 @@ async fn edge_joins_with_a_token_then_serves() {
     .arg(pki.join("ca.crt"))
     .arg("--join-ca-key")
     .arg(pki.join("ca.key"))
+    // Short-lived certificates, so the renewal at two thirds happens in the test.
+    .args(["--join-cert-validity", "18s"])
     .env("RUST_BACKTRACE", "0");
     let mut cloud = Proc::spawn("tether-cloud", cmd, d, SpawnOptions::default()).unwrap();
     let ready = cloud
@@ -160,6 +162,7 @@ async fn edge_joins_with_a_token_then_serves() {
     assert_eq!(key_mode, 0o600);
     let inspect = certs(d, &["inspect", d.join("edge/node.crt").to_str().unwrap()]);
     assert!(inspect.contains("system:node:edge-7"), "{inspect}");
+    let first = std::fs::read_to_string(d.join("edge/node.crt")).unwrap();
 
     // The same token again: exhausted.
     let (ok, out) = edge_join(&tunnel, &token, &pin, "edge-8", &d.join("again"));
@@ -228,6 +231,65 @@ async fn edge_joins_with_a_token_then_serves() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // Two thirds into its 18 s lifetime the edge renews its certificate over
+    // the session; the file changes, the connection is untouched.
+    let renewed_deadline = std::time::Instant::now() + Duration::from_secs(40);
+    loop {
+        let now = std::fs::read_to_string(d.join("edge/node.crt")).unwrap();
+        if now != first {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < renewed_deadline,
+            "certificate not renewed: {}",
+            edge.stderr_tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let inspect = certs(d, &["inspect", d.join("edge/node.crt").to_str().unwrap()]);
+    assert!(inspect.contains("system:node:edge-7"), "{inspect}");
+    assert_eq!(
+        edge.lines()
+            .iter()
+            .filter(|l| l.starts_with("tether-edge connected"))
+            .count(),
+        1,
+        "renewal must not reconnect"
+    );
+    let r = client
+        .get("/metrics", "edge-7", Some("localhost"), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::OK);
+    // The renewed key and certificate form a working pair: a restarted edge connects with them.
+    edge.kill().await;
+    let mut cmd = tokio::process::Command::new(binary("tether-edge").unwrap());
+    cmd.args(["--cloud", &tunnel, "--server-name", "tether-cloud"])
+        .arg("--ca")
+        .arg(d.join("edge/ca.crt"))
+        .arg("--cert")
+        .arg(d.join("edge/node.crt"))
+        .arg("--key")
+        .arg(d.join("edge/node.key"))
+        .args([
+            "--kubelet-url",
+            &format!("http://{}", kubelet.addr),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--announce-address", "edge-7.invalid"])
+        .env("RUST_BACKTRACE", "0");
+    let mut edge = Proc::spawn("tether-edge-2", cmd, d, SpawnOptions::default()).unwrap();
+    edge.wait_line(
+        "edge reconnected with the renewed certificate",
+        Duration::from_secs(20),
+        |l| l.starts_with("tether-edge connected"),
+    )
+    .await
+    .unwrap();
+    assert!(std::fs::read_to_string(d.join("tether-cloud.log"))
+        .unwrap()
+        .contains("renewed the edge's certificate"));
     drop(kubelet);
 }
 
