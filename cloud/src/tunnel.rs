@@ -262,7 +262,9 @@ async fn handle(
     tokio::select! {
         () = migrations => {}
         r = control => {
-            if let Err(e) = r {
+            // A control stream that fails because the connection closed is
+            // not a protocol error: keep the peer's close reason.
+            if let (Err(e), None) = (r, conn.close_reason()) {
                 warn!(node = %node, error = format!("{e:#}"), "control stream failed; closing the connection");
                 conn.close(close_code::PROTOCOL.into(), b"control stream protocol error");
             }

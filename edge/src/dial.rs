@@ -167,6 +167,19 @@ impl Dialer {
     /// `--reconnect-max` while older ones are still waiting (each bounded by
     /// `--handshake-timeout`), so an attempt whose packets were lost in an
     /// outage never delays the reconnect once the link is back.
+    /// A control-stream failure on a live connection is a protocol error:
+    /// close the connection (and reconnect). One caused by the connection
+    /// closing is not.
+    fn control_failed(&self, conn: &quinn::Connection, r: anyhow::Result<()>) {
+        if conn.close_reason().is_some() {
+            return;
+        }
+        if let Err(e) = r {
+            warn!(node = %self.node, error = format!("{e:#}"), "control stream failed");
+        }
+        conn.close(close_code::PROTOCOL.into(), b"control stream failed");
+    }
+
     /// Picks up a renewed certificate for the next connection. The client
     /// configuration (and its TLS session cache) is rebuilt only when the
     /// certificate file changed.
@@ -313,23 +326,18 @@ impl Dialer {
             }
         };
         tokio::select! {
-            e = acceptor => info!(node = %self.node, reason = %e, "connection to the cloud lost"),
+            _ = acceptor => {}
             () = watcher => {}
             () = rtt => {}
             () = renewer => {}
-            r = control => {
-                if let Err(e) = r {
-                    warn!(node = %self.node, error = format!("{e:#}"), "control stream failed");
-                }
-                conn.close(close_code::PROTOCOL.into(), b"control stream failed");
-            }
-            r = reporter => {
-                if let Err(e) = r {
-                    warn!(node = %self.node, error = format!("{e:#}"), "control stream failed");
-                }
-                conn.close(close_code::PROTOCOL.into(), b"control stream failed");
-            }
+            r = control => self.control_failed(&conn, r),
+            r = reporter => self.control_failed(&conn, r),
         }
+        let reason = conn
+            .close_reason()
+            .map(|r| r.to_string())
+            .unwrap_or_default();
+        info!(node = %self.node, %reason, "connection to the cloud lost");
         self.metrics.connected.set(0);
         Ended::AfterWelcome
     }

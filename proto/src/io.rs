@@ -444,8 +444,17 @@ where
     tokio::select! {
         r = &mut tx => r,
         r = &mut rx => match r {
-            // The peer closed its side cleanly: finish transmitting.
-            Ok(()) => tx.await,
+            // The peer closed its side cleanly: flush what we still owe
+            // (bounded: the peer may already be gone), then we are done or
+            // the transport closed under an unfinished stream.
+            Ok(()) => {
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(5), &mut tx).await;
+                if shared.is_done() {
+                    Ok(())
+                } else {
+                    Err(TransportError::Closed)
+                }
+            }
             Err(e) => Err(e),
         },
     }
@@ -475,13 +484,9 @@ async fn receive_loop<R: AsyncRead + Unpin>(
                     return Err(e.into());
                 }
             }
-            None => {
-                return if shared.is_done() {
-                    Ok(())
-                } else {
-                    Err(TransportError::Closed)
-                };
-            }
+            // The peer finished its side: it does so only once its state is
+            // done. Whether ours is follows from our last transmits.
+            None => return Ok(()),
         }
     }
 }
