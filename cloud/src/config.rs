@@ -90,6 +90,13 @@ pub struct CloudArgs {
     /// Concurrent edge connections (handshaking or established).
     #[arg(long, env = "TETHER_MAX_EDGES", default_value_t = 20000)]
     pub max_edges: usize,
+    /// A TOML file of settings (keys are the long flag names); flags and
+    /// environment variables override it.
+    #[arg(long, env = "TETHER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration (secrets redacted) and exit.
+    #[arg(long)]
+    pub print_config: bool,
     #[command(flatten)]
     pub limits: LimitArgs,
     #[command(flatten)]

@@ -87,6 +87,13 @@ pub struct EdgeArgs {
     /// Time allowed for the QUIC handshake and the welcome.
     #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handshake_timeout: Duration,
+    /// A TOML file of settings (keys are the long flag names); flags and
+    /// environment variables override it.
+    #[arg(long, env = "TETHER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration (secrets redacted) and exit.
+    #[arg(long)]
+    pub print_config: bool,
     #[command(flatten)]
     pub limits: LimitArgs,
     #[command(flatten)]

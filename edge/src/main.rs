@@ -6,23 +6,46 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use tether_edge::config::{EdgeArgs, JoinArgs};
 use tether_proto::handshake::close_code;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("starting the async runtime")
+    };
     if argv.get(1).map(|a| a == "join").unwrap_or(false) {
         argv.remove(1);
-        return join(JoinArgs::parse_from(argv)).await;
+        let args = JoinArgs::parse_from(argv);
+        return runtime()?.block_on(join(args));
     }
-    let args = EdgeArgs::parse_from(argv);
-    args.log.init().map_err(anyhow::Error::msg)?;
+    // The configuration file is applied before any thread exists.
+    tether_proto::cli::apply_config_file(&EdgeArgs::command(), &argv)
+        .map_err(anyhow::Error::msg)?;
+    let matches = EdgeArgs::command().get_matches_from(&argv);
+    let args = EdgeArgs::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let print = args.print_config;
+    let log = args.log.clone();
     let cfg = args
         .into_config()
         .map_err(anyhow::Error::msg)
         .context("invalid configuration")?;
+    if print {
+        print!(
+            "{}",
+            tether_proto::cli::render_config(&EdgeArgs::command(), &matches)
+        );
+        return Ok(());
+    }
+    log.init().map_err(anyhow::Error::msg)?;
+    runtime()?.block_on(run(cfg))
+}
+
+async fn run(cfg: tether_edge::config::EdgeConfig) -> anyhow::Result<()> {
     let mut prom = prometheus_client::registry::Registry::default();
     let metrics = tether_edge::metrics::EdgeMetrics::register(&mut prom);
     let ops_listener = tokio::net::TcpListener::bind(cfg.metrics_listen)

@@ -114,3 +114,196 @@ impl LogArgs {
         r.map_err(|e| format!("installing the logger: {e}"))
     }
 }
+
+/// Environment variable naming the configuration file (also `--config`).
+pub const CONFIG_ENV: &str = "TETHER_CONFIG";
+
+/// Finds `--config FILE` / `--config=FILE` in `argv`, else `TETHER_CONFIG`.
+fn config_path(argv: &[std::ffi::OsString]) -> Option<std::path::PathBuf> {
+    let mut it = argv.iter().skip(1);
+    while let Some(a) = it.next() {
+        let s = a.to_string_lossy();
+        if s == "--config" {
+            return it.next().map(std::path::PathBuf::from);
+        }
+        if let Some(v) = s.strip_prefix("--config=") {
+            return Some(v.into());
+        }
+    }
+    std::env::var_os(CONFIG_ENV).map(std::path::PathBuf::from)
+}
+
+/// The TOML value as the flag's text.
+fn toml_text(key: &str, v: &toml::Value) -> Result<String, String> {
+    Ok(match v {
+        toml::Value::String(s) => s.clone(),
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Float(f) => f.to_string(),
+        toml::Value::Boolean(b) => b.to_string(),
+        toml::Value::Array(items) => items
+            .iter()
+            .map(|i| toml_text(key, i))
+            .collect::<Result<Vec<_>, _>>()?
+            .join(","),
+        other => return Err(format!("{key}: unsupported value {other}")),
+    })
+}
+
+/// Applies an optional TOML configuration file beneath flags and environment
+/// variables: each `key = value` (keys are the long flag names, e.g.
+/// `tunnel-listen = "0.0.0.0:10004"`) becomes the flag's environment variable
+/// unless that variable is already set. So the precedence is flag > env >
+/// file > default. Unknown keys, and keys of flags without an environment
+/// variable, are rejected with a message naming them. Returns the file used.
+pub fn apply_config_file(
+    cmd: &clap::Command,
+    argv: &[std::ffi::OsString],
+) -> Result<Option<std::path::PathBuf>, String> {
+    let Some(path) = config_path(argv) else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("config file {}: {e}", path.display()))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e| format!("config file {}: {e}", path.display()))?;
+    for (key, value) in &table {
+        let arg = cmd
+            .get_arguments()
+            .find(|a| a.get_long() == Some(key.as_str()))
+            .ok_or_else(|| format!("config file {}: unknown setting {key:?}", path.display()))?;
+        let env = arg.get_env().ok_or_else(|| {
+            format!(
+                "config file {}: {key:?} cannot be set from a file",
+                path.display()
+            )
+        })?;
+        let text =
+            toml_text(key, value).map_err(|e| format!("config file {}: {e}", path.display()))?;
+        if std::env::var_os(env).is_none() {
+            // Before any thread starts (called first thing in `main`).
+            std::env::set_var(env, text);
+        }
+    }
+    Ok(Some(path))
+}
+
+/// Renders the effective configuration as TOML, each value commented with
+/// where it came from; values of settings whose name suggests a secret are
+/// redacted.
+pub fn render_config(cmd: &clap::Command, matches: &clap::ArgMatches) -> String {
+    let mut out = String::new();
+    for arg in cmd.get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        if matches!(long, "help" | "version" | "print-config" | "config") {
+            continue;
+        }
+        let id = arg.get_id().as_str();
+        let values: Vec<String> = matches
+            .get_raw(id)
+            .map(|vs| vs.map(|v| v.to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        let source = match matches.value_source(id) {
+            Some(clap::parser::ValueSource::CommandLine) => "flag",
+            Some(clap::parser::ValueSource::EnvVariable) => "env or file",
+            Some(clap::parser::ValueSource::DefaultValue) => "default",
+            _ => "unset",
+        };
+        let secret = ["token", "secret", "password"]
+            .iter()
+            .any(|s| long.contains(s));
+        let shown = if secret && !values.is_empty() {
+            "\"<redacted>\"".to_string()
+        } else if values.is_empty() {
+            "# (unset)".to_string()
+        } else if values.len() == 1 {
+            format!("{:?}", values[0])
+        } else {
+            format!("{values:?}")
+        };
+        if values.is_empty() {
+            out.push_str(&format!("# {long} {shown}\n"));
+        } else {
+            out.push_str(&format!("{long} = {shown}  # {source}\n"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, FromArgMatches, Parser};
+
+    #[derive(Debug, Parser)]
+    struct Demo {
+        #[arg(long, env = "TETHER_TEST_CFG_LISTEN", default_value = "0.0.0.0:1")]
+        listen: String,
+        #[arg(long, env = "TETHER_TEST_CFG_GRACE", default_value = "5m")]
+        grace: String,
+        #[arg(long, env = "TETHER_TEST_CFG_TIMEOUT", default_value = "1s")]
+        timeout: String,
+        #[arg(long, env = "TETHER_TEST_CFG_JOIN_TOKEN")]
+        join_token: Option<String>,
+        #[arg(long)]
+        config: Option<std::path::PathBuf>,
+        #[arg(long)]
+        print_config: bool,
+    }
+
+    fn os(v: &[&str]) -> Vec<std::ffi::OsString> {
+        v.iter().map(|s| s.into()).collect()
+    }
+
+    #[test]
+    fn precedence_is_flag_env_file_default_and_unknown_keys_are_rejected() {
+        let dir = std::env::temp_dir().join(format!("tether-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("c.toml");
+        std::fs::write(
+            &file,
+            "listen = \"1.1.1.1:1\"\ngrace = \"9m\"\ntimeout = 7\njoin-token = \"abc.def\"\n",
+        )
+        .unwrap();
+        std::env::set_var("TETHER_TEST_CFG_GRACE", "8m");
+        let argv = os(&[
+            "demo",
+            "--config",
+            file.to_str().unwrap(),
+            "--listen",
+            "2.2.2.2:2",
+        ]);
+        apply_config_file(&Demo::command(), &argv).unwrap();
+        let m = Demo::command().get_matches_from(argv);
+        let d = Demo::from_arg_matches(&m).unwrap();
+        assert_eq!(d.listen, "2.2.2.2:2", "flag beats file");
+        assert_eq!(d.grace, "8m", "env beats file");
+        assert_eq!(d.timeout, "7", "file beats default");
+        let shown = render_config(&Demo::command(), &m);
+        assert!(shown.contains("listen = \"2.2.2.2:2\"  # flag"), "{shown}");
+        assert!(shown.contains("join-token = \"<redacted>\""), "{shown}");
+        assert!(!shown.contains("abc.def"), "{shown}");
+
+        std::fs::write(&file, "listne = \"x\"\n").unwrap();
+        let err = apply_config_file(
+            &Demo::command(),
+            &os(&["demo", "--config", file.to_str().unwrap()]),
+        )
+        .unwrap_err();
+        assert!(err.contains("unknown setting \"listne\""), "{err}");
+        std::fs::write(&file, "print-config = true\n").unwrap();
+        let err = apply_config_file(
+            &Demo::command(),
+            &os(&["demo", "--config", file.to_str().unwrap()]),
+        )
+        .unwrap_err();
+        assert!(err.contains("cannot be set from a file"), "{err}");
+        std::fs::write(&file, "listen = [\n").unwrap();
+        assert!(apply_config_file(
+            &Demo::command(),
+            &os(&["demo", "--config", file.to_str().unwrap()])
+        )
+        .is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -208,3 +208,97 @@ async fn cloud_sigterm_drains_then_disconnects_edges() {
     }
     assert!(seen, "edge must notice the cloud going away");
 }
+
+#[test]
+fn configuration_file_env_and_flags_with_precedence_and_rejection() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cloud.toml");
+    std::fs::write(
+        &file,
+        "grace = \"7m\"\nresponse-timeout = \"9s\"\nkeep-alive = \"5s\"\n",
+    )
+    .unwrap();
+    let base = [
+        "--tunnel-cert",
+        "a",
+        "--tunnel-key",
+        "b",
+        "--edge-ca",
+        "c",
+        "--kubelet-cert",
+        "d",
+        "--kubelet-key",
+        "e",
+    ];
+    let cloud = tether_tests::bins::binary("tether-cloud").unwrap();
+    let out = std::process::Command::new(&cloud)
+        .arg("--config")
+        .arg(&file)
+        .args(base)
+        .args([
+            "--insecure-skip-client-auth",
+            "--print-config",
+            "--keep-alive",
+            "4s",
+        ])
+        .env("TETHER_GRACE", "6m")
+        .env_remove("TETHER_RESPONSE_TIMEOUT")
+        .env_remove("TETHER_KEEP_ALIVE")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("keep-alive = \"4s\"  # flag"),
+        "flag beats all: {text}"
+    );
+    assert!(text.contains("grace = \"6m\""), "env beats file: {text}");
+    assert!(
+        text.contains("response-timeout = \"9s\""),
+        "file beats default: {text}"
+    );
+    assert!(
+        text.contains("handshake-timeout = \"10s\"  # default"),
+        "{text}"
+    );
+    // Invalid values are rejected at start, naming the setting.
+    std::fs::write(&file, "grace = \"ten minutes\"\n").unwrap();
+    let out = std::process::Command::new(&cloud)
+        .arg("--config")
+        .arg(&file)
+        .args(base)
+        .arg("--insecure-skip-client-auth")
+        .env_remove("TETHER_GRACE")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--grace"), "{err}");
+    std::fs::write(&file, "gracee = \"1m\"\n").unwrap();
+    let out = std::process::Command::new(&cloud)
+        .arg("--config")
+        .arg(&file)
+        .args(base)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown setting \"gracee\""));
+    // A keep-alive not below the idle timeout is rejected by name.
+    let out = std::process::Command::new(&cloud)
+        .args(base)
+        .args([
+            "--insecure-skip-client-auth",
+            "--keep-alive",
+            "40s",
+            "--print-config",
+        ])
+        .env_remove("TETHER_CONFIG")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("keep-alive"));
+}
