@@ -102,6 +102,9 @@ pub struct ClusterSpec {
     pub phantom_pods: Vec<(String, PodSpec)>,
     /// Start every process in its own process group (see [`SpawnOptions`]).
     pub own_process_groups: bool,
+    /// Mint the certificates with the `tether-certs` tool (as an operator
+    /// would) instead of the library.
+    pub certs_via_cli: bool,
 }
 
 /// A node of a running cluster.
@@ -202,7 +205,11 @@ impl Cluster {
         let logs = dir.join("process-logs");
         std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
         let names: Vec<&str> = spec.nodes.iter().map(|n| n.name.as_str()).collect();
-        let pki = pki::mint(&dir.join("pki"), &names)?;
+        let pki = if spec.certs_via_cli {
+            pki::mint_with_cli(&dir.join("pki"), &names)?
+        } else {
+            pki::mint(&dir.join("pki"), &names)?
+        };
         let client = KubeletClient::new(
             &pki.tether_ca_pem,
             &pki.apiserver_client.cert_pem,

@@ -185,3 +185,118 @@ mod tests {
         );
     }
 }
+
+/// Mints the same set with the `tether-certs` command-line tool, as an
+/// operator would (the demo does this): a Tether CA under `dir/tether`, an
+/// apiserver client CA under `dir/apiserver`.
+pub fn mint_with_cli(dir: &Path, nodes: &[&str]) -> Result<Pki> {
+    let bin = crate::bins::binary("tether-certs")?;
+    let tether = dir.join("tether");
+    let client = dir.join("apiserver");
+    let run = |pki_dir: &Path, args: &[&str]| -> Result<()> {
+        let out = std::process::Command::new(&bin)
+            .arg("--dir")
+            .arg(pki_dir)
+            .args(args)
+            .output()
+            .with_context(|| format!("running tether-certs {args:?}"))?;
+        if !out.status.success() {
+            anyhow::bail!(
+                "tether-certs {args:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    };
+    run(
+        &tether,
+        &["ca", "create", "--cn", "tether-demo-ca", "--validity", "1d"],
+    )?;
+    run(
+        &client,
+        &[
+            "ca",
+            "create",
+            "--cn",
+            "apiserver-client-ca",
+            "--validity",
+            "1d",
+        ],
+    )?;
+    let loopback = ["--ip", "127.0.0.1", "--ip", "::1", "--dns", "localhost"];
+    let mut args = vec![
+        "issue",
+        "cloud-tunnel",
+        "--dns",
+        CLOUD_SERVER_NAME,
+        "--validity",
+        "1d",
+    ];
+    args.extend(loopback);
+    run(&tether, &args)?;
+    let mut args = vec!["issue", "cloud-kubelet", "--validity", "1d"];
+    for n in nodes {
+        args.extend(["--dns", n]);
+    }
+    args.extend(loopback);
+    run(&tether, &args)?;
+    run(&client, &["issue", "apiserver-client", "--validity", "1d"])?;
+    let read =
+        |p: &Path| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
+    let pair = |cert: PathBuf, key: PathBuf| -> Result<Pair> {
+        Ok(Pair {
+            cert_pem: read(&cert)?,
+            key_pem: read(&key)?,
+            cert,
+            key,
+        })
+    };
+    let mut edges = BTreeMap::new();
+    let mut kubelets = BTreeMap::new();
+    for n in nodes {
+        run(&tether, &["issue", "edge", "--node", n, "--validity", "1d"])?;
+        edges.insert(
+            n.to_string(),
+            pair(
+                tether.join(format!("{n}.crt")),
+                tether.join(format!("{n}.key")),
+            )?,
+        );
+        let (cert, key) = (
+            tether.join(format!("kubelet-{n}.crt")),
+            tether.join(format!("kubelet-{n}.key")),
+        );
+        let (c, k) = (
+            cert.to_string_lossy().into_owned(),
+            key.to_string_lossy().into_owned(),
+        );
+        let mut args = vec![
+            "issue",
+            "cloud-kubelet",
+            "--dns",
+            n,
+            "--cert",
+            &c,
+            "--key",
+            &k,
+            "--validity",
+            "1d",
+        ];
+        args.extend(loopback);
+        run(&tether, &args)?;
+        kubelets.insert(n.to_string(), pair(cert, key)?);
+    }
+    Ok(Pki {
+        tether_ca: tether.join("ca.crt"),
+        tether_ca_pem: read(&tether.join("ca.crt"))?,
+        apiserver_client_ca: client.join("ca.crt"),
+        cloud_tunnel: pair(tether.join("tunnel.crt"), tether.join("tunnel.key"))?,
+        cloud_kubelet: pair(tether.join("kubelet.crt"), tether.join("kubelet.key"))?,
+        apiserver_client: pair(
+            client.join("apiserver-client.crt"),
+            client.join("apiserver-client.key"),
+        )?,
+        edges,
+        kubelets,
+    })
+}
