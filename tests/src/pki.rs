@@ -151,41 +151,6 @@ pub fn mint(dir: &Path, nodes: &[&str]) -> Result<Pki> {
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::unix::fs::PermissionsExt;
-
-    #[test]
-    fn mints_every_file_with_private_keys() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let pki = mint(dir.path(), &["edge-1", "edge-2"]).expect("mint");
-        assert_eq!(
-            pki.edges.keys().collect::<Vec<_>>(),
-            vec!["edge-1", "edge-2"]
-        );
-        for pair in [&pki.cloud_tunnel, &pki.cloud_kubelet, &pki.edges["edge-2"]] {
-            assert!(pair.cert.is_file());
-            let mode = std::fs::metadata(&pair.key)
-                .expect("key")
-                .permissions()
-                .mode();
-            assert_eq!(
-                mode & 0o077,
-                0,
-                "{} is readable by others",
-                pair.key.display()
-            );
-        }
-        let der = tether_certs::pem::certs_from_pem(&pki.edges["edge-1"].cert_pem, "edge")
-            .expect("parse");
-        assert_eq!(
-            tether_certs::node_name_from_cert(&der[0]).expect("node"),
-            "edge-1"
-        );
-    }
-}
-
 /// Mints the same set with the `tether-certs` command-line tool, as an
 /// operator would (the demo does this): a Tether CA under `dir/tether`, an
 /// apiserver client CA under `dir/apiserver`.
@@ -299,4 +264,39 @@ pub fn mint_with_cli(dir: &Path, nodes: &[&str]) -> Result<Pki> {
         edges,
         kubelets,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn mints_every_file_with_private_keys() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = mint(dir.path(), &["edge-1", "edge-2"]).expect("mint");
+        assert_eq!(
+            pki.edges.keys().collect::<Vec<_>>(),
+            vec!["edge-1", "edge-2"]
+        );
+        for pair in [&pki.cloud_tunnel, &pki.cloud_kubelet, &pki.edges["edge-2"]] {
+            assert!(pair.cert.is_file());
+            let mode = std::fs::metadata(&pair.key)
+                .expect("key")
+                .permissions()
+                .mode();
+            assert_eq!(
+                mode & 0o077,
+                0,
+                "{} is readable by others",
+                pair.key.display()
+            );
+        }
+        let der = tether_certs::pem::certs_from_pem(&pki.edges["edge-1"].cert_pem, "edge")
+            .expect("parse");
+        assert_eq!(
+            tether_certs::node_name_from_cert(&der[0]).expect("node"),
+            "edge-1"
+        );
+    }
 }
