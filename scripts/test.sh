@@ -12,6 +12,9 @@ cargo fmt --all -- --check
 echo "== build (binaries are needed by the end-to-end tests)"
 cargo build --workspace --bins --tests
 
+echo "== deploy/: manifests, scripts, units, DNAT helper (in network namespaces)"
+scripts/check-deploy.sh </dev/null
+
 echo "== clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 

@@ -77,13 +77,19 @@ async fn run(cfg: tether_edge::config::EdgeConfig) -> anyhow::Result<()> {
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
+    // The dialer (and the connection it holds) must outlive the close below:
+    // dropping it first would close the connection implicitly with code 0,
+    // which the cloud takes for a lost link rather than a shutdown.
+    let run = dialer.run();
+    tokio::pin!(run);
     tokio::select! {
-        r = dialer.run() => return r,
+        r = &mut run => return r,
         _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),
         _ = term.recv() => tracing::info!("SIGTERM"),
     }
     endpoint.close(close_code::SHUTDOWN.into(), b"edge shutting down");
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), endpoint.wait_idle()).await;
+    drop(run);
     Ok(())
 }
 

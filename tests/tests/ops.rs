@@ -158,7 +158,9 @@ async fn edge_sigterm_ends_its_session_at_once() {
         .await
         .unwrap();
     assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.body);
-    assert!(env.cloud_log().contains("edge shut down"));
+    let log = env.cloud_log();
+    assert!(log.contains("edge shut down; ending its session"), "the cloud must see a shutdown, not a lost link: {log}");
+    assert!(!log.contains("keeping its streams for a resume"), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,534 @@
+#!/usr/bin/env bash
+# tether-dnat.sh — the control-plane DNAT rule that sends the kube-apiserver's
+# connections to edge kubelets (node address : kubelet port, 10350 by the
+# edge convention) to tether-cloud's kubelet-API listener (TCP 10003).
+#
+#   tether-dnat.sh apply  --kubelet-port PORT[,PORT...] --to CLOUD:10003 [--backend auto|nft|iptables]
+#                         [--dst CIDR[,CIDR...]] [--prerouting]
+#   tether-dnat.sh watch  (the options of apply) [--interval SECONDS] [--keep-on-exit]
+#   tether-dnat.sh status [--backend auto|nft|iptables]
+#   tether-dnat.sh remove [--backend auto|nft|iptables]
+#
+# The rule lives in Tether's own objects and nowhere else:
+#   nft:      table `inet tether`, chain `output` (type nat hook output), and
+#             chain `prerouting` with --prerouting;
+#   iptables: chain TETHER-DNAT in the nat table, referenced once from OUTPUT
+#             (and once from PREROUTING with --prerouting); ip6tables for an
+#             IPv6 target.
+# `apply` converges: when the rules in place already match what is asked, it
+# changes nothing (no rule is added twice, no handle changes); otherwise it
+# replaces Tether's rules in one transaction (nft -f / iptables-restore
+# --noflush). It also removes Tether rules left in the other backend, so there
+# is only ever one. `remove` deletes everything Tether added and nothing else;
+# running it again is a no-op. `status` exits 0 when a Tether DNAT is in place,
+# 3 when none is.
+#
+# --kubelet-port is 10350 for edge nodes; a list (10350,10351,10352) also
+# catches the per-cloudcore ports of a KubeEdge HA setup while migrating.
+#
+# CLOUD may be an IPv4 address, [IPv6] or a DNS name (resolved once per apply,
+# and again every --interval by `watch`, so the rule follows a pod IP behind a
+# headless Service).
+#
+# The target must be an address that needs no further NAT on this host: a pod
+# IP, a host-network address or an external load-balancer address. A Service
+# ClusterIP does NOT work with kube-proxy in iptables/nftables mode: the
+# kernel applies one destination NAT per connection and hook, so after this
+# rule kube-proxy's own rule for the ClusterIP is never consulted.
+#
+# Environment: TETHER_DNAT_BACKEND (default auto: nft when `nft` exists, else
+# iptables); TETHER_DNAT_IPTABLES / TETHER_DNAT_IP6TABLES (default iptables /
+# ip6tables; e.g. iptables-legacy on hosts whose kube-proxy uses legacy).
+set -euo pipefail
+
+readonly PROG=tether-dnat
+readonly NFT_TABLE=tether
+readonly NFT_FAMILY=inet
+readonly NFT_PRIORITY=-110 # before dstnat (-100): deterministic order vs. other nat chains
+readonly IPT_CHAIN=TETHER-DNAT
+readonly JUMP_COMMENT=tether-dnat
+readonly EXIT_NOT_APPLIED=3
+
+IPT=${TETHER_DNAT_IPTABLES:-iptables}
+IP6T=${TETHER_DNAT_IP6TABLES:-ip6tables}
+
+log() { printf '%s %s: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$PROG" "$*" >&2; }
+die() {
+	log "error: $*"
+	exit 1
+}
+
+usage() {
+	sed -n '2,/^set -euo pipefail/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+}
+
+have() { command -v "$1" >/dev/null 2>&1; }
+
+# ---------------------------------------------------------------------------
+# Options
+
+cmd=""
+backend=${TETHER_DNAT_BACKEND:-auto}
+kubelet_port=""
+to=""
+kubelet_ports=()
+dst=""
+prerouting=0
+interval=10
+keep_on_exit=0
+
+parse_args() {
+	[ $# -gt 0 ] || {
+		usage >&2
+		exit 2
+	}
+	cmd=$1
+	shift
+	while [ $# -gt 0 ]; do
+		case $1 in
+		--kubelet-port) kubelet_port=${2:?--kubelet-port needs a value}; shift 2 ;;
+		--kubelet-port=*) kubelet_port=${1#*=}; shift ;;
+		--to) to=${2:?--to needs a value}; shift 2 ;;
+		--to=*) to=${1#*=}; shift ;;
+		--backend) backend=${2:?--backend needs a value}; shift 2 ;;
+		--backend=*) backend=${1#*=}; shift ;;
+		--dst) dst=${2:?--dst needs a value}; shift 2 ;;
+		--dst=*) dst=${1#*=}; shift ;;
+		--prerouting) prerouting=1; shift ;;
+		--interval) interval=${2:?--interval needs a value}; shift 2 ;;
+		--interval=*) interval=${1#*=}; shift ;;
+		--keep-on-exit) keep_on_exit=1; shift ;;
+		-h | --help) usage; exit 0 ;;
+		*) die "unknown option $1 (see --help)" ;;
+		esac
+	done
+	case $backend in auto | nft | iptables) ;; *) die "--backend must be auto, nft or iptables, not '$backend'" ;; esac
+}
+
+is_port() { [[ $1 =~ ^[0-9]{1,5}$ ]] && [ "$1" -ge 1 ] && [ "$1" -le 65535 ]; }
+
+# --kubelet-port: one port or a comma-separated list of distinct ports.
+check_kubelet_ports() {
+	local p seen=","
+	[ -n "$kubelet_port" ] || die "$cmd needs --kubelet-port (10350 for edge nodes)"
+	IFS=, read -r -a kubelet_ports <<<"$kubelet_port"
+	[ "${#kubelet_ports[@]}" -ge 1 ] || die "--kubelet-port is empty"
+	for p in "${kubelet_ports[@]}"; do
+		is_port "$p" || die "--kubelet-port: '$p' is not a port"
+		case $seen in *",$p,"*) die "--kubelet-port: $p is listed twice" ;; esac
+		seen="$seen$p,"
+	done
+}
+is_ipv4() { [[ $1 =~ ^([0-9]{1,3}\.){3}[0-9]{1,3}$ ]]; }
+is_ipv6() { [[ $1 =~ ^[0-9A-Fa-f:.]+$ ]] && [[ $1 == *:* ]]; }
+
+resolved_ip=""
+resolved_family=""
+resolved_port=""
+
+# Splits --to into host and port and resolves the host to one address.
+resolve_to() {
+	local host port addrs
+	case $to in
+	\[*\]:*)
+		host=${to%%]:*}
+		host=${host#[}
+		port=${to##*]:}
+		;;
+	*:*:*) die "--to $to: write an IPv6 address as [ADDR]:PORT" ;;
+	*:*)
+		host=${to%:*}
+		port=${to##*:}
+		;;
+	*) die "--to $to: expected HOST:PORT" ;;
+	esac
+	is_port "$port" || die "--to $to: '$port' is not a port"
+	[ -n "$host" ] || die "--to $to: empty host"
+	if is_ipv4 "$host"; then
+		resolved_family=4
+		resolved_ip=$host
+	elif is_ipv6 "$host"; then
+		resolved_family=6
+		resolved_ip=$host
+	else
+		addrs=$(getent ahostsv4 "$host" 2>/dev/null | awk '{print $1}' | sort -u || true)
+		resolved_family=4
+		if [ -z "$addrs" ]; then
+			addrs=$(getent ahostsv6 "$host" 2>/dev/null | awk '{print $1}' | grep -v '^::ffff:' | sort -u || true)
+			resolved_family=6
+		fi
+		[ -n "$addrs" ] || {
+			log "cannot resolve $host"
+			return 1
+		}
+		resolved_ip=$(printf '%s\n' "$addrs" | head -n1)
+		if [ "$(printf '%s\n' "$addrs" | wc -l)" -gt 1 ]; then
+			log "warning: $host has several addresses ($(printf '%s' "$addrs" | tr '\n' ' ')); using $resolved_ip"
+		fi
+	fi
+	resolved_port=$port
+}
+
+check_dst() {
+	local c
+	[ -n "$dst" ] || return 0
+	IFS=, read -r -a cidrs <<<"$dst"
+	for c in "${cidrs[@]}"; do
+		if [ "$resolved_family" = 4 ]; then
+			[[ $c =~ ^([0-9]{1,3}\.){3}[0-9]{1,3}(/[0-9]{1,2})?$ ]] || die "--dst $c is not an IPv4 address or CIDR (the target is IPv4)"
+		else
+			[[ $c =~ ^[0-9A-Fa-f:.]+(/[0-9]{1,3})?$ && $c == *:* ]] || die "--dst $c is not an IPv6 address or CIDR (the target is IPv6)"
+		fi
+	done
+}
+
+# A short, stable fingerprint of what is asked; stored in the rule comments
+# so that `apply` can tell "already in place" from "different".
+spec_id() {
+	printf 'v1 port=%s to=%s:%s family=%s dst=%s prerouting=%s' \
+		"$kubelet_port" "$resolved_ip" "$resolved_port" "$resolved_family" "${dst:-any}" "$prerouting" |
+		sha256sum | cut -c1-16
+}
+
+pick_backend() {
+	case $backend in
+	nft) have nft || die "nft not found (install nftables)" ;;
+	iptables) have "$IPT" || die "$IPT not found (install iptables)" ;;
+	auto)
+		if have nft; then
+			backend=nft
+		elif have "$IPT"; then
+			backend=iptables
+		else
+			die "neither nft nor $IPT found (install nftables or iptables)"
+		fi
+		;;
+	esac
+}
+
+# ---------------------------------------------------------------------------
+# nft backend
+
+nft_present() { nft list table "$NFT_FAMILY" "$NFT_TABLE" >/dev/null 2>&1; }
+
+nft_rule() {
+	local comment=$1 match="" proto=ip to_addr=$resolved_ip
+	if [ "$resolved_family" = 6 ]; then
+		proto=ip6
+		to_addr="[$resolved_ip]"
+	fi
+	if [ -n "$dst" ]; then
+		match="$proto daddr { ${dst//,/, } } "
+	fi
+	local ports=$kubelet_port
+	[ "${#kubelet_ports[@]}" -gt 1 ] && ports="{ ${kubelet_port//,/, } }"
+	printf 'meta nfproto ipv%s %stcp dport %s counter dnat %s to %s:%s comment "%s"' \
+		"$resolved_family" "$match" "$ports" "$proto" "$to_addr" "$resolved_port" "$comment"
+}
+
+nft_apply() {
+	local id=$1 want have_ids script
+	want=1
+	[ "$prerouting" = 1 ] && want=2
+	if nft_present; then
+		have_ids=$(nft list table "$NFT_FAMILY" "$NFT_TABLE" | grep -o 'comment "tether-dnat spec=[0-9a-f]*"' || true)
+		if [ "$(printf '%s\n' "$have_ids" | grep -c "spec=$id\"")" = "$want" ] &&
+			[ "$(printf '%s\n' "$have_ids" | grep -c 'spec=')" = "$want" ] &&
+			[ "$(nft list table "$NFT_FAMILY" "$NFT_TABLE" | grep -c '^[[:space:]]*chain ')" = "$want" ]; then
+			return 1 # unchanged
+		fi
+	fi
+	script="add table $NFT_FAMILY $NFT_TABLE
+delete table $NFT_FAMILY $NFT_TABLE
+table $NFT_FAMILY $NFT_TABLE {
+	chain output {
+		type nat hook output priority $NFT_PRIORITY; policy accept;
+		$(nft_rule "tether-dnat spec=$id")
+	}"
+	if [ "$prerouting" = 1 ]; then
+		script="$script
+	chain prerouting {
+		type nat hook prerouting priority $NFT_PRIORITY; policy accept;
+		$(nft_rule "tether-dnat spec=$id")
+	}"
+	fi
+	script="$script
+}"
+	printf '%s\n' "$script" | nft -f - || die "nft refused the ruleset:
+$script"
+	return 0
+}
+
+nft_remove() {
+	have nft || return 0
+	if nft_present; then
+		nft delete table "$NFT_FAMILY" "$NFT_TABLE"
+		log "removed nft table $NFT_FAMILY $NFT_TABLE"
+	fi
+}
+
+nft_status() {
+	if ! have nft; then
+		echo "nft: not installed"
+		return 1
+	fi
+	if nft_present; then
+		echo "nft: applied (table $NFT_FAMILY $NFT_TABLE)"
+		nft list table "$NFT_FAMILY" "$NFT_TABLE" | sed 's/^/  /'
+		return 0
+	fi
+	echo "nft: not applied"
+	return 1
+}
+
+# ---------------------------------------------------------------------------
+# iptables backend
+
+ipt_cmd_for() { if [ "$1" = 6 ]; then echo "$IP6T"; else echo "$IPT"; fi; }
+
+ipt_chain_present() { "$1" -w 5 -t nat -S "$IPT_CHAIN" >/dev/null 2>&1; }
+
+ipt_jump_args() { printf '%s\n' -m comment --comment "$JUMP_COMMENT" -j "$IPT_CHAIN"; }
+
+# Number of jumps from a built-in chain to TETHER-DNAT.
+ipt_jumps() {
+	"$1" -w 5 -t nat -S "$2" 2>/dev/null | grep -c -- "-j $IPT_CHAIN\$" || true
+}
+
+ipt_remove_jumps() {
+	local ipt=$1 hook=$2 args
+	mapfile -t args < <(ipt_jump_args)
+	while "$ipt" -w 5 -t nat -C "$hook" "${args[@]}" >/dev/null 2>&1; do
+		"$ipt" -w 5 -t nat -D "$hook" "${args[@]}"
+	done
+}
+
+ipt_ensure_one_jump() {
+	local ipt=$1 hook=$2 args n
+	mapfile -t args < <(ipt_jump_args)
+	n=$(ipt_jumps "$ipt" "$hook")
+	if [ "$n" -gt 1 ]; then
+		ipt_remove_jumps "$ipt" "$hook"
+		n=0
+	fi
+	if [ "$n" -eq 0 ]; then
+		"$ipt" -w 5 -t nat -I "$hook" 1 "${args[@]}"
+		return 0
+	fi
+	return 1
+}
+
+ipt_apply() {
+	local id=$1 ipt changed=1 rules n_rules n_ids c restore hooks=OUTPUT
+	ipt=$(ipt_cmd_for "$resolved_family")
+	have "$ipt" || die "$ipt not found"
+	have "$ipt-restore" || die "$ipt-restore not found"
+	[ "$prerouting" = 1 ] && hooks="OUTPUT PREROUTING"
+	rules=$("$ipt" -w 5 -t nat -S "$IPT_CHAIN" 2>/dev/null | grep -- "^-A $IPT_CHAIN " || true)
+	n_rules=$(printf '%s' "$rules" | grep -c . || true)
+	n_ids=$(printf '%s' "$rules" | grep -c -- "tether-dnat spec=$id" || true)
+	local want=1
+	if [ -n "$dst" ]; then
+		IFS=, read -r -a cidrs <<<"$dst"
+		want=${#cidrs[@]}
+	fi
+	if ! ipt_chain_present "$ipt" || [ "$n_rules" != "$want" ] || [ "$n_ids" != "$want" ]; then
+		restore="*nat
+:$IPT_CHAIN - [0:0]"
+		local to_addr=$resolved_ip match_port="-m tcp --dport $kubelet_port"
+		[ "$resolved_family" = 6 ] && to_addr="[$resolved_ip]"
+		[ "${#kubelet_ports[@]}" -gt 1 ] && match_port="-m multiport --dports $kubelet_port"
+		if [ -n "$dst" ]; then
+			for c in "${cidrs[@]}"; do
+				restore="$restore
+-A $IPT_CHAIN -d $c -p tcp $match_port -m comment --comment \"tether-dnat spec=$id\" -j DNAT --to-destination $to_addr:$resolved_port"
+			done
+		else
+			restore="$restore
+-A $IPT_CHAIN -p tcp $match_port -m comment --comment \"tether-dnat spec=$id\" -j DNAT --to-destination $to_addr:$resolved_port"
+		fi
+		restore="$restore
+COMMIT"
+		# --noflush: only TETHER-DNAT (declared above, so flushed and refilled) changes.
+		printf '%s\n' "$restore" | "$ipt-restore" -w 5 --noflush || die "$ipt-restore refused:
+$restore"
+		changed=0
+	fi
+	local hook
+	for hook in $hooks; do
+		if ipt_ensure_one_jump "$ipt" "$hook"; then changed=0; fi
+	done
+	if [ "$prerouting" != 1 ] && [ "$(ipt_jumps "$ipt" PREROUTING)" -gt 0 ]; then
+		ipt_remove_jumps "$ipt" PREROUTING
+		changed=0
+	fi
+	# A Tether chain left in the other family's table (target changed family).
+	local other=$IP6T
+	[ "$resolved_family" = 6 ] && other=$IPT
+	ipt_remove_family "$other"
+	return "$changed"
+}
+
+ipt_remove_family() {
+	local ipt=$1 hook
+	have "$ipt" || return 0
+	ipt_chain_present "$ipt" || return 0
+	for hook in OUTPUT PREROUTING; do
+		ipt_remove_jumps "$ipt" "$hook"
+	done
+	"$ipt" -w 5 -t nat -F "$IPT_CHAIN"
+	"$ipt" -w 5 -t nat -X "$IPT_CHAIN"
+	log "removed $ipt chain nat/$IPT_CHAIN and its jumps"
+}
+
+ipt_remove() {
+	ipt_remove_family "$IPT"
+	ipt_remove_family "$IP6T"
+}
+
+ipt_status() {
+	local ipt rc=1 any_tool=0
+	for ipt in "$IPT" "$IP6T"; do
+		have "$ipt" || continue
+		any_tool=1
+		if ipt_chain_present "$ipt"; then
+			echo "$ipt: applied (nat chain $IPT_CHAIN; jumps: OUTPUT=$(ipt_jumps "$ipt" OUTPUT) PREROUTING=$(ipt_jumps "$ipt" PREROUTING))"
+			"$ipt" -w 5 -t nat -L "$IPT_CHAIN" -n -v -x | sed 's/^/  /'
+			rc=0
+		else
+			echo "$ipt: not applied"
+		fi
+	done
+	[ "$any_tool" = 1 ] || echo "iptables: not installed"
+	return "$rc"
+}
+
+# ---------------------------------------------------------------------------
+# Commands
+
+require_root() {
+	[ "$(id -u)" = 0 ] || die "must run as root (or with CAP_NET_ADMIN)"
+}
+
+# One convergence step. Returns 0 when rules were changed, 1 when unchanged.
+converge() {
+	local id
+	resolve_to || return 2
+	check_dst
+	id=$(spec_id)
+	local rc=1
+	case $backend in
+	nft)
+		if nft_apply "$id"; then rc=0; fi
+		# One Tether rule at a time: drop leftovers of the iptables backend.
+		if have "$IPT" || have "$IP6T"; then ipt_remove; fi
+		;;
+	iptables)
+		if ipt_apply "$id"; then rc=0; fi
+		nft_remove
+		;;
+	esac
+	return "$rc"
+}
+
+describe() {
+	local t=$resolved_ip
+	[ "$resolved_family" = 6 ] && t="[$resolved_ip]"
+	printf 'tcp dport %s%s -> %s:%s (%s%s)' "$kubelet_port" "${dst:+ to $dst}" "$t" "$resolved_port" "$backend" \
+		"$([ "$prerouting" = 1 ] && echo ', output+prerouting' || echo ', output')"
+}
+
+cmd_apply() {
+	require_root
+	check_kubelet_ports
+	[ -n "$to" ] || die "apply needs --to CLOUD_ADDR:10003"
+	pick_backend
+	local rc=0
+	converge || rc=$?
+	case $rc in
+	0) log "applied: $(describe)" ;;
+	1) log "unchanged: $(describe)" ;;
+	*) die "could not resolve --to $to" ;;
+	esac
+}
+
+cmd_watch() {
+	require_root
+	check_kubelet_ports
+	[ -n "$to" ] || die "watch needs --to"
+	if ! [[ $interval =~ ^[0-9]+$ ]] || [ "$interval" -lt 1 ]; then
+		die "--interval must be a whole number of seconds >= 1"
+	fi
+	pick_backend
+	local sleeper=""
+	on_exit() {
+		if [ -n "$sleeper" ]; then kill "$sleeper" 2>/dev/null || true; fi
+		if [ "$keep_on_exit" = 1 ]; then
+			log "exiting; rules kept (--keep-on-exit)"
+		else
+			log "exiting; removing the rules"
+			nft_remove
+			ipt_remove
+		fi
+		exit 0
+	}
+	trap on_exit TERM INT
+	log "watching: every ${interval}s, $to"
+	local rc last=""
+	while :; do
+		rc=0
+		converge || rc=$?
+		case $rc in
+		0) log "applied: $(describe)" ;;
+		1) [ "$last" = ok ] || log "in place: $(describe)" ;;
+		*) log "keeping the current rules: $to does not resolve (is tether-cloud ready?)" ;;
+		esac
+		if [ "$rc" -le 1 ]; then last=ok; else last=err; fi
+		sleep "$interval" &
+		sleeper=$!
+		wait "$sleeper" || true
+		sleeper=""
+	done
+}
+
+cmd_status() {
+	local rc=1
+	case $backend in
+	nft) nft_status && rc=0 ;;
+	iptables) ipt_status && rc=0 ;;
+	auto)
+		if nft_status; then rc=0; fi
+		if ipt_status; then rc=0; fi
+		;;
+	esac
+	if [ "$rc" = 0 ]; then return 0; fi
+	return "$EXIT_NOT_APPLIED"
+}
+
+cmd_remove() {
+	require_root
+	case $backend in
+	nft) nft_remove ;;
+	iptables) ipt_remove ;;
+	auto)
+		have nft || have "$IPT" || have "$IP6T" || die "neither nft nor iptables found"
+		nft_remove
+		ipt_remove
+		;;
+	esac
+	log "removed: nothing of Tether's is left ($([ "$backend" = auto ] && echo "nft and iptables" || echo "$backend"))"
+}
+
+main() {
+	parse_args "$@"
+	case $cmd in
+	apply) cmd_apply ;;
+	watch) cmd_watch ;;
+	status) cmd_status ;;
+	remove) cmd_remove ;;
+	help | -h | --help) usage ;;
+	*) die "unknown command '$cmd' (apply, watch, status, remove, help)" ;;
+	esac
+}
+
+main "$@"
