@@ -87,6 +87,11 @@ impl CloudMetrics {
             m.bytes.sent.clone(),
         );
         r.register(
+            "replayed_bytes",
+            "Bytes sent again to edges after their streams were re-attached (resume)",
+            m.bytes.replayed.clone(),
+        );
+        r.register(
             "resumes",
             "Sessions resumed with a resume token",
             m.resumes.clone(),

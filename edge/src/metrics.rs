@@ -74,6 +74,11 @@ impl EdgeMetrics {
             "Bytes received from the cloud through streams",
             m.bytes.received.clone(),
         );
+        r.register(
+            "replayed_bytes",
+            "Bytes sent again to the cloud after streams were re-attached (resume)",
+            m.bytes.replayed.clone(),
+        );
         m
     }
 }

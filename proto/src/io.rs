@@ -134,6 +134,8 @@ struct Inner {
     state: StreamState,
     read_waker: Option<Waker>,
     write_waker: Option<Waker>,
+    /// Counts replayed bytes, when the application asked for metrics.
+    replay_counter: Option<prometheus_client::metrics::counter::Counter>,
 }
 
 /// The state shared by a stream's application handle and its driver.
@@ -155,6 +157,7 @@ impl SharedStream {
                 state,
                 read_waker: None,
                 write_waker: None,
+                replay_counter: None,
             }),
             tx: Notify::new(),
             rx_room: Notify::new(),
@@ -232,6 +235,7 @@ impl ResumableIo {
 
     /// Counts the bytes read and written through this handle.
     pub fn with_counters(mut self, counters: crate::ops::ByteCounters) -> Self {
+        self.shared.lock().replay_counter = Some(counters.replayed.clone());
         self.counters = Some(counters);
         self
     }
@@ -432,7 +436,26 @@ where
             None => return Err(TransportError::Closed),
         },
     };
-    if let Err(e) = shared.with_state(|s| s.attach(delivered, fin_received)) {
+    let attached = {
+        let mut g = shared.lock();
+        let before = g.state.replayed();
+        let r = g.state.attach(delivered, fin_received);
+        let replayed = g.state.replayed() - before;
+        if let (Some(c), true) = (&g.replay_counter, replayed > 0) {
+            c.inc_by(replayed);
+        }
+        if replayed > 0 {
+            tracing::debug!(
+                stream = g.state.id(),
+                replayed,
+                "re-attached; replaying undelivered bytes"
+            );
+        }
+        drop(g);
+        shared.with_state(|_| ());
+        r
+    };
+    if let Err(e) = attached {
         shared.reset(ResetCode::ProtocolError, e.to_string());
         // Best effort: tell the peer before giving up on this transport.
         let _ = transmit_loop(shared, send, max_frame).await;

@@ -99,4 +99,7 @@ pub struct ByteCounters {
     pub received: prometheus_client::metrics::counter::Counter,
     /// Bytes the local side wrote into streams (sent to the peer).
     pub sent: prometheus_client::metrics::counter::Counter,
+    /// Bytes transmitted again after a stream was re-attached to a new
+    /// connection (what the resume replayed).
+    pub replayed: prometheus_client::metrics::counter::Counter,
 }

@@ -122,6 +122,8 @@ pub struct StreamState {
     // The local reader is gone: incoming data is counted as delivered and
     // dropped, so the peer can still finish cleanly.
     discard_incoming: bool,
+    /// Bytes transmitted again after re-attaches (for metrics).
+    replayed: u64,
     // Life cycle.
     attached: bool,
     reset: Option<ResetState>,
@@ -147,6 +149,7 @@ impl StreamState {
             ack_due: false,
             fin_ack_sent: false,
             discard_incoming: false,
+            replayed: 0,
             attached: false,
             reset: None,
         }
@@ -382,6 +385,11 @@ impl StreamState {
         self.attached = false;
     }
 
+    /// Bytes transmitted again after re-attaches, in total.
+    pub fn replayed(&self) -> u64 {
+        self.replayed
+    }
+
     /// Whether a transport is attached.
     pub fn is_attached(&self) -> bool {
         self.attached
@@ -400,6 +408,9 @@ impl StreamState {
                 acked: self.acked,
             });
         }
+        // Bytes transmitted on the lost transport that the peer never
+        // delivered: they go out again now.
+        self.replayed += self.sent.saturating_sub(peer_delivered);
         self.apply_ack(peer_delivered, peer_fin_received)?;
         self.sent = peer_delivered;
         self.fin_sent = self.fin_acked;

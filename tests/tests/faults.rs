@@ -31,6 +31,8 @@ const API: &str = "127.0.0.1:10003";
 
 /// Cloud and edge on the two sides of an emulated link.
 struct NsEnv {
+    /// The cloud's operations listener (inside the cloud namespace).
+    cloud_metrics: std::net::SocketAddr,
     link: Arc<Link>,
     dir: tempfile::TempDir,
     pki: Pki,
@@ -86,11 +88,17 @@ impl NsEnv {
             SpawnOptions::default(),
         )
         .unwrap();
-        cloud
+        let ready = cloud
             .wait_line("cloud ready", Duration::from_secs(20), |l| {
                 l.starts_with("tether-cloud ready")
             })
             .await
+            .unwrap();
+        let cloud_metrics = ready
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("metrics="))
+            .unwrap()
+            .parse()
             .unwrap();
         let listener = link
             .in_edge(|| std::net::TcpListener::bind("127.0.0.1:0"))
@@ -107,6 +115,7 @@ impl NsEnv {
                     .map_err(std::io::Error::other)?
             }));
         let env = NsEnv {
+            cloud_metrics,
             link,
             dir,
             pki,
@@ -195,6 +204,59 @@ async fn spawn_edge(
     .await
     .unwrap();
     edge
+}
+
+/// A sample from a Prometheus endpoint inside one of the link's namespaces.
+async fn ns_metric(
+    link: &Arc<Link>,
+    cloud_side: bool,
+    addr: std::net::SocketAddr,
+    series: &str,
+) -> f64 {
+    let l = link.clone();
+    let tcp = tokio::task::spawn_blocking(move || {
+        let f = move || std::net::TcpStream::connect(addr);
+        if cloud_side {
+            l.in_cloud(f)
+        } else {
+            l.in_edge(f)
+        }
+    })
+    .await
+    .unwrap()
+    .unwrap()
+    .unwrap();
+    tcp.set_nonblocking(true).unwrap();
+    let tcp = tokio::net::TcpStream::from_std(tcp).unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let resp = sender
+        .send_request(
+            Request::get("/metrics")
+                .header("host", "ops")
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&resp.into_body().collect().await.unwrap().to_bytes()).into_owned();
+    support::sample(&text, series).unwrap_or_else(|| panic!("{series} missing from:\n{text}"))
+}
+
+fn edge_metrics_addr(edge: &Proc) -> std::net::SocketAddr {
+    edge.lines()
+        .iter()
+        .find_map(|l| {
+            l.strip_prefix("tether-edge started ")
+                .and_then(|r| r.split("metrics=").nth(1))
+        })
+        .expect("edge printed its metrics address")
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 fn pattern_byte(i: u64) -> u8 {
@@ -425,6 +487,29 @@ async fn sixty_second_outage_is_survived_exactly_once() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let stats = env.link.stats().ok();
     let (bytes, lines) = traffic.finish_intact().await;
+    let cloud_replayed = ns_metric(
+        &env.link,
+        true,
+        env.cloud_metrics,
+        "tether_cloud_replayed_bytes_total",
+    )
+    .await;
+    let edge_replayed = ns_metric(
+        &env.link,
+        false,
+        edge_metrics_addr(&env.edge),
+        "tether_edge_replayed_bytes_total",
+    )
+    .await;
+    let resumes = ns_metric(
+        &env.link,
+        true,
+        env.cloud_metrics,
+        "tether_cloud_resumes_total",
+    )
+    .await;
+    assert!(resumes >= 1.0, "the cloud must count the resume");
+    println!("FIGURE 60 s outage: bytes replayed after the resume: {cloud_replayed} cloud→edge, {edge_replayed} edge→cloud; resumes {resumes}");
     let edge_lines = env.edge.lines();
     assert!(
         edge_lines.iter().any(|l| l.contains("resumed=true")),
