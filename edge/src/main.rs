@@ -89,7 +89,6 @@ async fn run(cfg: tether_edge::config::EdgeConfig) -> anyhow::Result<()> {
     }
     endpoint.close(close_code::SHUTDOWN.into(), b"edge shutting down");
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), endpoint.wait_idle()).await;
-    drop(run);
     Ok(())
 }
 
