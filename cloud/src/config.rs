@@ -141,6 +141,19 @@ pub struct CloudConfig {
     pub quic: QuicSettings,
 }
 
+impl tether_proto::cli::BinaryArgs for CloudArgs {
+    type Config = CloudConfig;
+    fn wants_print_config(&self) -> bool {
+        self.print_config
+    }
+    fn log_args(&self) -> &LogArgs {
+        &self.log
+    }
+    fn validate(self) -> Result<CloudConfig, String> {
+        self.into_config()
+    }
+}
+
 impl CloudArgs {
     /// Checks the flags and builds the configuration.
     pub fn into_config(self) -> Result<CloudConfig, String> {

@@ -2,30 +2,15 @@
 //! shuts down gracefully on SIGTERM or Ctrl-C.
 
 use anyhow::Context;
-use clap::{CommandFactory, FromArgMatches};
 use tether_cloud::config::CloudArgs;
 
 fn main() -> anyhow::Result<()> {
     // The configuration file is applied before any thread exists.
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    tether_proto::cli::apply_config_file(&CloudArgs::command(), &argv)
-        .map_err(anyhow::Error::msg)?;
-    let matches = CloudArgs::command().get_matches_from(&argv);
-    let args = CloudArgs::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    let print = args.print_config;
-    let log = args.log.clone();
-    let cfg = args
-        .into_config()
-        .map_err(anyhow::Error::msg)
-        .context("invalid configuration")?;
-    if print {
-        print!(
-            "{}",
-            tether_proto::cli::render_config(&CloudArgs::command(), &matches)
-        );
+    let Some(cfg) = tether_proto::cli::start::<CloudArgs>(&argv).map_err(anyhow::Error::msg)?
+    else {
         return Ok(());
-    }
-    log.init().map_err(anyhow::Error::msg)?;
+    };
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

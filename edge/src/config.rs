@@ -158,6 +158,19 @@ pub struct EdgeConfig {
     pub quic: QuicSettings,
 }
 
+impl tether_proto::cli::BinaryArgs for EdgeArgs {
+    type Config = EdgeConfig;
+    fn wants_print_config(&self) -> bool {
+        self.print_config
+    }
+    fn log_args(&self) -> &LogArgs {
+        &self.log
+    }
+    fn validate(self) -> Result<EdgeConfig, String> {
+        self.into_config()
+    }
+}
+
 impl EdgeArgs {
     /// Checks the flags and builds the configuration.
     pub fn into_config(self) -> Result<EdgeConfig, String> {

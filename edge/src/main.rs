@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::Parser;
 use tether_edge::config::{EdgeArgs, JoinArgs};
 use tether_proto::handshake::close_code;
 
@@ -24,24 +24,9 @@ fn main() -> anyhow::Result<()> {
         return runtime()?.block_on(join(args));
     }
     // The configuration file is applied before any thread exists.
-    tether_proto::cli::apply_config_file(&EdgeArgs::command(), &argv)
-        .map_err(anyhow::Error::msg)?;
-    let matches = EdgeArgs::command().get_matches_from(&argv);
-    let args = EdgeArgs::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    let print = args.print_config;
-    let log = args.log.clone();
-    let cfg = args
-        .into_config()
-        .map_err(anyhow::Error::msg)
-        .context("invalid configuration")?;
-    if print {
-        print!(
-            "{}",
-            tether_proto::cli::render_config(&EdgeArgs::command(), &matches)
-        );
+    let Some(cfg) = tether_proto::cli::start::<EdgeArgs>(&argv).map_err(anyhow::Error::msg)? else {
         return Ok(());
-    }
-    log.init().map_err(anyhow::Error::msg)?;
+    };
     runtime()?.block_on(run(cfg))
 }
 

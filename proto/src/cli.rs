@@ -230,6 +230,39 @@ pub fn render_config(cmd: &clap::Command, matches: &clap::ArgMatches) -> String 
     out
 }
 
+/// What a binary's flags give the shared start-up in [`start`].
+pub trait BinaryArgs: clap::Parser {
+    /// The validated configuration.
+    type Config;
+    /// Whether `--print-config` was given.
+    fn wants_print_config(&self) -> bool;
+    /// The logging flags.
+    fn log_args(&self) -> &LogArgs;
+    /// Checks the flags and builds the configuration.
+    fn validate(self) -> Result<Self::Config, String>;
+}
+
+/// A binary's start-up: applies the configuration file beneath flags and
+/// environment (call before any thread exists), parses and validates the
+/// flags, then either prints the effective configuration (`Ok(None)`) or
+/// installs the logger and returns the configuration.
+pub fn start<A: BinaryArgs>(argv: &[std::ffi::OsString]) -> Result<Option<A::Config>, String> {
+    apply_config_file(&A::command(), argv)?;
+    let matches = A::command().get_matches_from(argv);
+    let args = A::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let print = args.wants_print_config();
+    let log = args.log_args().clone();
+    let cfg = args
+        .validate()
+        .map_err(|e| format!("invalid configuration: {e}"))?;
+    if print {
+        print!("{}", render_config(&A::command(), &matches));
+        return Ok(None);
+    }
+    log.init()?;
+    Ok(Some(cfg))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -139,17 +139,9 @@ async fn edge_sigterm_ends_its_session_at_once() {
         status.map(|s| s.success()).unwrap_or(false),
         "edge must exit cleanly on SIGTERM: {status:?}"
     );
-    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match body.frame().await {
-                Some(Ok(_)) => continue,
-                Some(Err(e)) => return Err(e),
-                None => return Ok(()),
-            }
-        }
-    })
-    .await
-    .expect("stream must end promptly");
+    let outcome = support::body_end(&mut body, Duration::from_secs(10))
+        .await
+        .expect("stream must end promptly");
     assert!(outcome.is_err(), "cut stream must be an aborted response");
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     let r = env
@@ -159,7 +151,10 @@ async fn edge_sigterm_ends_its_session_at_once() {
         .unwrap();
     assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.body);
     let log = env.cloud_log();
-    assert!(log.contains("edge shut down; ending its session"), "the cloud must see a shutdown, not a lost link: {log}");
+    assert!(
+        log.contains("edge shut down; ending its session"),
+        "the cloud must see a shutdown, not a lost link: {log}"
+    );
     assert!(!log.contains("keeping its streams for a resume"), "{log}");
 }
 

@@ -192,17 +192,9 @@ async fn outage_longer_than_grace_ends_streams_with_an_error() {
         .unwrap();
     env.relay.as_ref().unwrap().set_outage(true);
     let t = Instant::now();
-    let outcome = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            match body.frame().await {
-                Some(Ok(_)) => continue,
-                Some(Err(e)) => return Err(e),
-                None => return Ok(()),
-            }
-        }
-    })
-    .await
-    .expect("must end within bounded time");
+    let outcome = support::body_end(&mut body, Duration::from_secs(30))
+        .await
+        .expect("must end within bounded time");
     assert!(outcome.is_err(), "must end as an error, not a clean end");
     let took = t.elapsed();
     assert!(took < Duration::from_secs(15), "{took:?}");

@@ -593,17 +593,9 @@ async fn killed_edge_aborts_streams_and_never_hangs() {
     let mut env = env;
     env.nodes[0].edge.kill().await;
     let t = Instant::now();
-    let outcome = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            match body.frame().await {
-                Some(Ok(_)) => continue,
-                Some(Err(e)) => return Err(e),
-                None => return Ok(()),
-            }
-        }
-    })
-    .await
-    .expect("the response must end, not hang");
+    let outcome = support::body_end(&mut body, Duration::from_secs(20))
+        .await
+        .expect("the response must end, not hang");
     assert!(
         outcome.is_err(),
         "a cut log must end as an aborted response, not a clean end"
@@ -657,17 +649,9 @@ async fn kubelet_down_gives_502_and_restarted_edge_ends_old_streams() {
         .await
         .unwrap();
     let t = Instant::now();
-    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match body.frame().await {
-                Some(Ok(_)) => continue,
-                Some(Err(e)) => return Err(e),
-                None => return Ok(()),
-            }
-        }
-    })
-    .await
-    .expect("old stream must end promptly when the edge restarts");
+    let outcome = support::body_end(&mut body, Duration::from_secs(10))
+        .await
+        .expect("old stream must end promptly when the edge restarts");
     assert!(outcome.is_err());
     assert!(t.elapsed() < Duration::from_secs(5));
     // The restarted edge points at a closed port: 502 naming the kubelet.

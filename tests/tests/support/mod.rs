@@ -676,3 +676,19 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
             .and_then(|rest| rest.trim().split(' ').next()?.parse().ok())
     })
 }
+
+/// Reads a response body to its end: `Some(Ok(()))` for a clean end,
+/// `Some(Err(_))` for an aborted one, `None` if it did not end within `limit`.
+pub async fn body_end(body: &mut Incoming, limit: Duration) -> Option<Result<(), hyper::Error>> {
+    tokio::time::timeout(limit, async {
+        loop {
+            match body.frame().await {
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(()),
+            }
+        }
+    })
+    .await
+    .ok()
+}
