@@ -10,6 +10,10 @@ command -v iptables >/dev/null 2>&1 || need_apt+=(iptables)
 command -v script >/dev/null 2>&1 || need_apt+=(bsdutils)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 command -v tar >/dev/null 2>&1 || need_apt+=(tar)
+# Benchmark peers (the quick benchmark runs in the suite): OpenSSH for `ssh -R`.
+[ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
+command -v ssh >/dev/null 2>&1 || need_apt+=(openssh-client)
+command -v strip >/dev/null 2>&1 || need_apt+=(binutils)
 
 KUBECTL_DIR=/usr/lib/google-cloud-sdk/bin
 have_kubectl=0

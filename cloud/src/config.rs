@@ -16,6 +16,7 @@ use tether_proto::Limits;
 #[command(
     name = "tether-cloud",
     version,
+    args_override_self = true,
     about = "Tether cloud: serves the kubelet API to the kube-apiserver and forwards it to edge nodes over QUIC"
 )]
 pub struct CloudArgs {

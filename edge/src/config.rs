@@ -15,6 +15,7 @@ use tether_proto::Limits;
 #[command(
     name = "tether-edge",
     version,
+    args_override_self = true,
     about = "Tether edge: dials tether-cloud over QUIC and replays the apiserver's kubelet requests against the local kubelet"
 )]
 pub struct EdgeArgs {

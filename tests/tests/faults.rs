@@ -21,13 +21,10 @@ use http_body_util::BodyExt;
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use linkemu::{Impairment, Link, LinkOptions};
-use support::{empty, Client, Kubelet};
+use support::{cloud_cmd, empty, spawn_edge, Client, Kubelet, API};
 use tether_tests::pki::{self, Pki};
 use tether_tests::process::{Proc, SpawnOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-const TUNNEL_PORT: u16 = 10004;
-const API: &str = "127.0.0.1:10003";
 
 /// Cloud and edge on the two sides of an emulated link.
 struct NsEnv {
@@ -42,34 +39,6 @@ struct NsEnv {
     kubelet_port: u16,
     client: Client,
     cloud_args: Vec<String>,
-}
-
-fn cloud_cmd(link: &Link, pki: &Pki, extra: &[String]) -> tokio::process::Command {
-    let mut cmd = link.exec_in_cloud(tether_tests::bins::binary("tether-cloud").unwrap());
-    cmd.args([
-        "--tunnel-listen",
-        &format!("0.0.0.0:{TUNNEL_PORT}"),
-        "--kubelet-listen",
-        API,
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ])
-    .arg("--tunnel-cert")
-    .arg(&pki.cloud_tunnel.cert)
-    .arg("--tunnel-key")
-    .arg(&pki.cloud_tunnel.key)
-    .arg("--edge-ca")
-    .arg(&pki.tether_ca)
-    .arg("--kubelet-cert")
-    .arg(&pki.cloud_kubelet.cert)
-    .arg("--kubelet-key")
-    .arg(&pki.cloud_kubelet.key)
-    .arg("--apiserver-client-ca")
-    .arg(&pki.apiserver_client_ca)
-    .args(extra)
-    .env("TETHER_LOG", "info,tether_cloud=debug")
-    .env("RUST_BACKTRACE", "0");
-    tokio::process::Command::from(cmd)
 }
 
 impl NsEnv {
@@ -156,54 +125,6 @@ impl NsEnv {
     fn cloud_log(&self) -> String {
         std::fs::read_to_string(self.cloud.log_path()).unwrap_or_default()
     }
-}
-
-async fn spawn_edge(
-    link: &Link,
-    pki: &Pki,
-    dir: &std::path::Path,
-    kubelet_port: u16,
-    extra: &[&str],
-) -> Proc {
-    let pair = &pki.edges["edge-1"];
-    let mut cmd = link.exec_in_edge(tether_tests::bins::binary("tether-edge").unwrap());
-    cmd.arg("--cloud")
-        .arg(format!("{}:{TUNNEL_PORT}", link.cloud_ip()))
-        .args(["--server-name", pki::CLOUD_SERVER_NAME])
-        .arg("--ca")
-        .arg(&pki.tether_ca)
-        .arg("--cert")
-        .arg(&pair.cert)
-        .arg("--key")
-        .arg(&pair.key)
-        .args([
-            "--kubelet-url",
-            &format!("http://127.0.0.1:{kubelet_port}"),
-            "--pods-refresh",
-            "500ms",
-        ])
-        .args([
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--announce-address",
-            "edge-1.invalid",
-        ])
-        .args(extra)
-        .env("TETHER_LOG", "info,tether_edge=debug")
-        .env("RUST_BACKTRACE", "0");
-    let mut edge = Proc::spawn(
-        "tether-edge",
-        tokio::process::Command::from(cmd),
-        dir,
-        SpawnOptions::default(),
-    )
-    .unwrap();
-    edge.wait_line("edge connected", Duration::from_secs(30), |l| {
-        l.starts_with("tether-edge connected")
-    })
-    .await
-    .unwrap();
-    edge
 }
 
 /// A sample from a Prometheus endpoint inside one of the link's namespaces.

@@ -122,6 +122,31 @@ async fn serve(
             r#"{{"kind":"PodList","items":[{}]}}"#,
             items.join(",")
         )))
+    } else if path.starts_with("/containerLogs/default/bulk/") {
+        // A bulk source for benchmarks: `limitBytes` bytes as fast as the reader takes them.
+        let total: u64 = req
+            .uri()
+            .query()
+            .unwrap_or("")
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("limitBytes="))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1 << 20);
+        let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+        let stream = futures_util::stream::unfold(0u64, move |sent| {
+            let chunk = chunk.clone();
+            async move {
+                if sent >= total {
+                    return None;
+                }
+                let n = (total - sent).min(chunk.len() as u64) as usize;
+                Some((
+                    Ok::<_, std::io::Error>(Frame::data(chunk.slice(..n))),
+                    sent + n as u64,
+                ))
+            }
+        });
+        Response::new(StreamBody::new(stream).boxed())
     } else if path.starts_with("/containerLogs/") {
         let follow = req.uri().query().unwrap_or("").contains("follow=true");
         let node2 = node.clone();
@@ -691,4 +716,91 @@ pub async fn body_end(body: &mut Incoming, limit: Duration) -> Option<Result<(),
     })
     .await
     .ok()
+}
+
+/// The cloud's tunnel port inside a link's cloud namespace.
+pub const TUNNEL_PORT: u16 = 10004;
+/// The cloud's kubelet-API address inside a link's cloud namespace.
+pub const API: &str = "127.0.0.1:10003";
+
+/// `tether-cloud` in the cloud namespace of `link`.
+pub fn cloud_cmd(
+    link: &linkemu::Link,
+    pki: &tether_tests::pki::Pki,
+    extra: &[String],
+) -> tokio::process::Command {
+    let mut cmd = link.exec_in_cloud(tether_tests::bins::binary("tether-cloud").unwrap());
+    cmd.args([
+        "--tunnel-listen",
+        &format!("0.0.0.0:{TUNNEL_PORT}"),
+        "--kubelet-listen",
+        API,
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ])
+    .arg("--tunnel-cert")
+    .arg(&pki.cloud_tunnel.cert)
+    .arg("--tunnel-key")
+    .arg(&pki.cloud_tunnel.key)
+    .arg("--edge-ca")
+    .arg(&pki.tether_ca)
+    .arg("--kubelet-cert")
+    .arg(&pki.cloud_kubelet.cert)
+    .arg("--kubelet-key")
+    .arg(&pki.cloud_kubelet.key)
+    .arg("--apiserver-client-ca")
+    .arg(&pki.apiserver_client_ca)
+    .args(extra)
+    .env("TETHER_LOG", "info,tether_cloud=debug")
+    .env("RUST_BACKTRACE", "0");
+    tokio::process::Command::from(cmd)
+}
+
+/// `tether-edge` in the edge namespace of `link`, waited for until connected.
+pub async fn spawn_edge(
+    link: &linkemu::Link,
+    pki: &tether_tests::pki::Pki,
+    dir: &std::path::Path,
+    kubelet_port: u16,
+    extra: &[&str],
+) -> Proc {
+    let pair = &pki.edges["edge-1"];
+    let mut cmd = link.exec_in_edge(tether_tests::bins::binary("tether-edge").unwrap());
+    cmd.arg("--cloud")
+        .arg(format!("{}:{TUNNEL_PORT}", link.cloud_ip()))
+        .args(["--server-name", pki::CLOUD_SERVER_NAME])
+        .arg("--ca")
+        .arg(&pki.tether_ca)
+        .arg("--cert")
+        .arg(&pair.cert)
+        .arg("--key")
+        .arg(&pair.key)
+        .args([
+            "--kubelet-url",
+            &format!("http://127.0.0.1:{kubelet_port}"),
+            "--pods-refresh",
+            "500ms",
+        ])
+        .args([
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--announce-address",
+            "edge-1.invalid",
+        ])
+        .args(extra)
+        .env("TETHER_LOG", "info,tether_edge=debug")
+        .env("RUST_BACKTRACE", "0");
+    let mut edge = Proc::spawn(
+        "tether-edge",
+        tokio::process::Command::from(cmd),
+        dir,
+        SpawnOptions::default(),
+    )
+    .unwrap();
+    edge.wait_line("edge connected", Duration::from_secs(30), |l| {
+        l.starts_with("tether-edge connected")
+    })
+    .await
+    .unwrap();
+    edge
 }
