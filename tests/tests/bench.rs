@@ -386,7 +386,11 @@ async fn run_link(name: &str, imp: Impairment, plan: Plan, out: &mut String) -> 
         ));
     }
     // 2. Bulk: one stream, ten in parallel.
-    out.push_str("\n| peer | 1 stream MB/s | 10 streams MB/s (sum) |\n|---|---|---|\n");
+    out.push_str(&format!(
+        "\n| peer | 1 stream MB/s ({} MiB) | 10 streams MB/s (sum, {} KiB each) |\n|---|---|---|\n",
+        plan.bulk_bytes >> 20,
+        plan.parallel_bytes >> 10
+    ));
     let mut bulk_rows = Vec::new();
     for p in &b.peers {
         let one = bulk(&p.dial, p.host, plan.bulk_bytes)
@@ -514,13 +518,28 @@ fn main() -> Result<()> {
         if plan.full { "full" } else { "quick" },
         machine()
     );
-    let mut links = vec![("clean", Impairment::clean())];
+    let mut links = vec![("clean", Impairment::clean(), plan)];
     if plan.full {
+        // Sizes shrink with the link so every peer finishes in bounded time
+        // (TCP with 3 % loss at 200 ms RTT moves tens of KB/s).
+        let lossy = Plan {
+            echo_rounds: 100,
+            bulk_bytes: 16 << 20,
+            parallel_bytes: 2 << 20,
+            ..plan
+        };
+        let bad = Plan {
+            echo_rounds: 40,
+            bulk_bytes: 2 << 20,
+            parallel_bytes: 256 << 10,
+            ..plan
+        };
         links.push((
             "50 ms RTT, 1 % loss",
             Impairment::clean()
                 .with_delay(Duration::from_millis(25))
                 .with_loss(1.0),
+            lossy,
         ));
         links.push((
             "200 ms RTT, 3 % loss, 10 Mbit/s",
@@ -528,10 +547,11 @@ fn main() -> Result<()> {
                 .with_delay(Duration::from_millis(100))
                 .with_loss(3.0)
                 .with_rate(10_000_000 / 8),
+            bad,
         ));
     }
     let result: Result<()> = rt.block_on(async {
-        for (name, imp) in links {
+        for (name, imp, plan) in links {
             run_link(name, imp, plan, &mut out)
                 .await
                 .with_context(|| format!("link {name}"))?;
