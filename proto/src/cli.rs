@@ -66,6 +66,9 @@ pub struct QuicArgs {
     /// UDP socket buffer size.
     #[arg(long, env = "TETHER_UDP_BUFFER", default_value = "4MiB", value_parser = parse_bytes)]
     pub udp_buffer: u64,
+    /// Congestion controller: `cubic`, `bbr` (loss-tolerant, for lossy cellular links) or `newreno`.
+    #[arg(long, env = "TETHER_CONGESTION", default_value = "bbr", value_parser = ["bbr", "cubic", "newreno"])]
+    pub congestion: String,
 }
 
 impl QuicArgs {
@@ -79,6 +82,11 @@ impl QuicArgs {
             max_bidi_streams: limits.max_streams_per_edge.saturating_add(1),
             udp_buffer: usize::try_from(self.udp_buffer)
                 .map_err(|_| "udp-buffer too large".to_string())?,
+            congestion: match self.congestion.as_str() {
+                "bbr" => crate::quic::Congestion::Bbr,
+                "newreno" => crate::quic::Congestion::NewReno,
+                _ => crate::quic::Congestion::Cubic,
+            },
             ..QuicSettings::default()
         };
         s.transport()?;

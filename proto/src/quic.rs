@@ -26,6 +26,16 @@ pub struct QuicSettings {
     pub conn_window: u32,
     /// UDP socket send and receive buffer, bytes.
     pub udp_buffer: usize,
+    /// Congestion controller.
+    pub congestion: Congestion,
+}
+
+/// Which congestion controller QUIC uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Congestion {
+    Cubic,
+    Bbr,
+    NewReno,
 }
 
 impl Default for QuicSettings {
@@ -38,6 +48,7 @@ impl Default for QuicSettings {
             stream_window: 2 * 1024 * 1024,
             conn_window: 32 * 1024 * 1024,
             udp_buffer: 4 * 1024 * 1024,
+            congestion: Congestion::Bbr,
         }
     }
 }
@@ -62,6 +73,17 @@ impl QuicSettings {
         t.stream_receive_window(self.stream_window.into());
         t.receive_window(self.conn_window.into());
         t.send_window(u64::from(self.conn_window));
+        match self.congestion {
+            Congestion::Cubic => {
+                t.congestion_controller_factory(Arc::new(quinn::congestion::CubicConfig::default()))
+            }
+            Congestion::Bbr => {
+                t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()))
+            }
+            Congestion::NewReno => t.congestion_controller_factory(Arc::new(
+                quinn::congestion::NewRenoConfig::default(),
+            )),
+        };
         Ok(t)
     }
 

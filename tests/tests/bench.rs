@@ -550,6 +550,10 @@ fn main() -> Result<()> {
             bad,
         ));
     }
+    // TETHER_BENCH_ONLY=<text>: only the links whose name contains it.
+    if let Ok(only) = std::env::var("TETHER_BENCH_ONLY") {
+        links.retain(|l| l.0.contains(only.as_str()));
+    }
     let result: Result<()> = rt.block_on(async {
         for (name, imp, plan) in links {
             run_link(name, imp, plan, &mut out)
