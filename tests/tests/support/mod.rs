@@ -420,18 +420,7 @@ impl Env {
             "--metrics-listen",
             "127.0.0.1:0",
         ])
-        .arg("--tunnel-cert")
-        .arg(&pki.cloud_tunnel.cert)
-        .arg("--tunnel-key")
-        .arg(&pki.cloud_tunnel.key)
-        .arg("--edge-ca")
-        .arg(&pki.tether_ca)
-        .arg("--kubelet-cert")
-        .arg(&pki.cloud_kubelet.cert)
-        .arg("--kubelet-key")
-        .arg(&pki.cloud_kubelet.key)
-        .arg("--apiserver-client-ca")
-        .arg(&pki.apiserver_client_ca)
+        .args(cloud_flags(&pki))
         .args(cloud_args)
         .env("TETHER_LOG", "info,tether_cloud=debug")
         .env("RUST_BACKTRACE", "0");
@@ -718,6 +707,23 @@ pub async fn body_end(body: &mut Incoming, limit: Duration) -> Option<Result<(),
     .ok()
 }
 
+/// The certificate flags of `tether-cloud` for a test PKI.
+pub fn cloud_flags(pki: &tether_tests::pki::Pki) -> Vec<std::ffi::OsString> {
+    let mut v: Vec<std::ffi::OsString> = Vec::new();
+    for (flag, path) in [
+        ("--tunnel-cert", &pki.cloud_tunnel.cert),
+        ("--tunnel-key", &pki.cloud_tunnel.key),
+        ("--edge-ca", &pki.tether_ca),
+        ("--kubelet-cert", &pki.cloud_kubelet.cert),
+        ("--kubelet-key", &pki.cloud_kubelet.key),
+        ("--apiserver-client-ca", &pki.apiserver_client_ca),
+    ] {
+        v.push(flag.into());
+        v.push(path.into());
+    }
+    v
+}
+
 /// The cloud's tunnel port inside a link's cloud namespace.
 pub const TUNNEL_PORT: u16 = 10004;
 /// The cloud's kubelet-API address inside a link's cloud namespace.
@@ -738,18 +744,7 @@ pub fn cloud_cmd(
         "--metrics-listen",
         "127.0.0.1:0",
     ])
-    .arg("--tunnel-cert")
-    .arg(&pki.cloud_tunnel.cert)
-    .arg("--tunnel-key")
-    .arg(&pki.cloud_tunnel.key)
-    .arg("--edge-ca")
-    .arg(&pki.tether_ca)
-    .arg("--kubelet-cert")
-    .arg(&pki.cloud_kubelet.cert)
-    .arg("--kubelet-key")
-    .arg(&pki.cloud_kubelet.key)
-    .arg("--apiserver-client-ca")
-    .arg(&pki.apiserver_client_ca)
+    .args(cloud_flags(pki))
     .args(extra)
     .env("TETHER_LOG", "info,tether_cloud=debug")
     .env("RUST_BACKTRACE", "0");
