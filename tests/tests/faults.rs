@@ -197,16 +197,7 @@ struct Traffic {
 
 impl Traffic {
     async fn start(client: &Client) -> Traffic {
-        let resp = client
-            .send(
-                None,
-                Request::get("/containerLogs/default/p1/c?follow=true")
-                    .header("host", "edge-1")
-                    .body(empty())
-                    .unwrap(),
-            )
-            .await
-            .unwrap();
+        let resp = client.follow_log("default/p1").await.unwrap();
         assert_eq!(resp.status(), StatusCode::OK);
         let mut log = resp.into_body();
         let log_text = Arc::new(Mutex::new(String::new()));

@@ -6,8 +6,8 @@ mod support;
 use std::time::{Duration, Instant};
 
 use http_body_util::BodyExt;
-use hyper::{Request, StatusCode};
-use support::{empty, plain_get, sample, Env, NodeSpec};
+use hyper::StatusCode;
+use support::{plain_get, sample, Env, NodeSpec};
 
 const ONE: &[NodeSpec<'static>] = &[NodeSpec {
     name: "edge-1",
@@ -116,17 +116,7 @@ async fn metrics_health_and_status() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_sigterm_ends_its_session_at_once() {
     let mut env = Env::start(ONE, &[]).await.unwrap();
-    let resp = env
-        .client
-        .send(
-            None,
-            Request::get("/containerLogs/default/p1/c?follow=true")
-                .header("host", "edge-1")
-                .body(empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = env.client.follow_log("default/p1").await.unwrap();
     let mut body = resp.into_body();
     tokio::time::timeout(Duration::from_secs(10), body.frame())
         .await
@@ -162,17 +152,7 @@ async fn edge_sigterm_ends_its_session_at_once() {
 async fn cloud_sigterm_drains_then_disconnects_edges() {
     let mut env = Env::start(ONE, &["--shutdown-grace", "2s"]).await.unwrap();
     // A short request finishes during the drain; a follow stream outlives it.
-    let resp = env
-        .client
-        .send(
-            None,
-            Request::get("/containerLogs/default/p1/c?follow=true")
-                .header("host", "edge-1")
-                .body(empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = env.client.follow_log("default/p1").await.unwrap();
     let mut body = resp.into_body();
     tokio::time::timeout(Duration::from_secs(10), body.frame())
         .await

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http_body_util::BodyExt;
-use hyper::{Request, StatusCode};
+use hyper::StatusCode;
 use hyper_util::rt::TokioIo;
-use support::{empty, Env, NodeSpec};
+use support::{Env, NodeSpec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const ONE: &[NodeSpec<'static>] = &[NodeSpec {
@@ -34,17 +34,7 @@ async fn streams_resume_after_the_connection_dies() {
     let mut env = Env::start_with(ONE, &cloud_args, FAST, true).await.unwrap();
 
     // A follow log and an echo stream, both running through the outage.
-    let resp = env
-        .client
-        .send(
-            None,
-            Request::get("/containerLogs/default/p1/c?follow=true")
-                .header("host", "edge-1")
-                .body(empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = env.client.follow_log("default/p1").await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let mut log = resp.into_body();
     let log_text = Arc::new(std::sync::Mutex::new(String::new()));
@@ -173,17 +163,7 @@ async fn streams_resume_after_the_connection_dies() {
 async fn outage_longer_than_grace_ends_streams_with_an_error() {
     let cloud_args = [FAST, &["--grace", "2s"]].concat();
     let env = Env::start_with(ONE, &cloud_args, FAST, true).await.unwrap();
-    let resp = env
-        .client
-        .send(
-            None,
-            Request::get("/containerLogs/default/p1/c?follow=true")
-                .header("host", "edge-1")
-                .body(empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = env.client.follow_log("default/p1").await.unwrap();
     let mut body = resp.into_body();
     tokio::time::timeout(Duration::from_secs(10), body.frame())
         .await

@@ -570,17 +570,7 @@ async fn killed_edge_aborts_streams_and_never_hangs() {
     )
     .await
     .unwrap();
-    let resp = env
-        .client
-        .send(
-            None,
-            Request::get("/containerLogs/default/p1/c?follow=true")
-                .header("host", "edge-1")
-                .body(empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = env.client.follow_log("default/p1").await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let mut body = resp.into_body();
     // Some lines flow, then the edge dies.
@@ -626,17 +616,7 @@ async fn kubelet_down_gives_502_and_restarted_edge_ends_old_streams() {
         .unwrap();
     assert_eq!(r.status, StatusCode::OK);
     // Open a follow stream, then restart the edge (state lost): the stream ends promptly.
-    let resp = env
-        .client
-        .send(
-            None,
-            Request::get("/containerLogs/default/p1/c?follow=true")
-                .header("host", "edge-1")
-                .body(empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = env.client.follow_log("default/p1").await.unwrap();
     let mut body = resp.into_body();
     tokio::time::timeout(Duration::from_secs(10), body.frame())
         .await

@@ -298,6 +298,15 @@ impl Client {
         Ok(sender.send_request(req).await?)
     }
 
+    /// Opens `kubectl logs -f`'s request for `ns/pod` (container `c`): a
+    /// follow stream whose body grows until someone closes it.
+    pub async fn follow_log(&self, pod: &str) -> Result<Response<Incoming>> {
+        let req = Request::get(format!("/containerLogs/{pod}/c?follow=true"))
+            .header("host", "edge-1")
+            .body(empty())?;
+        self.send(None, req).await
+    }
+
     /// GET `path` with `Host: host` (and the given SNI and extra headers); body read whole.
     pub async fn get(
         &self,
