@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# Benchmarks against real peers (direct, ssh -R, Tether) on emulated links:
-# clean; 50 ms RTT + 1 % loss; 200 ms RTT + 3 % loss + 10 Mbit/s. Release build.
-# Prints markdown tables with Tether's ratio to each peer and writes them to
-# target/bench/results.md. Needs root (network namespaces).
+# Benchmarks of Tether against real peers on emulated links (tests/bench, `tether-bench`):
+# direct, ssh -R (OpenSSH), rathole and Tether, each across the same link — clean;
+# 50 ms RTT + 1 % loss; 200 ms RTT + 3 % loss + 10 Mbit/s — plus outage, address change,
+# scale and edge footprint. Installs the peers, builds release binaries, writes
+# target/bench/results.md and prints it. Needs root (network namespaces).
+#
+#   scripts/bench.sh            the full run (about 15 minutes on 2 cores)
+#   scripts/bench.sh --quick    clean link, small sizes, 5 s outage, 100 sessions, no idle-edge scale (< 3 min)
+#   scripts/bench.sh --only outage   (any tether-bench arguments pass through; --help lists them)
+#   scripts/bench.sh --only edges --scale 10000   one scale figure
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-cargo build --release --workspace --bins
-TETHER_BENCH=full cargo test --release -p tether-tests --test bench
-echo "written: target/bench/results.md"
+root=$PWD
+
+scripts/install-peers.sh
+export RATHOLE="$root/target/bench-tools/bin/rathole"
+
+cargo build --release -p tether-cloud -p tether-edge -p linkemu -p tether-bench
+"${CARGO_TARGET_DIR:-$root/target}/release/tether-bench" --out "$root/target/bench" "$@"

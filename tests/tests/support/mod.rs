@@ -122,31 +122,6 @@ async fn serve(
             r#"{{"kind":"PodList","items":[{}]}}"#,
             items.join(",")
         )))
-    } else if path.starts_with("/containerLogs/default/bulk/") {
-        // A bulk source for benchmarks: `limitBytes` bytes as fast as the reader takes them.
-        let total: u64 = req
-            .uri()
-            .query()
-            .unwrap_or("")
-            .split('&')
-            .find_map(|kv| kv.strip_prefix("limitBytes="))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1 << 20);
-        let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
-        let stream = futures_util::stream::unfold(0u64, move |sent| {
-            let chunk = chunk.clone();
-            async move {
-                if sent >= total {
-                    return None;
-                }
-                let n = (total - sent).min(chunk.len() as u64) as usize;
-                Some((
-                    Ok::<_, std::io::Error>(Frame::data(chunk.slice(..n))),
-                    sent + n as u64,
-                ))
-            }
-        });
-        Response::new(StreamBody::new(stream).boxed())
     } else if path.starts_with("/containerLogs/") {
         let follow = req.uri().query().unwrap_or("").contains("follow=true");
         let node2 = node.clone();

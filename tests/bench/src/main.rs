@@ -1,0 +1,633 @@
+//! # tether-bench — Tether against real peers on the same emulated links
+//!
+//! Puts the apiserver's side of a kubelet connection (this process, in the link's cloud
+//! namespace) and a kubelet stand-in (in its edge namespace) on either side of a
+//! [`linkemu`] link, and measures each way across it (see [`bed`]):
+//! **direct** (TLS straight to the kubelet: the limit), **ssh -R** (OpenSSH reverse
+//! tunnel, every session over one TCP connection), **rathole** (a TCP connection per
+//! session) and **tether** (`tether-cloud` + `tether-edge`, a QUIC stream per session).
+//!
+//! Scenarios, each printed as a markdown table with Tether's ratio to every peer:
+//! 1. interactive echo (1-byte writes) p50/p99/max, idle and under a bulk stream;
+//! 2. bulk throughput, one stream and ten in parallel;
+//! 3. a total outage during an interactive session and a chatty log;
+//! 4. the edge's address changes mid-stream;
+//! 5. scale: many idle edges held by one cloud (see [`scale`]), and many concurrent
+//!    sessions through one edge (see [`concurrent`]);
+//! 6. the edge's footprint (see [`footprint`]).
+//!
+//! `tether-bench` runs everything (release build: `scripts/bench.sh`); `--quick` runs a
+//! short variant (clean link, small sizes, 5 s outage, no scale) for CI. Results go to
+//! `target/bench/results.md` (`results-quick.md`) and stdout. It measures and prints;
+//! it exits non-zero only when the harness itself breaks (a bed that cannot start, a
+//! measurement that errors where it must not).
+
+mod bed;
+mod concurrent;
+mod footprint;
+mod kubelet;
+mod measure;
+mod scale;
+mod table;
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use linkemu::Impairment;
+
+use bed::{Bed, BedOptions, Dial, Peer};
+use measure::{pct, Load, StreamFate, Watch};
+use table::{Cell, Table};
+
+/// Sizes of one link's runs.
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    echo_rounds: usize,
+    bulk_bytes: u64,
+    parallel_bytes: u64,
+    /// Each download of the "under bulk" load.
+    load_bytes: u64,
+    /// Bound of one bulk download.
+    bulk_limit: Duration,
+}
+
+/// What a run does.
+#[derive(Clone, Debug)]
+struct Plan {
+    quick: bool,
+    links: Vec<(&'static str, Impairment, Sizes)>,
+    outage: Duration,
+    /// How long to watch after the link event.
+    observe: Duration,
+    idle_window: Duration,
+    scale_edges: Vec<usize>,
+    /// Exec sessions held open at once through one edge.
+    sessions: usize,
+}
+
+impl Plan {
+    fn new(quick: bool) -> Plan {
+        let clean = Impairment::clean();
+        let lossy = Impairment::clean()
+            .with_delay(Duration::from_millis(25))
+            .with_loss(1.0);
+        let bad = Impairment::clean()
+            .with_delay(Duration::from_millis(100))
+            .with_loss(3.0)
+            .with_rate(10_000_000 / 8);
+        if quick {
+            let s = Sizes {
+                echo_rounds: 40,
+                bulk_bytes: 4 << 20,
+                parallel_bytes: 512 << 10,
+                load_bytes: 4 << 20,
+                bulk_limit: Duration::from_secs(30),
+            };
+            return Plan {
+                quick,
+                links: vec![("clean", clean, s)],
+                outage: Duration::from_secs(5),
+                observe: Duration::from_secs(8),
+                idle_window: Duration::from_secs(5),
+                scale_edges: Vec::new(),
+                sessions: 100,
+            };
+        }
+        Plan {
+            quick,
+            links: vec![
+                (
+                    "clean",
+                    clean,
+                    Sizes {
+                        echo_rounds: 300,
+                        bulk_bytes: 64 << 20,
+                        parallel_bytes: 8 << 20,
+                        load_bytes: 8 << 20,
+                        bulk_limit: Duration::from_secs(60),
+                    },
+                ),
+                (
+                    "50 ms RTT, 1 % loss",
+                    lossy,
+                    Sizes {
+                        echo_rounds: 100,
+                        bulk_bytes: 16 << 20,
+                        parallel_bytes: 2 << 20,
+                        load_bytes: 8 << 20,
+                        bulk_limit: Duration::from_secs(120),
+                    },
+                ),
+                (
+                    "200 ms RTT, 3 % loss, 10 Mbit/s",
+                    bad,
+                    Sizes {
+                        echo_rounds: 40,
+                        bulk_bytes: 2 << 20,
+                        parallel_bytes: 256 << 10,
+                        load_bytes: 2 << 20,
+                        bulk_limit: Duration::from_secs(120),
+                    },
+                ),
+            ],
+            outage: Duration::from_secs(60),
+            observe: Duration::from_secs(45),
+            idle_window: Duration::from_secs(60),
+            scale_edges: vec![1000, 10_000],
+            sessions: 1000,
+        }
+    }
+}
+
+/// The report being written, and what went wrong on the way.
+struct Report {
+    out: String,
+    /// Harness failures (exit status).
+    errors: Vec<String>,
+    /// Peers not available, printed under the tables.
+    notes: Vec<String>,
+    /// A peer that is not available is a harness failure (CI: every peer runs).
+    require_peers: bool,
+}
+
+impl Report {
+    fn push(&mut self, s: &str) {
+        self.out.push_str(s);
+        print!("{s}");
+    }
+
+    fn error(&mut self, what: String) -> Cell {
+        eprintln!("tether-bench: {what}");
+        self.errors.push(what);
+        Cell::text("error")
+    }
+}
+
+pub(crate) fn unavailable(r: &mut Report, p: &Peer) -> Option<Dial> {
+    match &p.dial {
+        Ok(d) => Some(d.clone()),
+        Err(why) if r.require_peers => {
+            r.error(format!(
+                "{} is required (--require-peers) but not available: {why}",
+                p.name
+            ));
+            None
+        }
+        Err(why) => {
+            let note = format!("{} not measured: {why}", p.name);
+            if !r.notes.contains(&note) {
+                eprintln!("tether-bench: {note}");
+                r.notes.push(note);
+            }
+            None
+        }
+    }
+}
+
+/// Scenarios 1 and 2 on one link.
+async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Result<()> {
+    let bed = Bed::start(imp, BedOptions::default())
+        .await
+        .with_context(|| format!("starting the bed on link {name}"))?;
+    r.push(&format!(
+        "\n### Link: {name}\n\nInteractive: {} one-byte writes echoed through an upgraded exec stream, 10 ms apart (ms); under bulk: while {} MiB downloads loop through the same tunnel.\n\n",
+        s.echo_rounds,
+        s.load_bytes >> 20
+    ));
+    let mut t = Table::new(
+        &[
+            "peer",
+            "echo p50 ms",
+            "p99 ms",
+            "max ms",
+            "under bulk p50",
+            "p99",
+            "max",
+        ],
+        1,
+    );
+    let limit = Duration::from_secs(30);
+    for p in &bed.peers {
+        let Some(dial) = unavailable(r, p) else {
+            t.row(p.name, vec![Cell::text("n/a"); 6]);
+            continue;
+        };
+        let gap = Duration::from_millis(10);
+        let mut cells = Vec::new();
+        match measure::interactive(&dial, s.echo_rounds, gap, limit).await {
+            Ok(v) => cells.extend([0.5, 0.99, 1.0].map(|q| Cell::Num(pct(&v, q)))),
+            Err(e) => cells.extend(vec![
+                r.error(format!(
+                    "{name}: {} interactive: {e:#}",
+                    p.name
+                ));
+                3
+            ]),
+        }
+        let load = Load::start(dial.clone(), s.load_bytes);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        match measure::interactive(&dial, s.echo_rounds, gap, limit).await {
+            Ok(v) => cells.extend([0.5, 0.99, 1.0].map(|q| Cell::Num(pct(&v, q)))),
+            Err(e) => cells.extend(vec![
+                r.error(format!(
+                    "{name}: {} interactive under bulk: {e:#}",
+                    p.name
+                ));
+                3
+            ]),
+        }
+        drop(load);
+        t.row(p.name, cells);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    r.push(&t.render());
+
+    let mut t = Table::new(
+        &[
+            "peer",
+            &format!("1 stream MB/s ({} MiB)", s.bulk_bytes >> 20),
+            &format!("10 streams MB/s (sum, {} KiB each)", s.parallel_bytes >> 10),
+        ],
+        1,
+    );
+    for p in &bed.peers {
+        let Some(dial) = unavailable(r, p) else {
+            t.row(p.name, vec![Cell::text("n/a"); 2]);
+            continue;
+        };
+        let one = match measure::bulk(&dial, s.bulk_bytes, s.bulk_limit).await {
+            Ok(v) => Cell::Num(v),
+            Err(e) => r.error(format!("{name}: {} bulk: {e:#}", p.name)),
+        };
+        let ten = match measure::parallel(&dial, 10, s.parallel_bytes, s.bulk_limit).await {
+            Ok(v) => Cell::Num(v),
+            Err(e) => r.error(format!("{name}: {} 10 streams: {e:#}", p.name)),
+        };
+        t.row(p.name, vec![one, ten]);
+    }
+    r.push("\n");
+    r.push(&t.render());
+
+    // Time to open a stream: a new connection (TCP + TLS handshake; to the cloud for
+    // Tether, through the tunnel to the kubelet for the others), a GET, its whole
+    // (small) response.
+    let mut t = Table::new(&["peer", "open + request → response p50 ms", "p99 ms"], 1);
+    for p in &bed.peers {
+        let Some(dial) = unavailable(r, p) else {
+            t.row(p.name, vec![Cell::text("n/a"); 2]);
+            continue;
+        };
+        let mut v = Vec::new();
+        let mut failed = None;
+        for _ in 0..s.echo_rounds.min(50) {
+            let t0 = Instant::now();
+            match tokio::time::timeout(limit, measure::get(&dial, "/healthz")).await {
+                Ok(Ok(200)) => v.push(t0.elapsed().as_secs_f64() * 1e3),
+                Ok(Ok(st)) => failed = Some(format!("status {st}")),
+                Ok(Err(e)) => failed = Some(format!("{e:#}")),
+                Err(_) => failed = Some(format!("no response within {limit:?}")),
+            }
+            if failed.is_some() {
+                break;
+            }
+        }
+        match failed {
+            None => t.row(
+                p.name,
+                vec![Cell::Num(pct(&v, 0.5)), Cell::Num(pct(&v, 0.99))],
+            ),
+            Some(e) => {
+                let c = r.error(format!("{name}: {} open stream: {e}", p.name));
+                t.row(p.name, vec![c.clone(), c]);
+            }
+        }
+    }
+    r.push("\n");
+    r.push(&t.render());
+    Ok(())
+}
+
+fn secs(d: Option<Duration>) -> Cell {
+    match d {
+        Some(d) => Cell::Num(d.as_secs_f64()),
+        None => Cell::text("never"),
+    }
+}
+
+/// "yes", or why not.
+fn survived(f: &StreamFate, after: Instant) -> (bool, String) {
+    if let Some(at) = f.corrupt_at {
+        return (false, format!("corrupt at byte {at}"));
+    }
+    if let Some(why) = &f.died {
+        return (false, format!("no ({why})"));
+    }
+    if f.first_after(after).is_none() {
+        return (false, "no (stalled)".into());
+    }
+    (true, "yes".into())
+}
+
+/// What a link event does to sessions: scenario 3 (outage) or 4 (address change).
+/// Every peer's session runs at once, through the one event.
+async fn event_run(r: &mut Report, plan: &Plan, outage: bool) -> Result<()> {
+    let bed = Bed::start(Impairment::clean(), BedOptions::default())
+        .await
+        .context("starting the bed")?;
+    let mut watches = Vec::new();
+    for p in &bed.peers {
+        let Some(dial) = unavailable(r, p) else {
+            continue;
+        };
+        // A keystroke every 100 ms; a chatty log at 128 KiB/s.
+        match Watch::start(
+            &dial,
+            &p.name.replace(' ', "_"),
+            Duration::from_millis(100),
+            128 << 10,
+        )
+        .await
+        {
+            Ok(w) => watches.push((p.name, w)),
+            Err(e) => {
+                r.error(format!("{}: opening sessions: {e:#}", p.name));
+            }
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let t0 = Instant::now();
+    let restored;
+    if outage {
+        bed.link.outage(true)?;
+        tokio::time::sleep(plan.outage).await;
+        bed.link.outage(false)?;
+        restored = Instant::now();
+    } else {
+        let new = tokio::task::block_in_place(|| bed.link.change_edge_address())?;
+        eprintln!("tether-bench: edge address now {new}");
+        restored = Instant::now();
+    }
+    tokio::time::sleep(plan.observe).await;
+    let end = Instant::now();
+    let mut fates = Vec::new();
+    for (name, w) in watches {
+        fates.push((name, w.finish(Duration::from_secs(2), &bed.kubelet).await));
+    }
+    let mut t = if outage {
+        r.push(&format!(
+            "\n### Outage: {} s total outage (clean link), watched {} s after restore\n\n\
+             An exec session typing a byte every 100 ms and a `logs -f` at 128 KiB/s through each peer at once. \
+             Lost = typed but never echoed / handed out by the kubelet but never received (only when the stream died); \
+             first byte = from link restore to the first byte received.\n\n",
+            plan.outage.as_secs(),
+            plan.observe.as_secs()
+        ));
+        Table::new(
+            &[
+                "peer",
+                "exec survived",
+                "keystrokes lost",
+                "restore → first echo s",
+                "logs survived",
+                "log bytes lost",
+                "restore → first log byte s",
+            ],
+            1,
+        )
+    } else {
+        r.push(&format!(
+            "\n### Address change of the edge mid-stream (clean link), watched {} s\n\n\
+             Same sessions as the outage; stall = longest gap between arrivals from the change to the end (or death) (s).\n\n",
+            plan.observe.as_secs()
+        ));
+        Table::new(
+            &[
+                "peer",
+                "exec survived",
+                "exec stall s",
+                "logs survived",
+                "logs stall s",
+            ],
+            1,
+        )
+    };
+    for p in &bed.peers {
+        let Some((_, (typed, log))) = fates.iter().find(|f| f.0 == p.name) else {
+            t.row(p.name, vec![Cell::text("n/a"); if outage { 6 } else { 4 }]);
+            continue;
+        };
+        let (ok_t, why_t) = survived(typed, restored);
+        let (ok_l, why_l) = survived(log, restored);
+        if outage {
+            let lost_t = typed.sent.saturating_sub(typed.received);
+            let lost_l = if ok_l {
+                0
+            } else {
+                log.sent.saturating_sub(log.received)
+            };
+            t.row(
+                p.name,
+                vec![
+                    Cell::text(why_t),
+                    Cell::Int(lost_t),
+                    secs(typed.first_after(restored)),
+                    Cell::text(why_l),
+                    Cell::Int(lost_l),
+                    secs(log.first_after(restored)),
+                ],
+            );
+        } else {
+            let stall = |f: &StreamFate, ok: bool| {
+                if ok {
+                    Cell::Num(f.longest_gap(t0, end).as_secs_f64())
+                } else {
+                    Cell::text("—")
+                }
+            };
+            t.row(
+                p.name,
+                vec![
+                    Cell::text(why_t),
+                    stall(typed, ok_t),
+                    Cell::text(why_l),
+                    stall(log, ok_l),
+                ],
+            );
+        }
+    }
+    r.push(&t.render());
+    Ok(())
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines().find_map(|l| {
+                l.strip_prefix("model name")
+                    .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+            })
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let date = std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    format!(
+        "nproc {cores}, {cpu}, {date}, {} build",
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }
+    )
+}
+
+struct Args {
+    quick: bool,
+    only: Vec<String>,
+    /// Edge counts of the scale scenario (instead of the plan's).
+    scale: Vec<usize>,
+    /// Concurrent sessions (instead of the plan's).
+    sessions: Option<usize>,
+    require_peers: bool,
+    out: std::path::PathBuf,
+}
+
+fn args() -> Result<Args> {
+    let mut a = Args {
+        quick: false,
+        only: Vec::new(),
+        scale: Vec::new(),
+        sessions: None,
+        require_peers: false,
+        out: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/bench"),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(x) = it.next() {
+        match x.as_str() {
+            "--quick" => a.quick = true,
+            "--only" => a.only.push(it.next().context("--only needs a scenario")?),
+            "--scale" => a.scale.push(
+                it.next()
+                    .context("--scale needs a number of edges")?
+                    .parse()?,
+            ),
+            "--sessions" => {
+                a.sessions = Some(
+                    it.next()
+                        .context("--sessions needs a number of sessions")?
+                        .parse()?,
+                )
+            }
+            "--require-peers" => a.require_peers = true,
+            "--out" => a.out = it.next().context("--out needs a directory")?.into(),
+            "-h" | "--help" => {
+                println!(
+                    "tether-bench [--quick] [--only interactive|outage|migration|footprint|scale|sessions|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]"
+                );
+                std::process::exit(0);
+            }
+            other => anyhow::bail!("unknown argument {other:?} (try --help)"),
+        }
+    }
+    Ok(a)
+}
+
+async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
+    let want = |what: &str| a.only.is_empty() || a.only.iter().any(|o| what.contains(o.as_str()));
+    for (name, imp, s) in &plan.links {
+        if want(&format!("interactive bulk {name}")) {
+            link_runs(r, name, *imp, *s).await?;
+        }
+    }
+    if want("outage") {
+        event_run(r, plan, true).await.context("outage scenario")?;
+    }
+    if want("migration address") {
+        event_run(r, plan, false)
+            .await
+            .context("address change scenario")?;
+    }
+    if want("footprint") {
+        footprint::run(r, plan.idle_window)
+            .await
+            .context("footprint")?;
+    }
+    if want("scale sessions concurrent") {
+        concurrent::run(r, plan.sessions)
+            .await
+            .with_context(|| format!("{} concurrent sessions", plan.sessions))?;
+    }
+    if want("scale edges") {
+        for n in &plan.scale_edges {
+            scale::run(r, *n, plan.idle_window.min(Duration::from_secs(30)))
+                .await
+                .with_context(|| format!("scale {n}"))?;
+        }
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let a = args()?;
+    let mut plan = Plan::new(a.quick);
+    if !a.scale.is_empty() {
+        plan.scale_edges = a.scale.clone();
+    }
+    if let Some(n) = a.sessions {
+        plan.sessions = n;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut r = Report {
+        out: String::new(),
+        errors: Vec::new(),
+        notes: Vec::new(),
+        require_peers: a.require_peers,
+    };
+    r.push(&format!(
+        "## Tether benchmarks ({})\n\nMachine: {}. Peers on the same emulated link (userspace TUN router between two network namespaces): \
+         direct = TLS straight to the kubelet stand-in; ssh -R = OpenSSH reverse tunnel (one TCP connection); \
+         rathole = TCP transport (a connection per session); tether = tether-cloud + tether-edge (QUIC, a stream per session). \
+         The kubelet stand-in is HTTPS with client certificates required, like a kubelet: through ssh -R and rathole the client's TLS runs end to end; \
+         Tether's cloud terminates it and its edge opens TLS to the kubelet. \
+         Ratio rows: Tether's figure ÷ the peer's (latency: lower is better; throughput: higher is better).\n",
+        if plan.quick { "quick" } else { "full" },
+        machine()
+    ));
+    let started = Instant::now();
+    let result = rt.block_on(run(&plan, &a, &mut r));
+    if !r.notes.is_empty() {
+        let notes: Vec<String> = r.notes.iter().map(|n| format!("- {n}\n")).collect();
+        r.push(&format!("\nNot measured:\n{}", notes.concat()));
+    }
+    r.push(&format!(
+        "\n_Run took {:.0} s._\n",
+        started.elapsed().as_secs_f64()
+    ));
+    std::fs::create_dir_all(&a.out)?;
+    let file = a.out.join(if plan.quick {
+        "results-quick.md"
+    } else {
+        "results.md"
+    });
+    std::fs::write(&file, &r.out).with_context(|| format!("writing {}", file.display()))?;
+    eprintln!("tether-bench: written {}", file.display());
+    rt.shutdown_timeout(Duration::from_secs(5));
+    result?;
+    if !r.errors.is_empty() {
+        anyhow::bail!(
+            "{} measurement(s) failed:\n{}",
+            r.errors.len(),
+            r.errors.join("\n")
+        );
+    }
+    Ok(())
+}
