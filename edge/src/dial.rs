@@ -352,19 +352,43 @@ fn bind_client_socket(udp_buffer: usize) -> std::io::Result<std::net::UdpSocket>
     )
 }
 
-/// Watches the host's addresses (a cheap check every second); when they
-/// change, moves the QUIC endpoint to a fresh socket so the connection
-/// migrates to the new path at once (quinn sends a PING from the new address
-/// and the cloud follows), instead of waiting for the old path to time out.
+/// Watches the host's addresses (woken by the kernel's address events; a
+/// check every second where those are unavailable); when they change, moves
+/// the QUIC endpoint to a fresh socket so the connection migrates to the new
+/// path at once (quinn sends a PING from the new address and the cloud
+/// follows), instead of waiting for the old path to time out.
 async fn watch_addresses(
     endpoint: &quinn::Endpoint,
     udp_buffer: usize,
     node: &str,
     metrics: &EdgeMetrics,
 ) {
+    let mut events = match crate::addrs::AddressEvents::subscribe() {
+        Ok(e) => Some(e),
+        Err(e) => {
+            warn!(node, error = %e, "no address events from the kernel; checking the addresses every second");
+            None
+        }
+    };
     let mut known = crate::addrs::host_addresses();
     loop {
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        match &mut events {
+            Some(ev) => {
+                if let Err(e) = ev.changed().await {
+                    warn!(node, error = %e, "address events failed; checking the addresses every second");
+                    events = None;
+                    continue;
+                }
+                // One change comes as several events (link, address, route):
+                // let them settle, then look once.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                if let Err(e) = ev.drain() {
+                    warn!(node, error = %e, "address events failed; checking the addresses every second");
+                    events = None;
+                }
+            }
+            None => tokio::time::sleep(Duration::from_secs(1)).await,
+        }
         let now = crate::addrs::host_addresses();
         if now == known {
             continue;
