@@ -159,7 +159,9 @@ impl CloudArgs {
     /// Checks the flags and builds the configuration.
     pub fn into_config(self) -> Result<CloudConfig, String> {
         let limits = self.limits.limits()?;
-        let quic = self.quic.settings(&limits)?;
+        let quic = self
+            .quic
+            .settings(&limits, tether_proto::cli::Role::Cloud)?;
         if self.max_http_header_bytes < 8192 {
             return Err("--max-http-header-bytes must be at least 8KiB".into());
         }

@@ -176,7 +176,7 @@ impl EdgeArgs {
     /// Checks the flags and builds the configuration.
     pub fn into_config(self) -> Result<EdgeConfig, String> {
         let limits = self.limits.limits()?;
-        let quic = self.quic.settings(&limits)?;
+        let quic = self.quic.settings(&limits, tether_proto::cli::Role::Edge)?;
         let url: http::Uri = self
             .kubelet_url
             .parse()

@@ -71,15 +71,34 @@ pub struct QuicArgs {
     pub congestion: String,
 }
 
+/// Which end of the tunnel a QUIC configuration is for: it decides how many
+/// streams the peer may open (the cloud opens the logical streams; the edge
+/// opens only its control stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Cloud,
+    Edge,
+}
+
+/// Bidirectional streams an edge may open to the cloud at once: the control
+/// stream, with one to spare. quinn keeps an entry per allowed stream for
+/// every connection, so the cloud allowing 1,024 here would cost each idle
+/// edge tens of KiB for nothing.
+pub const EDGE_OPENED_STREAMS: u32 = 2;
+
 impl QuicArgs {
-    /// The QUIC settings, with stream limits taken from `limits`.
-    pub fn settings(&self, limits: &Limits) -> Result<QuicSettings, String> {
+    /// The QUIC settings of `role`, with stream limits taken from `limits`.
+    pub fn settings(&self, limits: &Limits, role: Role) -> Result<QuicSettings, String> {
         let s = QuicSettings {
             keep_alive: self.keep_alive,
             idle_timeout: self.idle_timeout,
             initial_rtt: self.initial_rtt,
-            // One control stream plus the logical streams.
-            max_bidi_streams: limits.max_streams_per_edge.saturating_add(1),
+            max_bidi_streams: match role {
+                Role::Cloud => EDGE_OPENED_STREAMS,
+                // The cloud's logical streams (their QUIC streams; a re-attach
+                // opens a new one after the old connection is gone).
+                Role::Edge => limits.max_streams_per_edge,
+            },
             udp_buffer: usize::try_from(self.udp_buffer)
                 .map_err(|_| "udp-buffer too large".to_string())?,
             congestion: match self.congestion.as_str() {
