@@ -244,6 +244,9 @@ impl Session {
     async fn run_stream(self: Arc<Self>, id: StreamId, shared: Arc<SharedStream>) {
         let mut rx = self.link.subscribe();
         let mut last_gen = 0u64;
+        // The first transport of a new stream needs no round trip: the request
+        // head follows our Attach at once (see `PeerAttach::Fresh`).
+        let mut peer = PeerAttach::Fresh;
         let max_frame = self.limits.max_frame_bytes as usize;
         loop {
             // Wait for a connection newer than the one that failed us.
@@ -271,7 +274,8 @@ impl Session {
                     continue;
                 }
             };
-            match drive(shared.clone(), recv, send, PeerAttach::Read, max_frame).await {
+            let attach = std::mem::replace(&mut peer, PeerAttach::Read);
+            match drive(shared.clone(), recv, send, attach, max_frame).await {
                 Ok(()) => break,
                 Err(e) => {
                     if shared.is_done() {

@@ -374,8 +374,12 @@ impl Drop for ResumableIo {
 pub enum PeerAttach {
     /// Already read by the caller (the acceptor read it to learn the stream id).
     Known { delivered: u64, fin_received: bool },
-    /// Read it as the first frame.
+    /// Read it as the first frame before transmitting (a re-attach: where to
+    /// resume from is the peer's to say).
     Read,
+    /// A new stream's first transport: transmit at once; the peer's `Attach`
+    /// (offset 0) is checked when it arrives. Saves a round trip per stream open.
+    Fresh,
 }
 
 /// Attaches the stream to a transport and moves frames until the stream is
@@ -426,6 +430,13 @@ where
             delivered,
             fin_received,
         } => (delivered, fin_received),
+        PeerAttach::Fresh => {
+            if let Err(e) = shared.with_state(|s| s.attach_fresh()) {
+                shared.reset(ResetCode::ProtocolError, e.to_string());
+                return Err(e.into());
+            }
+            return attached_loops(shared, recv, send, &mut reader, max_frame).await;
+        }
         PeerAttach::Read => match reader.next(recv).await? {
             Some(Frame::Attach {
                 delivered,
@@ -461,7 +472,23 @@ where
         let _ = transmit_loop(shared, send, max_frame).await;
         return Err(e.into());
     }
-    let rx = receive_loop(shared, recv, &mut reader);
+    attached_loops(shared, recv, send, &mut reader, max_frame).await
+}
+
+/// Moves frames both ways on an attached transport until the stream is done
+/// or the transport fails.
+async fn attached_loops<R, W>(
+    shared: &Arc<SharedStream>,
+    recv: &mut R,
+    send: &mut W,
+    reader: &mut FrameReader,
+    max_frame: usize,
+) -> Result<(), TransportError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let rx = receive_loop(shared, recv, reader);
     let tx = transmit_loop(shared, send, max_frame);
     tokio::pin!(rx, tx);
     tokio::select! {
@@ -594,6 +621,16 @@ mod tests {
 
     #[tokio::test]
     async fn bytes_exactly_once_across_reattach() {
+        exactly_once_across_reattach(PeerAttach::Read).await;
+    }
+
+    /// The cloud's way: the first transport does not wait for the peer's attach.
+    #[tokio::test]
+    async fn bytes_exactly_once_across_reattach_after_a_fresh_start() {
+        exactly_once_across_reattach(PeerAttach::Fresh).await;
+    }
+
+    async fn exactly_once_across_reattach(first: PeerAttach) {
         let (a, b) = pair();
         let data = pattern(2 * 1024 * 1024);
         let ia = ResumableIo::new(a.clone());
@@ -619,7 +656,8 @@ mod tests {
             let (x, y) = duplex(8 * 1024);
             let (xr, xw) = split(x);
             let (yr, yw) = split(y);
-            let da = tokio::spawn(drive(a.clone(), xr, xw, PeerAttach::Read, 1 << 20));
+            let attach = if round == 0 { first } else { PeerAttach::Read };
+            let da = tokio::spawn(drive(a.clone(), xr, xw, attach, 1 << 20));
             let db = tokio::spawn(drive(b.clone(), yr, yw, PeerAttach::Read, 1 << 20));
             if round < 2 {
                 tokio::time::sleep(Duration::from_millis(20)).await;

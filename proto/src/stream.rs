@@ -74,6 +74,12 @@ pub enum StreamError {
     WrongStream { expected: StreamId, got: StreamId },
     #[error("unexpected {0} frame on a logical stream")]
     Unexpected(&'static str),
+    #[error("peer attached a new stream at offset {delivered} (fin {fin_received}); a new stream starts at 0")]
+    FreshAttachMismatch { delivered: u64, fin_received: bool },
+    #[error("the stream was attached before; it cannot start as new")]
+    NotFresh,
+    #[error("expected the peer's attach first, got {0}")]
+    AttachExpected(&'static str),
 }
 
 /// What a local read gets.
@@ -126,6 +132,11 @@ pub struct StreamState {
     replayed: u64,
     // Life cycle.
     attached: bool,
+    /// Some transport was ever attached.
+    ever_attached: bool,
+    /// Attached as new ([`attach_fresh`](StreamState::attach_fresh)): the
+    /// peer's `Attach` is still to come as its first frame.
+    awaiting_peer_attach: bool,
     reset: Option<ResetState>,
 }
 
@@ -151,6 +162,8 @@ impl StreamState {
             discard_incoming: false,
             replayed: 0,
             attached: false,
+            ever_attached: false,
+            awaiting_peer_attach: false,
             reset: None,
         }
     }
@@ -294,7 +307,8 @@ impl StreamState {
         Ok(())
     }
 
-    /// Handles a stream frame from the peer (anything but `Attach`).
+    /// Handles a stream frame from the peer (anything but `Attach`, except the
+    /// peer's first `Attach` after [`attach_fresh`](StreamState::attach_fresh)).
     pub fn on_frame(&mut self, frame: Frame) -> Result<(), StreamError> {
         if let Some(id) = frame.stream_id() {
             if id != self.id {
@@ -303,6 +317,26 @@ impl StreamState {
                     got: id,
                 });
             }
+        }
+        if self.awaiting_peer_attach {
+            let Frame::Attach {
+                delivered,
+                fin_received,
+                ..
+            } = frame
+            else {
+                return Err(StreamError::AttachExpected(frame.kind()));
+            };
+            // The peer sends its Attach before anything else on this transport,
+            // so on a new stream it cannot have delivered a byte yet.
+            if delivered != 0 || fin_received {
+                return Err(StreamError::FreshAttachMismatch {
+                    delivered,
+                    fin_received,
+                });
+            }
+            self.awaiting_peer_attach = false;
+            return Ok(());
         }
         match frame {
             Frame::Data {
@@ -383,6 +417,23 @@ impl StreamState {
     /// The transport under this stream is gone; stop transmitting.
     pub fn detach(&mut self) {
         self.attached = false;
+        self.awaiting_peer_attach = false;
+    }
+
+    /// Attaches a stream that has never been attached, without waiting for
+    /// the peer's `Attach`: a new stream's peer has delivered nothing, so
+    /// transmitting can start at once (saving a round trip on every stream
+    /// open). The peer's `Attach` must then be its first frame and say offset 0
+    /// ([`on_frame`](StreamState::on_frame) checks it). Re-attaches after a
+    /// lost transport go through [`attach`](StreamState::attach).
+    pub fn attach_fresh(&mut self) -> Result<(), StreamError> {
+        if self.ever_attached {
+            return Err(StreamError::NotFresh);
+        }
+        self.attached = true;
+        self.ever_attached = true;
+        self.awaiting_peer_attach = true;
+        Ok(())
     }
 
     /// Bytes transmitted again after re-attaches, in total.
@@ -422,6 +473,8 @@ impl StreamState {
             r.sent = !r.local;
         }
         self.attached = true;
+        self.ever_attached = true;
+        self.awaiting_peer_attach = false;
         Ok(())
     }
 
@@ -607,6 +660,114 @@ mod tests {
         b.attach(delivered, fin_received).unwrap();
         pump(&mut a, &mut b);
         assert_eq!(read_all(&mut b), (b"hello world".to_vec(), true));
+    }
+
+    #[test]
+    fn fresh_attach_transmits_before_the_peers_attach() {
+        let mut a = StreamState::new(1, L);
+        let mut b = StreamState::new(1, L);
+        a.write(b"GET /x");
+        a.attach_fresh().unwrap();
+        // a's Attach and data go out together; b (the acceptor) reads a's
+        // Attach, attaches, and answers with its own before anything else.
+        let Frame::Attach {
+            delivered,
+            fin_received,
+            ..
+        } = a.attach_frame()
+        else {
+            unreachable!()
+        };
+        let early: Vec<Frame> = std::iter::from_fn(|| a.poll_transmit()).collect();
+        assert!(!early.is_empty(), "nothing waits for the peer's attach");
+        b.attach(delivered, fin_received).unwrap();
+        a.on_frame(b.attach_frame()).unwrap();
+        for f in early {
+            b.on_frame(f).unwrap();
+        }
+        assert_eq!(read_all(&mut b), (b"GET /x".to_vec(), false));
+        b.write(b"200");
+        pump(&mut b, &mut a);
+        pump(&mut a, &mut b);
+        assert_eq!(read_all(&mut a), (b"200".to_vec(), false));
+        assert_eq!(a.write_room(), 64, "b's ack freed a's replay buffer");
+        assert_eq!(a.replayed(), 0);
+    }
+
+    #[test]
+    fn fresh_attach_checks_the_peers_first_frame() {
+        let fresh = || {
+            let mut s = StreamState::new(1, L);
+            s.attach_fresh().unwrap();
+            s
+        };
+        let attach = |delivered, fin_received| Frame::Attach {
+            stream: 1,
+            delivered,
+            fin_received,
+        };
+        assert_eq!(
+            fresh().on_frame(attach(5, false)),
+            Err(StreamError::FreshAttachMismatch {
+                delivered: 5,
+                fin_received: false
+            })
+        );
+        assert_eq!(
+            fresh().on_frame(attach(0, true)),
+            Err(StreamError::FreshAttachMismatch {
+                delivered: 0,
+                fin_received: true
+            })
+        );
+        let data = Frame::Data {
+            stream: 1,
+            offset: 0,
+            payload: Bytes::from_static(b"x"),
+        };
+        assert_eq!(
+            fresh().on_frame(data.clone()),
+            Err(StreamError::AttachExpected("data"))
+        );
+        // Only the first Attach is expected: a second one is a violation.
+        let mut s = fresh();
+        s.on_frame(attach(0, false)).unwrap();
+        s.on_frame(data).unwrap();
+        assert_eq!(
+            s.on_frame(attach(0, false)),
+            Err(StreamError::Unexpected("attach"))
+        );
+        // A stream that was ever attached cannot start as new again.
+        let mut s = fresh();
+        s.detach();
+        assert_eq!(s.attach_fresh(), Err(StreamError::NotFresh));
+        let (mut a, _) = pair();
+        assert_eq!(a.attach_fresh(), Err(StreamError::NotFresh));
+    }
+
+    #[test]
+    fn fresh_stream_whose_first_transport_dies_resumes_normally() {
+        let mut a = StreamState::new(1, L);
+        let mut b = StreamState::new(1, L);
+        a.attach_fresh().unwrap();
+        a.write(b"lost in flight");
+        // The transport dies before b saw anything; b never heard of the stream.
+        while a.poll_transmit().is_some() {}
+        a.detach();
+        let Frame::Attach {
+            delivered,
+            fin_received,
+            ..
+        } = a.attach_frame()
+        else {
+            unreachable!()
+        };
+        b.attach(delivered, fin_received).unwrap();
+        // The re-attach waits for b's Attach (PeerAttach::Read) and replays.
+        a.attach(0, false).unwrap();
+        pump(&mut a, &mut b);
+        assert_eq!(read_all(&mut b), (b"lost in flight".to_vec(), false));
+        assert_eq!(a.replayed(), 14);
     }
 
     #[test]
@@ -809,7 +970,11 @@ mod tests {
             let mut a = Side::new();
             let mut b = Side::new();
             let (mut ab, mut ba) = (VecDeque::new(), VecDeque::new());
-            reattach(&mut a, &mut b, &mut ab, &mut ba);
+            // The cloud's start: `a` transmits at once (fresh); `b` attaches on
+            // a's Attach and answers with its own as its first frame.
+            a.s.attach_fresh().unwrap();
+            b.s.attach(0, false).unwrap();
+            ba.push_back(b.s.attach_frame());
             for op in ops {
                 match op {
                     Op::Write(side, n) => if side { a.write(n) } else { b.write(n) },
