@@ -582,8 +582,9 @@ async fn report_pods(
 ) -> anyhow::Result<()> {
     let mut last: Option<Vec<tether_proto::handshake::PodRef>> = None;
     let mut failing = false;
+    let mut reader = crate::kubelet::PodReader::new(target);
     loop {
-        match target.pods().await {
+        match reader.pods().await {
             Ok(pods) => {
                 if failing {
                     info!("kubelet /pods readable again");

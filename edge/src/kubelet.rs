@@ -22,6 +22,51 @@ use crate::config::KubeletConfig;
 pub trait KubeletIo: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> KubeletIo for T {}
 
+type PodsSender = hyper::client::conn::http1::SendRequest<Empty<bytes::Bytes>>;
+
+/// Reads the kubelet's `/pods` over one kept-alive connection: a new
+/// connection (a TLS handshake with an HTTPS kubelet) every few seconds would
+/// cost the edge CPU and wake-ups. A connection the kubelet closed meanwhile is
+/// replaced once per read.
+pub struct PodReader {
+    target: Arc<KubeletTarget>,
+    sender: Option<PodsSender>,
+}
+
+impl PodReader {
+    pub fn new(target: Arc<KubeletTarget>) -> PodReader {
+        PodReader {
+            target,
+            sender: None,
+        }
+    }
+
+    /// The kubelet's pods, sorted.
+    pub async fn pods(&mut self) -> anyhow::Result<Vec<PodRef>> {
+        if let Some(mut sender) = self.sender.take().filter(|s| !s.is_closed()) {
+            match self.target.get_pods(&mut sender).await {
+                Ok(pods) => {
+                    self.sender = Some(sender);
+                    return Ok(pods);
+                }
+                Err(e) => tracing::debug!(
+                    error = format!("{e:#}"),
+                    "kept /pods connection failed; reconnecting"
+                ),
+            }
+        }
+        let mut sender = self.target.pods_connection().await?;
+        let pods = self.target.get_pods(&mut sender).await?;
+        self.sender = Some(sender);
+        Ok(pods)
+    }
+
+    /// Whether a kept connection is open (for tests).
+    pub fn is_connected(&self) -> bool {
+        self.sender.as_ref().is_some_and(|s| !s.is_closed())
+    }
+}
+
 /// The configured kubelet endpoint.
 pub struct KubeletTarget {
     /// `host:port` to dial, and the `Host` header to send.
@@ -124,13 +169,23 @@ impl KubeletTarget {
             })?
     }
 
-    /// Reads the kubelet's `/pods`.
-    pub async fn pods(&self) -> anyhow::Result<Vec<PodRef>> {
+    /// A new HTTP/1.1 connection for `/pods` reads.
+    async fn pods_connection(&self) -> anyhow::Result<PodsSender> {
         let io = self.connect().await?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
             .await
             .context("HTTP handshake with the kubelet")?;
         tokio::spawn(conn);
+        Ok(sender)
+    }
+
+    /// `GET /pods` on `sender`, body read to the end (so the connection can
+    /// carry the next one).
+    async fn get_pods(&self, sender: &mut PodsSender) -> anyhow::Result<Vec<PodRef>> {
+        sender
+            .ready()
+            .await
+            .context("kubelet connection for /pods")?;
         let req = http::Request::get("/pods")
             .header(http::header::HOST, &self.authority)
             .header(http::header::ACCEPT, "application/json")
@@ -256,5 +311,82 @@ mod tests {
         assert_eq!(pods[0].namespace, "default");
         assert!(parse_pods(b"not json").is_err());
         assert!(parse_pods(b"{}").unwrap().is_empty());
+    }
+
+    /// A minimal kubelet: answers every request on a connection with a pod
+    /// list; counts connections; closes each after `per_conn` answers.
+    async fn kubelet(per_conn: usize) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let conns = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let c = conns.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut s = BufReader::new(s);
+                    for _ in 0..per_conn {
+                        // Read one request head.
+                        loop {
+                            let mut line = String::new();
+                            if s.read_line(&mut line).await.unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                        }
+                        let body =
+                            r#"{"items":[{"metadata":{"name":"p","namespace":"ns","uid":"u"}}]}"#;
+                        let resp = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                            body.len()
+                        );
+                        if s.get_mut().write_all(resp.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                    // Closing, as a kubelet closes an idle connection.
+                });
+            }
+        });
+        (addr, conns)
+    }
+
+    fn target(addr: &str) -> Arc<KubeletTarget> {
+        Arc::new(
+            KubeletTarget::new(&KubeletConfig {
+                url: format!("http://{addr}").parse().unwrap(),
+                ca: None,
+                insecure_skip_tls_verify: false,
+                client_cert: None,
+                connect_timeout: std::time::Duration::from_secs(5),
+            })
+            .unwrap(),
+        )
+    }
+
+    #[tokio::test]
+    async fn pod_reads_reuse_one_connection_and_survive_its_close() {
+        let (addr, conns) = kubelet(3).await;
+        let mut r = PodReader::new(target(&addr));
+        for _ in 0..3 {
+            let pods = r.pods().await.unwrap();
+            assert_eq!(
+                (pods[0].namespace.as_str(), pods[0].name.as_str()),
+                ("ns", "p")
+            );
+        }
+        assert_eq!(
+            conns.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "three reads, one connection"
+        );
+        // The kubelet closed it after three answers: the next read reconnects.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert_eq!(r.pods().await.unwrap().len(), 1);
+        assert_eq!(conns.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert!(r.is_connected());
     }
 }
