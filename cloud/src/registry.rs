@@ -54,8 +54,13 @@ struct Tables {
     node_pods: HashMap<String, Vec<PodRef>>,
     /// address → nodes announcing it.
     addresses: HashMap<String, BTreeSet<String>>,
+    /// node → the addresses it is indexed under (so a node leaves the index
+    /// without a scan of every address: inserts stay O(1) with 10,000 edges).
+    node_addresses: HashMap<String, Vec<String>>,
     /// (namespace, pod) → node, for nodes whose session ended.
     departed: HashMap<(String, String), String>,
+    /// node → its pods in `departed`.
+    node_departed: HashMap<String, Vec<(String, String)>>,
 }
 
 /// The cloud's table of edge sessions.
@@ -94,7 +99,17 @@ impl Registry {
         self.tables().sessions.get(node).cloned()
     }
 
-    /// All sessions (for status and tests).
+    /// How many sessions there are (cheap: no copy, no sort).
+    pub fn len(&self) -> usize {
+        self.tables().sessions.len()
+    }
+
+    /// Whether there is no session.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// All sessions, sorted by node (for status and tests).
     pub fn sessions(&self) -> Vec<Arc<Session>> {
         let mut v: Vec<_> = self.tables().sessions.values().cloned().collect();
         v.sort_by(|a, b| a.node.cmp(&b.node));
@@ -107,14 +122,12 @@ impl Registry {
         let mut t = self.tables();
         let node = session.node.clone();
         let old = t.sessions.insert(node.clone(), session.clone());
-        Self::unindex_addresses(&mut t, &node);
-        for a in session.addresses() {
-            t.addresses
-                .entry(host_only(&a))
-                .or_default()
-                .insert(node.clone());
+        Self::index_addresses(&mut t, &node, session.addresses());
+        for key in t.node_departed.remove(&node).unwrap_or_default() {
+            if t.departed.get(&key) == Some(&node) {
+                t.departed.remove(&key);
+            }
         }
-        t.departed.retain(|_, n| *n != node);
         old
     }
 
@@ -130,20 +143,33 @@ impl Registry {
         if !current {
             return;
         }
-        Self::unindex_addresses(&mut t, &session.node);
-        for a in addresses {
+        Self::index_addresses(&mut t, &session.node, addresses);
+    }
+
+    /// Indexes `node` under `addresses` (replacing its previous ones).
+    fn index_addresses(t: &mut Tables, node: &str, addresses: Vec<String>) {
+        Self::unindex_addresses(t, node);
+        let keys: Vec<String> = addresses.iter().map(|a| host_only(a)).collect();
+        for k in &keys {
             t.addresses
-                .entry(host_only(&a))
+                .entry(k.clone())
                 .or_default()
-                .insert(session.node.clone());
+                .insert(node.to_string());
+        }
+        if !keys.is_empty() {
+            t.node_addresses.insert(node.to_string(), keys);
         }
     }
 
     fn unindex_addresses(t: &mut Tables, node: &str) {
-        t.addresses.retain(|_, nodes| {
-            nodes.remove(node);
-            !nodes.is_empty()
-        });
+        for k in t.node_addresses.remove(node).unwrap_or_default() {
+            if let Some(nodes) = t.addresses.get_mut(&k) {
+                nodes.remove(node);
+                if nodes.is_empty() {
+                    t.addresses.remove(&k);
+                }
+            }
+        }
     }
 
     fn unindex_pods(t: &mut Tables, node: &str) -> Vec<PodRef> {
@@ -198,7 +224,9 @@ impl Registry {
         t.sessions.remove(&node);
         Self::unindex_addresses(&mut t, &node);
         for p in Self::unindex_pods(&mut t, &node) {
-            t.departed.insert((p.namespace, p.name), node.clone());
+            let key = (p.namespace, p.name);
+            t.departed.insert(key.clone(), node.clone());
+            t.node_departed.entry(node.clone()).or_default().push(key);
         }
         true
     }
@@ -344,6 +372,65 @@ mod tests {
         assert_eq!(host_only("[fd00::1]:10250"), "fd00::1");
         assert_eq!(host_only("fd00::1"), "fd00::1");
         assert_eq!(host_only("edge-1."), "edge-1");
+    }
+
+    #[test]
+    fn address_index_follows_inserts_resumes_and_removals() {
+        let r = Registry::new(Duration::from_secs(1));
+        let a = session("edge-a", &["10.0.0.1", "10.0.0.9"]);
+        let b = session("edge-b", &["10.0.0.1"]);
+        r.insert(a.clone());
+        r.insert(b.clone());
+        assert_eq!(r.len(), 2);
+        assert!(matches!(
+            r.route_node(None, None, Some("10.0.0.1")),
+            Err(RouteError::AmbiguousAddress { .. })
+        ));
+        // a resumes from another address: its old ones no longer route to it.
+        r.set_addresses(&a, vec!["10.0.0.5".into()]);
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.1")).unwrap().node,
+            "edge-b"
+        );
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.5")).unwrap().node,
+            "edge-a"
+        );
+        assert!(matches!(
+            r.route_node(None, None, Some("10.0.0.9")),
+            Err(RouteError::UnknownNode { .. })
+        ));
+        // A new session of b replaces its addresses; removing a empties its index.
+        r.insert(session("edge-b", &["10.0.0.2"]));
+        assert!(matches!(
+            r.route_node(None, None, Some("10.0.0.1")),
+            Err(RouteError::UnknownNode { .. })
+        ));
+        assert!(r.remove(&a));
+        assert_eq!(r.len(), 1);
+        let t = r.tables();
+        assert_eq!(t.addresses.keys().collect::<Vec<_>>(), vec!["10.0.0.2"]);
+        assert!(!t.node_addresses.contains_key("edge-a"));
+    }
+
+    #[test]
+    fn departed_pods_are_forgotten_when_their_node_returns() {
+        let r = Registry::new(Duration::from_secs(1));
+        let a = session("edge-a", &[]);
+        r.insert(a.clone());
+        r.report_pods(&a, vec![pod("default", "p1")]);
+        assert!(r.remove(&a));
+        assert!(matches!(
+            r.route_pod("default", "p1"),
+            Err(RouteError::PodNodeGone { .. })
+        ));
+        r.insert(session("edge-a", &[]));
+        assert!(matches!(
+            r.route_pod("default", "p1"),
+            Err(RouteError::UnknownPod { .. })
+        ));
+        let t = r.tables();
+        assert!(t.departed.is_empty() && t.node_departed.is_empty());
     }
 
     #[test]
