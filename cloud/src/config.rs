@@ -91,6 +91,12 @@ pub struct CloudArgs {
     /// Concurrent edge connections (handshaking or established).
     #[arg(long, env = "TETHER_MAX_EDGES", default_value_t = 20000)]
     pub max_edges: usize,
+    /// Edge QUIC/TLS handshakes in progress at once; the Initial
+    /// packets of further edges are dropped, and their QUIC retransmits them
+    /// later. Keeps a reconnect storm (every edge after a cloud restart) from
+    /// spending the CPU on handshakes the edges abandon after their timeout.
+    #[arg(long, env = "TETHER_MAX_PENDING_HANDSHAKES", default_value_t = 512)]
+    pub max_pending_handshakes: usize,
     /// A TOML file of settings (keys are the long flag names); flags and
     /// environment variables override it.
     #[arg(long, env = "TETHER_CONFIG")]
@@ -134,6 +140,7 @@ pub struct CloudConfig {
     pub max_http_header_bytes: usize,
     pub max_apiserver_connections: usize,
     pub max_edges: usize,
+    pub max_pending_handshakes: usize,
     pub metrics_listen: SocketAddr,
     pub shutdown_grace: Duration,
     /// Join settings, when joins are enabled.
@@ -186,6 +193,7 @@ impl CloudArgs {
             max_http_header_bytes: self.max_http_header_bytes as usize,
             max_apiserver_connections: self.max_apiserver_connections,
             max_edges: self.max_edges,
+            max_pending_handshakes: self.max_pending_handshakes,
             metrics_listen: self.metrics_listen,
             shutdown_grace: self.shutdown_grace,
             join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {

@@ -34,6 +34,8 @@ pub struct CloudMetrics {
     pub resumes: Counter,
     pub migrations: Counter,
     pub refused: Family<ReasonLabel, Counter>,
+    /// Edge connections refused before their handshake, by reason.
+    pub edges_refused: Family<ReasonLabel, Counter>,
     pub stream_open_seconds: Histogram,
     pub edge_rtt_seconds: Histogram,
     pub edge_lost_packets: Counter,
@@ -51,6 +53,7 @@ impl CloudMetrics {
             resumes: Counter::default(),
             migrations: Counter::default(),
             refused: Family::default(),
+            edges_refused: Family::default(),
             stream_open_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             edge_rtt_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             edge_lost_packets: Counter::default(),
@@ -107,6 +110,11 @@ impl CloudMetrics {
             m.refused.clone(),
         );
         r.register(
+            "edges_refused",
+            "Edge connections refused before their handshake, by reason (max_edges, handshake_backlog)",
+            m.edges_refused.clone(),
+        );
+        r.register(
             "stream_open_seconds",
             "Time from the apiserver's request to the kubelet's response head",
             m.stream_open_seconds.clone(),
@@ -137,6 +145,13 @@ impl CloudMetrics {
 
     pub fn refuse(&self, reason: &'static str) {
         self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    /// Counts an edge connection refused before its handshake.
+    pub fn refuse_edge(&self, reason: &'static str) {
+        self.edges_refused
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
     }
 }
 

@@ -195,10 +195,13 @@ impl Session {
     pub fn end(&self, code: ResetCode, reason: &str) {
         let old = self.link.send_replace(Link::Ended(reason.to_string()));
         if let Link::Connected { conn, .. } = old {
-            conn.close(
-                tether_proto::handshake::close_code::REPLACED.into(),
-                reason.as_bytes(),
-            );
+            // The edge tells a shutdown (spread the reconnect) from a replaced
+            // or expired session by the code.
+            let close = match code {
+                ResetCode::Shutdown => tether_proto::handshake::close_code::SHUTDOWN,
+                _ => tether_proto::handshake::close_code::REPLACED,
+            };
+            conn.close(close.into(), reason.as_bytes());
         }
         let streams: Vec<_> = self.streams().drain().map(|(_, s)| s).collect();
         if !streams.is_empty() {

@@ -54,6 +54,7 @@ pub async fn serve(
     metrics: CloudMetrics,
 ) -> anyhow::Result<()> {
     let slots = Arc::new(Semaphore::new(cfg.max_edges));
+    let handshakes = Arc::new(Semaphore::new(cfg.max_pending_handshakes));
     let join = match &cfg.join {
         Some(j) => {
             let store = tether_certs::JoinStore::open(&j.store)
@@ -75,7 +76,18 @@ pub async fn serve(
     while let Some(incoming) = endpoint.accept().await {
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             warn!(remote = %incoming.remote_address(), limit = cfg.max_edges, "refusing edge connection: --max-edges reached");
+            metrics.refuse_edge("max_edges");
             incoming.refuse();
+            continue;
+        };
+        // Dropping the Initial costs nothing; the edge's QUIC retransmits it
+        // after its probe timeout (which doubles), so the edges back off by
+        // themselves until the backlog has drained. (Refusing instead makes
+        // every edge start a new connection at once: a retry storm.)
+        let Ok(pending) = handshakes.clone().try_acquire_owned() else {
+            debug!(remote = %incoming.remote_address(), limit = cfg.max_pending_handshakes, "dropping an edge's Initial: too many handshakes in progress");
+            metrics.refuse_edge("handshake_backlog");
+            incoming.ignore();
             continue;
         };
         let cfg = cfg.clone();
@@ -85,7 +97,7 @@ pub async fn serve(
         let remote = incoming.remote_address();
         tokio::spawn(
             async move {
-                if let Err(e) = handle(incoming, &cfg, &registry, &metrics, join).await {
+                if let Err(e) = handle(incoming, pending, &cfg, &registry, &metrics, join).await {
                     warn!(error = format!("{e:#}"), "edge connection failed");
                 }
                 drop(permit);
@@ -145,8 +157,11 @@ fn alpn_of(conn: &quinn::Connection) -> Option<Vec<u8>> {
         .protocol
 }
 
+/// One edge connection. `pending` counts it among the handshakes in progress
+/// until its QUIC/TLS handshake is done.
 async fn handle(
     incoming: quinn::Incoming,
+    pending: tokio::sync::OwnedSemaphorePermit,
     cfg: &CloudConfig,
     registry: &Arc<Registry>,
     metrics: &CloudMetrics,
@@ -157,6 +172,8 @@ async fn handle(
         .await
         .map_err(|_| anyhow::anyhow!("no QUIC handshake within --handshake-timeout"))?
         .context("QUIC/TLS handshake")?;
+    // The expensive part (TLS) is done: the next edge may start.
+    drop(pending);
     if alpn_of(&conn).as_deref() == Some(tether_certs::ALPN_JOIN) {
         let Some(j) = join else {
             conn.close(close_code::REFUSED.into(), b"joins are not enabled");
@@ -248,7 +265,7 @@ async fn handle(
     if resumed {
         metrics.resumes.inc();
     }
-    metrics.sessions.set(registry.sessions().len() as i64);
+    metrics.sessions.set(registry.len() as i64);
     let control = control_loop(
         registry.clone(),
         session.clone(),
@@ -284,7 +301,7 @@ async fn handle(
         info!(node = %node, session = %session.id, "edge shut down; ending its session");
         registry.remove(&session);
         session.end(ResetCode::Shutdown, &format!("edge {node} shut down"));
-        metrics.sessions.set(registry.sessions().len() as i64);
+        metrics.sessions.set(registry.len() as i64);
     } else if session.connection_lost(gen) {
         info!(node = %node, session = %session.id, reason = %conn.close_reason().map(|r| r.to_string()).unwrap_or_default(), grace = ?cfg.grace, streams = session.open_streams(), "edge disconnected; keeping its streams for a resume");
         let registry = registry.clone();

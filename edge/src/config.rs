@@ -82,6 +82,11 @@ pub struct EdgeArgs {
     /// Largest reconnect delay (kept low so the edge is back soon after the link).
     #[arg(long, env = "TETHER_RECONNECT_MAX", default_value = "1s", value_parser = parse_duration)]
     pub reconnect_max: Duration,
+    /// After the cloud shut down (a restart reaches every edge at once), wait a
+    /// random time up to this before reconnecting, so the fleet's handshakes are
+    /// spread out instead of arriving as one storm. `0s` disables it.
+    #[arg(long, env = "TETHER_RECONNECT_SPREAD", default_value = "5s", value_parser = parse_duration)]
+    pub reconnect_spread: Duration,
     /// Address of the operations listener (`/metrics`, `/healthz`, `/readyz`).
     #[arg(long, env = "TETHER_METRICS_LISTEN", default_value = "127.0.0.1:9091")]
     pub metrics_listen: std::net::SocketAddr,
@@ -153,6 +158,7 @@ pub struct EdgeConfig {
     pub pods_refresh: Duration,
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
+    pub reconnect_spread: Duration,
     pub handshake_timeout: Duration,
     pub metrics_listen: std::net::SocketAddr,
     pub limits: Limits,
@@ -228,6 +234,7 @@ impl EdgeArgs {
             pods_refresh: self.pods_refresh,
             reconnect_min: self.reconnect_min,
             reconnect_max: self.reconnect_max,
+            reconnect_spread: self.reconnect_spread,
             handshake_timeout: self.handshake_timeout,
             metrics_listen: self.metrics_listen,
             limits,

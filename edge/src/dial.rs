@@ -61,6 +61,9 @@ pub struct Dialer {
 enum Ended {
     /// It worked for a while, then died: reconnect fast.
     AfterWelcome,
+    /// The cloud shut down (restart, upgrade): every edge reconnects at once,
+    /// so start after a random part of `--reconnect-spread`.
+    CloudShutdown,
     /// It never got to a welcome.
     Failed(anyhow::Error),
 }
@@ -142,6 +145,16 @@ impl Dialer {
                 Ended::AfterWelcome => {
                     delay = self.cfg.reconnect_min;
                     self.disconnected_since = Some(Instant::now());
+                }
+                Ended::CloudShutdown => {
+                    delay = self.cfg.reconnect_min;
+                    self.disconnected_since = Some(Instant::now());
+                    if !self.cfg.reconnect_spread.is_zero() {
+                        let wait =
+                            rand::rng().random_range(Duration::ZERO..=self.cfg.reconnect_spread);
+                        info!(node = %self.node, ?wait, "the cloud shut down; reconnecting after a random part of --reconnect-spread");
+                        tokio::time::sleep(wait).await;
+                    }
                 }
                 Ended::Failed(e) => {
                     warn!(node = %self.node, cloud = %self.cfg.cloud, error = format!("{e:#}"), retry_in = ?delay, "cannot reach the cloud");
@@ -333,13 +346,18 @@ impl Dialer {
             r = control => self.control_failed(&conn, r),
             r = reporter => self.control_failed(&conn, r),
         }
-        let reason = conn
-            .close_reason()
-            .map(|r| r.to_string())
-            .unwrap_or_default();
+        let closed = conn.close_reason();
+        let reason = closed.as_ref().map(|r| r.to_string()).unwrap_or_default();
         info!(node = %self.node, %reason, "connection to the cloud lost");
         self.metrics.connected.set(0);
-        Ended::AfterWelcome
+        match closed {
+            Some(quinn::ConnectionError::ApplicationClosed(c))
+                if c.error_code == quinn::VarInt::from_u32(close_code::SHUTDOWN) =>
+            {
+                Ended::CloudShutdown
+            }
+            _ => Ended::AfterWelcome,
+        }
     }
 }
 
