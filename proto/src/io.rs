@@ -28,7 +28,12 @@ use tokio::sync::Notify;
 use crate::frame::{self, Frame, FrameError, ResetCode};
 use crate::stream::{ReadOutcome, StreamError, StreamState};
 
-/// Reads length-delimited frames from a byte stream.
+/// A frame reader's first buffer.
+const READER_START: usize = 2048;
+
+/// Reads length-delimited frames from a byte stream. Its buffer starts small
+/// and doubles only as frames need it: an idle interactive stream (one of
+/// thousands held open) keeps a few KiB, a bulk stream grows it once.
 pub struct FrameReader {
     buf: BytesMut,
     max: usize,
@@ -38,7 +43,7 @@ impl FrameReader {
     /// A reader that refuses frames over `max` bytes.
     pub fn new(max: usize) -> Self {
         FrameReader {
-            buf: BytesMut::with_capacity(16 * 1024),
+            buf: BytesMut::with_capacity(READER_START),
             max,
         }
     }
@@ -52,8 +57,8 @@ impl FrameReader {
             if let Some(f) = frame::decode(&mut self.buf, self.max)? {
                 return Ok(Some(f));
             }
-            if self.buf.capacity() - self.buf.len() < 4096 {
-                self.buf.reserve(16 * 1024);
+            if self.buf.capacity() - self.buf.len() < READER_START / 2 {
+                self.buf.reserve(self.buf.len().max(READER_START));
             }
             if r.read_buf(&mut self.buf).await? == 0 {
                 if self.buf.is_empty() {
@@ -98,6 +103,10 @@ impl<R: AsyncRead + Unpin> AsyncRead for Prefixed<R> {
             let n = self.buf.len().min(out.remaining());
             let chunk = self.buf.split_to(n);
             out.put_slice(&chunk);
+            if self.buf.is_empty() {
+                // Free the allocation: the stream lives on for hours.
+                self.buf = BytesMut::new();
+            }
             return Poll::Ready(Ok(()));
         }
         Pin::new(&mut self.inner).poll_read(cx, out)
