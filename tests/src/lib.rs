@@ -21,6 +21,7 @@
 //! - [`pty`]: running a program (kubectl exec -it) under a pseudo-terminal, typing into
 //!   it, reading what it prints and resizing its window.
 //! - [`podhttp`]: a tiny HTTP server "behind the pod" for port-forward, and a client.
+//! - [`netns`]: `tether-cloud` inside a link emulator's namespaces (fault tests, bench).
 //! - [`report`]: running named cases concurrently under a time bound and summarising
 //!   the results per kubectl version.
 //!
@@ -30,6 +31,7 @@
 pub mod bins;
 pub mod cluster;
 pub mod kubectl;
+pub mod netns;
 pub mod pki;
 pub mod podhttp;
 pub mod probe;

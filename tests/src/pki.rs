@@ -81,6 +81,25 @@ fn write_pair(dir: &Path, name: &str, ck: CertKey) -> Result<Pair> {
 }
 
 /// Mints the certificates for `nodes` into `dir` (created if needed).
+impl Pki {
+    /// The certificate flags of `tether-cloud` for this set.
+    pub fn cloud_flags(&self) -> Vec<std::ffi::OsString> {
+        let mut v: Vec<std::ffi::OsString> = Vec::new();
+        for (flag, path) in [
+            ("--tunnel-cert", &self.cloud_tunnel.cert),
+            ("--tunnel-key", &self.cloud_tunnel.key),
+            ("--edge-ca", &self.tether_ca),
+            ("--kubelet-cert", &self.cloud_kubelet.cert),
+            ("--kubelet-key", &self.cloud_kubelet.key),
+            ("--apiserver-client-ca", &self.apiserver_client_ca),
+        ] {
+            v.push(flag.into());
+            v.push(path.into());
+        }
+        v
+    }
+}
+
 pub fn mint(dir: &Path, nodes: &[&str]) -> Result<Pki> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let loopback = [

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use linkemu::{Impairment, Link, LinkOptions};
+use tether_tests::netns::{API, TUNNEL_PORT};
 use tether_tests::pki::{self, Pki};
 use tether_tests::process::{Proc, SpawnOptions};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -41,10 +42,6 @@ pub struct Peer {
     pub dial: std::result::Result<Dial, String>,
 }
 
-/// The cloud's kubelet-API address inside the cloud namespace.
-const API: &str = "127.0.0.1:10003";
-/// The cloud's tunnel port.
-const TUNNEL_PORT: u16 = 10004;
 /// Where `ssh -R` and rathole expose the kubelet inside the cloud namespace.
 const SSH_PORT: u16 = 18080;
 const RATHOLE_PORT: u16 = 18081;
@@ -215,6 +212,14 @@ async fn wait_up(name: &str, dial: &Dial, limit: Duration, log: &Path) -> Result
     }
 }
 
+/// The kubelet as a tunnel exposes it on `port` in the cloud namespace, once it
+/// answers (TLS through the tunnel, as the apiserver would).
+async fn exposed(link: &Arc<Link>, port: u16, pki: &Pki, name: &str, log: &Path) -> Result<Dial> {
+    let dial = kubelet_over(ns_tcp(link, SocketAddr::from(([127, 0, 0, 1], port))), pki)?;
+    wait_up(name, &dial, Duration::from_secs(20), log).await?;
+    Ok(dial)
+}
+
 impl Bed {
     /// Creates the link and starts every peer on it; returns when all answer.
     pub async fn start(imp: Impairment, opts: BedOptions) -> Result<Bed> {
@@ -228,32 +233,8 @@ impl Bed {
         let cloud_ip = link.cloud_ip();
 
         // Tether.
-        let mut cmd = link.exec_in_cloud(tether_tests::bins::binary("tether-cloud")?);
-        cmd.args([
-            "--tunnel-listen",
-            &format!("0.0.0.0:{TUNNEL_PORT}"),
-            "--kubelet-listen",
-            API,
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ]);
-        for (flag, path) in [
-            ("--tunnel-cert", &pki.cloud_tunnel.cert),
-            ("--tunnel-key", &pki.cloud_tunnel.key),
-            ("--edge-ca", &pki.tether_ca),
-            ("--kubelet-cert", &pki.cloud_kubelet.cert),
-            ("--kubelet-key", &pki.cloud_kubelet.key),
-            ("--apiserver-client-ca", &pki.apiserver_client_ca),
-        ] {
-            cmd.arg(flag).arg(path);
-        }
-        cmd.env("TETHER_LOG", "info").env("RUST_BACKTRACE", "0");
-        let mut cloud = Proc::spawn(
-            "tether-cloud",
-            tokio::process::Command::from(cmd),
-            &d,
-            SpawnOptions::default(),
-        )?;
+        let cmd = tether_tests::netns::cloud_cmd(&link, &pki, &[], "info")?;
+        let mut cloud = Proc::spawn("tether-cloud", cmd, &d, SpawnOptions::default())?;
         cloud
             .wait_line("tether-cloud ready", Duration::from_secs(20), |l| {
                 l.starts_with("tether-cloud ready")
@@ -413,18 +394,7 @@ impl Bed {
             d,
             SpawnOptions::default(),
         )?);
-        let dial = kubelet_over(
-            ns_tcp(link, SocketAddr::from(([127, 0, 0, 1], SSH_PORT))),
-            pki,
-        )?;
-        wait_up(
-            "ssh -R",
-            &dial,
-            Duration::from_secs(20),
-            &d.join("ssh-R.log"),
-        )
-        .await?;
-        Ok(dial)
+        exposed(link, SSH_PORT, pki, "ssh -R", &d.join("ssh-R.log")).await
     }
 
     /// rathole server in the cloud namespace, client in the edge namespace (TCP
@@ -475,17 +445,13 @@ impl Bed {
             d,
             SpawnOptions::default(),
         )?);
-        let dial = kubelet_over(
-            ns_tcp(link, SocketAddr::from(([127, 0, 0, 1], RATHOLE_PORT))),
+        exposed(
+            link,
+            RATHOLE_PORT,
             pki,
-        )?;
-        wait_up(
             "rathole",
-            &dial,
-            Duration::from_secs(20),
             &d.join("rathole-client.log"),
         )
-        .await?;
-        Ok(dial)
+        .await
     }
 }

@@ -155,19 +155,7 @@ async fn serve(
             hyper::header::HeaderValue::from_static("v4.channel.k8s.io"),
         );
     } else if path == "/pods" {
-        let items: Vec<String> = PODS
-            .iter()
-            .map(|p| {
-                let (ns, name) = p.split_once('/').unwrap_or(("default", p));
-                format!(
-                    r#"{{"metadata":{{"name":"{name}","namespace":"{ns}","uid":"uid-{name}"}}}}"#
-                )
-            })
-            .collect();
-        *resp.body_mut() = full(format!(
-            r#"{{"kind":"PodList","items":[{}]}}"#,
-            items.join(",")
-        ));
+        *resp.body_mut() = full(tether_tests::netns::pod_list_json(PODS));
     } else if path.starts_with("/containerLogs/default/bulk/") {
         let total: u64 = query(&req, "limitBytes")
             .and_then(|v| v.parse().ok())

@@ -377,7 +377,8 @@ async fn event_run(r: &mut Report, plan: &Plan, outage: bool) -> Result<()> {
         r.push(&format!(
             "\n### Outage: {} s total outage (clean link), watched {} s after restore\n\n\
              An exec session typing a byte every 100 ms and a `logs -f` at 128 KiB/s through each peer at once. \
-             Lost = typed but never echoed / handed out by the kubelet but never received (only when the stream died); \
+             Lost = typed but never echoed / handed out by the kubelet but never received, when the session died or stalled \
+             (a session that goes on still delivers what was in flight); \
              first byte = from link restore to the first byte received.\n\n",
             plan.outage.as_secs(),
             plan.observe.as_secs()
@@ -419,12 +420,16 @@ async fn event_run(r: &mut Report, plan: &Plan, outage: bool) -> Result<()> {
         let (ok_t, why_t) = survived(typed, restored);
         let (ok_l, why_l) = survived(log, restored);
         if outage {
-            let lost_t = typed.sent.saturating_sub(typed.received);
-            let lost_l = if ok_l {
-                0
-            } else {
-                log.sent.saturating_sub(log.received)
+            // A session that goes on delivers what is still in flight: nothing
+            // is lost. One that died or stalled lost what never arrived.
+            let lost = |f: &StreamFate, ok: bool| {
+                if ok {
+                    0
+                } else {
+                    f.sent.saturating_sub(f.received)
+                }
             };
+            let (lost_t, lost_l) = (lost(typed, ok_t), lost(log, ok_l));
             t.row(
                 p.name,
                 vec![

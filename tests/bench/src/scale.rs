@@ -5,7 +5,11 @@
 //! CA) and speaks the edge's side of the handshake (the control stream's hello, then
 //! the welcome) exactly as `tether-edge` does, with the edge's transport settings
 //! (keep-alive 10 s). The generator then holds each connection idle; when it closes,
-//! it reconnects with a jittered 100 ms – 1 s backoff, as the edge does.
+//! it reconnects as the edge does with its defaults: a jittered 100 ms – 1 s backoff,
+//! and overlapping handshake attempts (a new one every second while older ones wait,
+//! at most 4, each bounded by 10 s), so a lost Initial does not wait out QUIC's
+//! exponential retransmission timer; after the cloud shut down, it first waits a
+//! random part of `--reconnect-spread` (5 s).
 //!
 //! Measured: time to connect all; the cloud's RSS per edge and idle CPU; after a
 //! cloud restart (SIGTERM, `--shutdown-grace 1s`, a new process on the same port), the
@@ -18,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use rand::Rng;
 use tether_certs::Ca;
-use tether_proto::handshake::{Hello, ALPN_TUNNEL, PROTOCOL_VERSION};
+use tether_proto::handshake::{close_code, Hello, ALPN_TUNNEL, PROTOCOL_VERSION};
 use tether_proto::io::{write_frame, FrameReader};
 use tether_proto::Frame;
 use tether_tests::process::{Proc, SpawnOptions};
@@ -141,7 +145,71 @@ fn endpoint() -> Result<quinn::Endpoint> {
     )?)
 }
 
-/// One simulated edge: hello, welcome, hold the connection; again when it closes.
+/// tether-edge's defaults: attempts in flight, a new attempt every, each bounded by.
+const MAX_IN_FLIGHT: usize = 4;
+const NEW_ATTEMPT_EVERY: Duration = Duration::from_secs(1);
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const RECONNECT_SPREAD: Duration = Duration::from_secs(5);
+
+/// One handshake: QUIC + TLS, hello, welcome; the connection and its control stream.
+async fn handshake(
+    ep: quinn::Endpoint,
+    cfg: quinn::ClientConfig,
+    node: String,
+    addr: std::net::SocketAddr,
+) -> Result<(quinn::Connection, quinn::SendStream, quinn::RecvStream)> {
+    let conn = ep
+        .connect_with(cfg, addr, tether_tests::pki::CLOUD_SERVER_NAME)?
+        .await?;
+    let (mut send, mut recv) = conn.open_bi().await?;
+    let hello = Hello {
+        versions: vec![PROTOCOL_VERSION],
+        node,
+        addresses: Vec::new(),
+        resume: None,
+        limits: Default::default(),
+    };
+    let max = 1 << 20;
+    write_frame(&mut send, &Frame::Hello(hello), max).await?;
+    match FrameReader::new(max).next(&mut recv).await? {
+        Some(Frame::Welcome(_)) => Ok((conn, send, recv)),
+        other => bail!("expected a welcome, got {:?}", other.map(|f| f.kind())),
+    }
+}
+
+/// Overlapping attempts until one is welcomed (or all time out).
+async fn establish(
+    ep: &quinn::Endpoint,
+    cfg: &quinn::ClientConfig,
+    node: &str,
+    addr: std::net::SocketAddr,
+) -> Option<(quinn::Connection, quinn::SendStream, quinn::RecvStream)> {
+    let mut attempts = tokio::task::JoinSet::new();
+    let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+    loop {
+        if attempts.len() < MAX_IN_FLIGHT && tokio::time::Instant::now() < deadline {
+            let (ep, cfg, node) = (ep.clone(), cfg.clone(), node.to_string());
+            attempts.spawn(tokio::time::timeout(
+                HANDSHAKE_TIMEOUT,
+                handshake(ep, cfg, node, addr),
+            ));
+        }
+        if attempts.is_empty() {
+            return None;
+        }
+        tokio::select! {
+            done = attempts.join_next() => match done {
+                Some(Ok(Ok(Ok(x)))) => return Some(x),
+                // A definite refusal ends the round, as on the edge.
+                Some(Ok(Ok(Err(_)))) => return None,
+                _ => {}
+            },
+            _ = tokio::time::sleep(NEW_ATTEMPT_EVERY) => {}
+        }
+    }
+}
+
+/// One simulated edge: welcomed, hold the connection; again when it closes.
 async fn edge(
     ep: quinn::Endpoint,
     cfg: quinn::ClientConfig,
@@ -150,33 +218,24 @@ async fn edge(
     welcomes: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
 ) {
+    let mut delay = Duration::from_millis(100);
     while !stop.load(Ordering::Relaxed) {
-        let attempt = async {
-            let conn = ep
-                .connect_with(cfg.clone(), addr, tether_tests::pki::CLOUD_SERVER_NAME)?
-                .await?;
-            let (mut send, mut recv) = conn.open_bi().await?;
-            let hello = Hello {
-                versions: vec![PROTOCOL_VERSION],
-                node: node.clone(),
-                addresses: Vec::new(),
-                resume: None,
-                limits: Default::default(),
-            };
-            let max = 1 << 20;
-            write_frame(&mut send, &Frame::Hello(hello), max).await?;
-            match FrameReader::new(max).next(&mut recv).await? {
-                Some(Frame::Welcome(_)) => {}
-                other => bail!("expected a welcome, got {:?}", other.map(|f| f.kind())),
-            }
+        if let Some((conn, send, recv)) = establish(&ep, &cfg, &node, addr).await {
             welcomes.fetch_add(1, Ordering::Relaxed);
-            let _ = conn.closed().await;
+            delay = Duration::from_millis(100);
+            let closed = conn.closed().await;
             drop((send, recv));
-            Ok(())
-        };
-        let _ = tokio::time::timeout(Duration::from_secs(120), attempt).await;
-        let ms = rand::rng().random_range(100..=1000);
+            // The edge's --reconnect-spread after a cloud shutdown.
+            if let quinn::ConnectionError::ApplicationClosed(c) = closed {
+                if c.error_code == quinn::VarInt::from_u32(close_code::SHUTDOWN) {
+                    let ms = rand::rng().random_range(0..=RECONNECT_SPREAD.as_millis() as u64);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+            }
+        }
+        let ms = rand::rng().random_range(delay.as_millis() as u64 / 2..=delay.as_millis() as u64);
         tokio::time::sleep(Duration::from_millis(ms)).await;
+        delay = (delay * 2).min(Duration::from_secs(1));
     }
 }
 

@@ -109,19 +109,7 @@ async fn serve(
             .body(full(""))
             .unwrap()
     } else if path == "/pods" {
-        let items: Vec<String> = pods
-            .iter()
-            .map(|p| {
-                let (ns, name) = p.split_once('/').unwrap_or(("default", p));
-                format!(
-                    r#"{{"metadata":{{"name":"{name}","namespace":"{ns}","uid":"uid-{name}"}}}}"#
-                )
-            })
-            .collect();
-        Response::new(full(format!(
-            r#"{{"kind":"PodList","items":[{}]}}"#,
-            items.join(",")
-        )))
+        Response::new(full(tether_tests::netns::pod_list_json(&pods)))
     } else if path.starts_with("/containerLogs/") {
         let follow = req.uri().query().unwrap_or("").contains("follow=true");
         let node2 = node.clone();
@@ -404,7 +392,7 @@ impl Env {
             "--metrics-listen",
             "127.0.0.1:0",
         ])
-        .args(cloud_flags(&pki))
+        .args(pki.cloud_flags())
         .args(cloud_args)
         .env("TETHER_LOG", "info,tether_cloud=debug")
         .env("RUST_BACKTRACE", "0");
@@ -691,27 +679,9 @@ pub async fn body_end(body: &mut Incoming, limit: Duration) -> Option<Result<(),
     .ok()
 }
 
-/// The certificate flags of `tether-cloud` for a test PKI.
-pub fn cloud_flags(pki: &tether_tests::pki::Pki) -> Vec<std::ffi::OsString> {
-    let mut v: Vec<std::ffi::OsString> = Vec::new();
-    for (flag, path) in [
-        ("--tunnel-cert", &pki.cloud_tunnel.cert),
-        ("--tunnel-key", &pki.cloud_tunnel.key),
-        ("--edge-ca", &pki.tether_ca),
-        ("--kubelet-cert", &pki.cloud_kubelet.cert),
-        ("--kubelet-key", &pki.cloud_kubelet.key),
-        ("--apiserver-client-ca", &pki.apiserver_client_ca),
-    ] {
-        v.push(flag.into());
-        v.push(path.into());
-    }
-    v
-}
-
-/// The cloud's tunnel port inside a link's cloud namespace.
-pub const TUNNEL_PORT: u16 = 10004;
-/// The cloud's kubelet-API address inside a link's cloud namespace.
-pub const API: &str = "127.0.0.1:10003";
+// Not every test binary that includes this module uses both.
+#[allow(unused_imports)]
+pub use tether_tests::netns::{API, TUNNEL_PORT};
 
 /// `tether-cloud` in the cloud namespace of `link`.
 pub fn cloud_cmd(
@@ -719,20 +689,7 @@ pub fn cloud_cmd(
     pki: &tether_tests::pki::Pki,
     extra: &[String],
 ) -> tokio::process::Command {
-    let mut cmd = link.exec_in_cloud(tether_tests::bins::binary("tether-cloud").unwrap());
-    cmd.args([
-        "--tunnel-listen",
-        &format!("0.0.0.0:{TUNNEL_PORT}"),
-        "--kubelet-listen",
-        API,
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ])
-    .args(cloud_flags(pki))
-    .args(extra)
-    .env("TETHER_LOG", "info,tether_cloud=debug")
-    .env("RUST_BACKTRACE", "0");
-    tokio::process::Command::from(cmd)
+    tether_tests::netns::cloud_cmd(link, pki, extra, "info,tether_cloud=debug").unwrap()
 }
 
 /// `tether-edge` in the edge namespace of `link`, waited for until connected.
