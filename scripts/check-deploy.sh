@@ -805,11 +805,14 @@ step_dnat-e2e() {
 
 	ip netns exec "$NS_CP" "$ROOT/deploy/dnat/tether-dnat.sh" apply --kubelet-port 10350 --to 10.244.0.5:10003 2>/dev/null
 	echo "  ok: tether-dnat.sh apply --kubelet-port 10350 --to 10.244.0.5:10003 on the control-plane host"
-	# The pods are known once each edge has reported its kubelet's /pods.
-	local _
-	for _ in $(seq 50); do
-		api -o /dev/null https://198.51.100.8:10350/containerLogs/default/p2/c2 2>/dev/null && break
-		sleep 0.1
+	# The pods are known once each edge has reported its kubelet's /pods (-f:
+	# the cloud's 404 for a pod not reported yet is no answer).
+	local _ p
+	for p in 1 2; do
+		for _ in $(seq 50); do
+			api -f -o /dev/null "https://198.51.100.$((6 + p)):10350/containerLogs/default/p$p/c$p" 2>/dev/null && break
+			sleep 0.1
+		done
 	done
 	expect_served https://198.51.100.8:10350/containerLogs/default/p2/c2 edge-2 "a log line of p2" "logs of a pod on edge-2"
 	expect_served https://198.51.100.7:10350/containerLogs/default/p1/c1 edge-1 "a log line of p1" "logs of a pod on edge-1"
