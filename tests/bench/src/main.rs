@@ -17,7 +17,7 @@
 //! 6. the edge's footprint (see [`footprint`]).
 //!
 //! `tether-bench` runs everything (release build: `scripts/bench.sh`); `--quick` runs a
-//! short variant (clean link, small sizes, 5 s outage, no scale) for CI. Results go to
+//! short variant (clean link, small sizes, 5 s outage, 100 sessions, no idle edges) for CI. Results go to
 //! `target/bench/results.md` (`results-quick.md`) and stdout. It measures and prints;
 //! it exits non-zero only when the harness itself breaks (a bed that cannot start, a
 //! measurement that errors where it must not).
