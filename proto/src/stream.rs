@@ -593,6 +593,18 @@ mod tests {
         (a, b)
     }
 
+    /// An Attach frame's (delivered, fin_received).
+    fn offsets(f: Frame) -> (u64, bool) {
+        match f {
+            Frame::Attach {
+                delivered,
+                fin_received,
+                ..
+            } => (delivered, fin_received),
+            other => panic!("not an attach: {other:?}"),
+        }
+    }
+
     fn pump(from: &mut StreamState, to: &mut StreamState) {
         while let Some(f) = from.poll_transmit() {
             to.on_frame(f).unwrap();
@@ -640,23 +652,9 @@ mod tests {
         while a.poll_transmit().is_some() {}
         a.detach();
         b.detach();
-        let Frame::Attach {
-            delivered,
-            fin_received,
-            ..
-        } = b.attach_frame()
-        else {
-            unreachable!()
-        };
+        let (delivered, fin_received) = offsets(b.attach_frame());
         a.attach(delivered, fin_received).unwrap();
-        let Frame::Attach {
-            delivered,
-            fin_received,
-            ..
-        } = a.attach_frame()
-        else {
-            unreachable!()
-        };
+        let (delivered, fin_received) = offsets(a.attach_frame());
         b.attach(delivered, fin_received).unwrap();
         pump(&mut a, &mut b);
         assert_eq!(read_all(&mut b), (b"hello world".to_vec(), true));
@@ -670,14 +668,7 @@ mod tests {
         a.attach_fresh().unwrap();
         // a's Attach and data go out together; b (the acceptor) reads a's
         // Attach, attaches, and answers with its own before anything else.
-        let Frame::Attach {
-            delivered,
-            fin_received,
-            ..
-        } = a.attach_frame()
-        else {
-            unreachable!()
-        };
+        let (delivered, fin_received) = offsets(a.attach_frame());
         let early: Vec<Frame> = std::iter::from_fn(|| a.poll_transmit()).collect();
         assert!(!early.is_empty(), "nothing waits for the peer's attach");
         b.attach(delivered, fin_received).unwrap();
@@ -754,14 +745,7 @@ mod tests {
         // The transport dies before b saw anything; b never heard of the stream.
         while a.poll_transmit().is_some() {}
         a.detach();
-        let Frame::Attach {
-            delivered,
-            fin_received,
-            ..
-        } = a.attach_frame()
-        else {
-            unreachable!()
-        };
+        let (delivered, fin_received) = offsets(a.attach_frame());
         b.attach(delivered, fin_received).unwrap();
         // The re-attach waits for b's Attach (PeerAttach::Read) and replays.
         a.attach(0, false).unwrap();

@@ -424,27 +424,22 @@ impl Bed {
                  [client.services.kubelet]\nlocal_addr = \"127.0.0.1:{kport}\"\n"
             ),
         )?;
-        let mut cmd = link.exec_in_cloud(&bin);
-        cmd.arg("--server")
-            .arg(d.join("rathole-server.toml"))
-            .env("RUST_LOG", "warn");
-        procs.push(Proc::spawn(
-            "rathole-server",
-            tokio::process::Command::from(cmd),
-            d,
-            SpawnOptions::default(),
-        )?);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let mut cmd = link.exec_in_edge(&bin);
-        cmd.arg("--client")
-            .arg(d.join("rathole-client.toml"))
-            .env("RUST_LOG", "warn");
-        procs.push(Proc::spawn(
-            "rathole-client",
-            tokio::process::Command::from(cmd),
-            d,
-            SpawnOptions::default(),
-        )?);
+        // The server in the cloud namespace, then the client in the edge's.
+        for (mut cmd, mode) in [
+            (link.exec_in_cloud(&bin), "server"),
+            (link.exec_in_edge(&bin), "client"),
+        ] {
+            cmd.arg(format!("--{mode}"))
+                .arg(d.join(format!("rathole-{mode}.toml")))
+                .env("RUST_LOG", "warn");
+            procs.push(Proc::spawn(
+                &format!("rathole-{mode}"),
+                tokio::process::Command::from(cmd),
+                d,
+                SpawnOptions::default(),
+            )?);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         exposed(
             link,
             RATHOLE_PORT,
