@@ -1,6 +1,6 @@
 //! Tether inside a [`linkemu`] link's network namespaces, shared by the fault tests
-//! and the benchmark: where the cloud listens there, and its command line; the pod
-//! list a kubelet stand-in serves.
+//! and the benchmark: where the cloud listens there, and its command line; what a
+//! kubelet stand-in answers (the pod list, an echoing upgraded session).
 
 use anyhow::Result;
 
@@ -33,6 +33,20 @@ pub fn cloud_cmd(
     .env("TETHER_LOG", log)
     .env("RUST_BACKTRACE", "0");
     Ok(tokio::process::Command::from(cmd))
+}
+
+/// Echoes every byte of an upgraded connection back until the client closes
+/// (an `exec -it` whose shell echoes keystrokes), on its own task: what both
+/// in-process kubelet stand-ins answer an `Upgrade:` request with.
+pub fn spawn_echo(on: hyper::upgrade::OnUpgrade) {
+    tokio::spawn(async move {
+        if let Ok(up) = on.await {
+            let mut io = hyper_util::rt::TokioIo::new(up);
+            let (mut r, mut w) = tokio::io::split(&mut io);
+            let _ = tokio::io::copy(&mut r, &mut w).await;
+            let _ = tokio::io::AsyncWriteExt::shutdown(&mut w).await;
+        }
+    });
 }
 
 /// A kubelet's `/pods` body (a v1 `PodList`) for `pods` given as `namespace/name`.

@@ -134,15 +134,7 @@ async fn serve(
     let path = req.uri().path().to_string();
     let mut resp = Response::new(full(""));
     if let Some(proto) = req.headers().get("upgrade").cloned() {
-        let on = hyper::upgrade::on(&mut req);
-        tokio::spawn(async move {
-            if let Ok(up) = on.await {
-                let mut io = TokioIo::new(up);
-                let (mut r, mut w) = tokio::io::split(&mut io);
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-                let _ = tokio::io::AsyncWriteExt::shutdown(&mut w).await;
-            }
-        });
+        tether_tests::netns::spawn_echo(hyper::upgrade::on(&mut req));
         *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
         let h = resp.headers_mut();
         h.insert(

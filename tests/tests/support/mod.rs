@@ -92,15 +92,7 @@ async fn serve(
             .get("upgrade")
             .cloned()
             .unwrap_or(hyper::header::HeaderValue::from_static("x"));
-        let on = hyper::upgrade::on(&mut req);
-        tokio::spawn(async move {
-            if let Ok(up) = on.await {
-                let mut io = TokioIo::new(up);
-                let (mut r, mut w) = tokio::io::split(&mut io);
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-                let _ = tokio::io::AsyncWriteExt::shutdown(&mut w).await;
-            }
-        });
+        tether_tests::netns::spawn_echo(hyper::upgrade::on(&mut req));
         Response::builder()
             .status(StatusCode::SWITCHING_PROTOCOLS)
             .header("connection", "Upgrade")
