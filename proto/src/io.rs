@@ -477,8 +477,19 @@ where
     };
     if let Err(e) = attached {
         shared.reset(ResetCode::ProtocolError, e.to_string());
-        // Best effort: tell the peer before giving up on this transport.
-        let _ = transmit_loop(shared, send, max_frame).await;
+        // Best effort: tell the peer before giving up on this transport. The
+        // state was not attached, so it transmits nothing itself: write the
+        // Reset directly (the state sends it again on a later transport).
+        let reset = shared.with_state(|s| {
+            s.reset_reason().map(|(code, message)| Frame::Reset {
+                stream: s.id(),
+                code,
+                message: message.to_string(),
+            })
+        });
+        if let Some(f) = reset {
+            let _ = write_frame(send, &f, max_frame).await;
+        }
         return Err(e.into());
     }
     attached_loops(shared, recv, send, &mut reader, max_frame).await
@@ -626,6 +637,58 @@ mod tests {
 
     fn pattern(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 7 % 251) as u8).collect()
+    }
+
+    /// A peer that lost the stream's state (it attaches below what it had
+    /// acknowledged) is told with a Reset on that transport, and the driver
+    /// gives up at once.
+    #[tokio::test]
+    async fn peer_that_lost_state_is_reset_promptly() {
+        let a = SharedStream::new(StreamState::new(5, L));
+        a.with_state(|s| {
+            s.attach(0, false).unwrap();
+            s.write(b"abc");
+            while s.poll_transmit().is_some() {}
+            s.on_frame(Frame::Ack {
+                stream: 5,
+                delivered: 3,
+                fin_received: false,
+            })
+            .unwrap();
+            s.detach();
+        });
+        let (x, mut y) = duplex(16 * 1024);
+        let (xr, xw) = split(x);
+        let driver = tokio::spawn(drive(a.clone(), xr, xw, PeerAttach::Read, 1 << 20));
+        let lost = Frame::Attach {
+            stream: 5,
+            delivered: 0,
+            fin_received: false,
+        };
+        write_frame(&mut y, &lost, 1 << 20).await.unwrap();
+        let result = tokio::time::timeout(Duration::from_secs(5), driver)
+            .await
+            .expect("the driver must give up, not wait on a transport it never attached")
+            .unwrap();
+        assert!(
+            matches!(
+                result,
+                Err(TransportError::Stream(StreamError::PeerLostState { .. }))
+            ),
+            "{result:?}"
+        );
+        let mut reader = FrameReader::new(1 << 20);
+        assert!(matches!(
+            reader.next(&mut y).await.unwrap(),
+            Some(Frame::Attach { .. })
+        ));
+        assert!(matches!(
+            reader.next(&mut y).await.unwrap(),
+            Some(Frame::Reset {
+                code: ResetCode::ProtocolError,
+                ..
+            })
+        ));
     }
 
     #[tokio::test]
