@@ -75,24 +75,25 @@ impl AddressEvents {
         Ok(AddressEvents { fd })
     }
 
-    /// Waits for at least one event, then takes every event already queued
-    /// (their content does not matter: the caller re-reads the addresses).
+    /// Waits for at least one event, lets the burst of one change settle
+    /// (link, address and route events arrive together), then takes every
+    /// event queued: their content does not matter, the caller re-reads the
+    /// addresses once.
     pub async fn changed(&mut self) -> std::io::Result<()> {
         loop {
             let mut guard = self.fd.readable().await?;
             if drain(self.fd.get_ref())? {
-                return Ok(());
+                break;
             }
             guard.clear_ready();
         }
-    }
-
-    /// Reads every queued event without waiting; whether there was any.
-    pub fn drain(&mut self) -> std::io::Result<bool> {
-        drain(self.fd.get_ref())
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        drain(self.fd.get_ref())?;
+        Ok(())
     }
 }
 
+/// Reads every queued event without waiting; whether there was any.
 fn drain(fd: &std::os::fd::OwnedFd) -> std::io::Result<bool> {
     use std::os::fd::AsRawFd;
     let mut buf = [0u8; 8192];
@@ -149,7 +150,7 @@ mod tests {
             rt.block_on(async {
                 let mut ev = AddressEvents::subscribe().map_err(|e| e.to_string())?;
                 // Nothing changed yet.
-                if ev.drain().map_err(|e| e.to_string())? {
+                if drain(ev.fd.get_ref()).map_err(|e| e.to_string())? {
                     return Err("an event before any change".into());
                 }
                 // A child forked from this thread starts in its namespace.

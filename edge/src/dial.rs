@@ -141,24 +141,20 @@ impl Dialer {
     pub async fn run(mut self) -> anyhow::Result<()> {
         let mut delay = self.cfg.reconnect_min;
         loop {
-            match self.connect_once().await {
-                Ended::AfterWelcome => {
+            let ended = self.connect_once().await;
+            match &ended {
+                Ended::AfterWelcome | Ended::CloudShutdown => {
                     delay = self.cfg.reconnect_min;
                     self.disconnected_since = Some(Instant::now());
-                }
-                Ended::CloudShutdown => {
-                    delay = self.cfg.reconnect_min;
-                    self.disconnected_since = Some(Instant::now());
-                    if !self.cfg.reconnect_spread.is_zero() {
-                        let wait =
-                            rand::rng().random_range(Duration::ZERO..=self.cfg.reconnect_spread);
-                        info!(node = %self.node, ?wait, "the cloud shut down; reconnecting after a random part of --reconnect-spread");
-                        tokio::time::sleep(wait).await;
-                    }
                 }
                 Ended::Failed(e) => {
                     warn!(node = %self.node, cloud = %self.cfg.cloud, error = format!("{e:#}"), retry_in = ?delay, "cannot reach the cloud");
                 }
+            }
+            if matches!(ended, Ended::CloudShutdown) && !self.cfg.reconnect_spread.is_zero() {
+                let wait = rand::rng().random_range(Duration::ZERO..=self.cfg.reconnect_spread);
+                info!(node = %self.node, ?wait, "the cloud shut down; reconnecting after a random part of --reconnect-spread");
+                tokio::time::sleep(wait).await;
             }
             if let Some(since) = self.disconnected_since {
                 if since.elapsed() > self.grace && !self.streams.is_empty() {
@@ -396,13 +392,6 @@ async fn watch_addresses(
                     warn!(node, error = %e, "address events failed; checking the addresses every second");
                     events = None;
                     continue;
-                }
-                // One change comes as several events (link, address, route):
-                // let them settle, then look once.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                if let Err(e) = ev.drain() {
-                    warn!(node, error = %e, "address events failed; checking the addresses every second");
-                    events = None;
                 }
             }
             None => tokio::time::sleep(Duration::from_secs(1)).await,

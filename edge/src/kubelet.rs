@@ -61,8 +61,9 @@ impl PodReader {
         Ok(pods)
     }
 
-    /// Whether a kept connection is open (for tests).
-    pub fn is_connected(&self) -> bool {
+    /// Whether a kept connection is open.
+    #[cfg(test)]
+    fn is_connected(&self) -> bool {
         self.sender.as_ref().is_some_and(|s| !s.is_closed())
     }
 }
