@@ -8,8 +8,10 @@
 //!   pipe), map every failure to a clear HTTP status;
 //! - [`registry`]: which edge sessions exist, the pods and addresses each
 //!   reported, and the routing lookups that never guess;
-//! - [`session`]: one edge's session: its current QUIC connection, resume
-//!   token, and the logical streams that outlive any one connection;
+//! - [`session`]: one edge's session: its current QUIC connection, its
+//!   admission gate, and the logical streams that outlive any one connection;
+//! - [`admission`]: the I/O-free rules for which session a hello joins and
+//!   which connection a session is attached to;
 //! - [`tunnel`]: the QUIC listener for edges: mutual TLS, hello/welcome,
 //!   resume, pod reports, connection loss and grace expiry;
 //! - [`join`]: the join ALPN: a new edge presents a join token and a CSR
@@ -19,6 +21,7 @@
 //!   with `/healthz`, `/readyz` and `/status` by [`tether_proto::ops`]);
 //! - [`config`]: the typed configuration `main` parses once.
 
+pub mod admission;
 pub mod config;
 pub mod forward;
 pub mod front;

@@ -14,7 +14,22 @@ use std::time::Duration;
 
 use tether_proto::handshake::PodRef;
 
+use crate::admission::{Claim, Verdict};
 use crate::session::Session;
+
+/// Which session a hello joins ([`Registry::admit`]).
+pub enum Admitted {
+    /// The node's live session: the hello resumes it.
+    Joined(Arc<Session>),
+    /// A new session, installed; `replaced` (if any) is the node's previous
+    /// one, which the caller ends.
+    New {
+        session: Arc<Session>,
+        replaced: Option<Arc<Session>>,
+    },
+    /// An attempt older than the connection attached now: refuse it.
+    Superseded,
+}
 
 /// Why a request could not be routed to exactly one edge.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -119,10 +134,39 @@ impl Registry {
     /// Installs `session` as its node's session, returning the one it
     /// replaces (which the caller ends).
     pub fn insert(&self, session: Arc<Session>) -> Option<Arc<Session>> {
+        Self::insert_locked(&mut self.tables(), session)
+    }
+
+    /// Decides, atomically with any other hello of the node, which session a
+    /// hello with `claim` joins (see [`crate::admission`]): the node's live
+    /// session, or a new one made by `create` and installed in its place.
+    pub fn admit<E>(
+        &self,
+        node: &str,
+        claim: &Claim,
+        create: impl FnOnce() -> Result<Arc<Session>, E>,
+    ) -> Result<Admitted, E> {
         let mut t = self.tables();
+        let current = t.sessions.get(node).cloned();
+        let verdict = match &current {
+            Some(s) => s.judge(claim),
+            None => Verdict::NewSession,
+        };
+        Ok(match (verdict, current) {
+            (Verdict::Join, Some(s)) => Admitted::Joined(s),
+            (Verdict::Superseded, _) => Admitted::Superseded,
+            _ => {
+                let session = create()?;
+                let replaced = Self::insert_locked(&mut t, session.clone());
+                Admitted::New { session, replaced }
+            }
+        })
+    }
+
+    fn insert_locked(t: &mut Tables, session: Arc<Session>) -> Option<Arc<Session>> {
         let node = session.node.clone();
         let old = t.sessions.insert(node.clone(), session.clone());
-        Self::index_addresses(&mut t, &node, session.addresses());
+        Self::index_addresses(t, &node, session.addresses());
         for key in t.node_departed.remove(&node).unwrap_or_default() {
             if t.departed.get(&key) == Some(&node) {
                 t.departed.remove(&key);
@@ -353,8 +397,58 @@ mod tests {
             node.into(),
             addrs.iter().map(|s| s.to_string()).collect(),
             Limits::default(),
+            &claim(1, 1),
         )
         .unwrap()
+    }
+
+    fn claim(token: u8, attempt: u64) -> Claim {
+        Claim {
+            token: tether_proto::token::ResumeToken([token; 16]),
+            instance: 1,
+            attempt,
+        }
+    }
+
+    #[test]
+    fn admit_joins_attempts_of_one_state_and_replaces_for_another() {
+        let r = Registry::new(Duration::from_secs(1));
+        let make = |c: Claim| move || Session::new("n".into(), vec![], Limits::default(), &c);
+        let Ok(Admitted::New {
+            session: first,
+            replaced: None,
+        }) = r.admit("n", &claim(1, 1), make(claim(1, 1)))
+        else {
+            panic!("the first hello starts a session")
+        };
+        // Sibling and later attempts of the same state join it, whatever
+        // their order.
+        for attempt in [3, 2, 7] {
+            let Ok(Admitted::Joined(s)) = r.admit("n", &claim(1, attempt), make(claim(1, attempt)))
+            else {
+                panic!("attempt {attempt} must join")
+            };
+            assert!(Arc::ptr_eq(&s, &first));
+        }
+        // Another state of the edge replaces it.
+        let Ok(Admitted::New {
+            session: second,
+            replaced: Some(old),
+        }) = r.admit("n", &claim(2, 8), make(claim(2, 8)))
+        else {
+            panic!("another state starts a new session")
+        };
+        assert!(Arc::ptr_eq(&old, &first));
+        assert!(Arc::ptr_eq(&r.get("n").unwrap(), &second));
+        // An ended session is joined by nobody.
+        second.end(tether_proto::frame::ResetCode::Shutdown, "test");
+        assert!(matches!(
+            r.admit("n", &claim(2, 9), make(claim(2, 9))),
+            Ok(Admitted::New {
+                replaced: Some(_),
+                ..
+            })
+        ));
     }
 
     fn pod(ns: &str, name: &str) -> PodRef {

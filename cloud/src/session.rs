@@ -1,8 +1,10 @@
 //! One edge's session: the logical streams that outlive any QUIC connection.
 //!
-//! A [`Session`] is created by an accepted hello without a valid resume token.
-//! It holds the edge's current connection (if any), its single-use resume
-//! token, and every open logical stream. Each stream has a task that attaches
+//! A [`Session`] is created by a hello whose resume token names a state of the
+//! edge the cloud has no session for (see [`admission`](crate::admission)).
+//! It holds the edge's current connection (if any), its admission [`Gate`]
+//! (the token and the newest attached attempt), and every open logical
+//! stream. Each stream has a task that attaches
 //! it to the current connection (opening a QUIC stream, exchanging `Attach`)
 //! and, when that connection dies, waits for the next one: a resume re-attaches
 //! every stream and both ends replay what the other has not delivered. When
@@ -18,10 +20,12 @@ use tether_proto::frame::ResetCode;
 use tether_proto::io::{drive, PeerAttach, ResumableIo, SharedStream};
 use tether_proto::route::StreamKind;
 use tether_proto::stream::{StreamLimits, StreamState};
-use tether_proto::token::{ResumeToken, SessionId};
+use tether_proto::token::SessionId;
 use tether_proto::{Limits, StreamId};
 use tokio::sync::watch;
 use tracing::{debug, info, warn, Instrument};
+
+use crate::admission::{Claim, Gate, Superseded, Verdict};
 
 /// The session's link to its edge.
 #[derive(Clone)]
@@ -44,9 +48,18 @@ pub enum OpenError {
     Ended { node: String, reason: String },
 }
 
+/// Why a committed connection was not attached.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error(transparent)]
+    Superseded(#[from] Superseded),
+    #[error("the session has ended: {0}")]
+    Ended(String),
+}
+
 /// Mutable bookkeeping of a session.
 struct Book {
-    token: ResumeToken,
+    gate: Gate,
     addresses: Vec<String>,
     connected_since: SystemTime,
 }
@@ -65,11 +78,13 @@ pub struct Session {
 }
 
 impl Session {
-    /// A new session, not yet attached to a connection.
+    /// A new session for the edge state `claim` names, not yet attached to
+    /// a connection.
     pub fn new(
         node: String,
         addresses: Vec<String>,
         limits: Limits,
+        claim: &Claim,
     ) -> Result<Arc<Session>, rand::rand_core::OsError> {
         let (link, _) = watch::channel(Link::Disconnected {
             gen: 0,
@@ -81,7 +96,7 @@ impl Session {
             limits,
             link,
             book: Mutex::new(Book {
-                token: ResumeToken::generate()?,
+                gate: Gate::new(claim),
                 addresses,
                 connected_since: SystemTime::now(),
             }),
@@ -99,26 +114,13 @@ impl Session {
         self.streams.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The current resume token.
-    pub fn token(&self) -> ResumeToken {
-        self.book().token
-    }
-
-    /// Checks a presented token in constant time; on success replaces it with
-    /// a fresh one (single use) and returns the fresh one.
-    pub fn redeem(&self, presented: &ResumeToken) -> Option<ResumeToken> {
-        let mut b = self.book();
-        let diff = b
-            .token
-            .0
-            .iter()
-            .zip(presented.0.iter())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y));
-        if diff != 0 || self.is_ended() {
-            return None;
+    /// The verdict on a hello for this session: an ended session is joined
+    /// by nobody.
+    pub fn judge(&self, claim: &Claim) -> Verdict {
+        if self.is_ended() {
+            return Verdict::NewSession;
         }
-        b.token = ResumeToken::generate().ok()?;
-        Some(b.token)
+        self.book().gate.judge(claim)
     }
 
     pub fn addresses(&self) -> Vec<String> {
@@ -160,19 +162,43 @@ impl Session {
         }
     }
 
-    /// Attaches a new connection; returns its generation. Streams waiting for
-    /// a connection re-attach to it. A previous live connection is closed.
-    pub fn attach_connection(&self, conn: quinn::Connection) -> u64 {
+    /// Attaches the connection the edge committed to (`claim`'s); returns
+    /// its generation. Streams waiting for a connection re-attach to it; a
+    /// previous live connection is closed. Refused, leaving everything as it
+    /// was, when the session has ended (it was replaced or expired meanwhile)
+    /// or a newer connection of the edge is attached already.
+    pub fn attach_connection(
+        &self,
+        conn: quinn::Connection,
+        claim: &Claim,
+    ) -> Result<u64, AttachError> {
+        let mut book = self.book();
+        book.gate.may_commit(claim)?;
         let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
-        self.book().connected_since = SystemTime::now();
-        let old = self.link.send_replace(Link::Connected { gen, conn });
-        if let Link::Connected { conn: old, .. } = old {
+        let mut ended = None;
+        let mut old = None;
+        // Check and replace in one step: `end` may run concurrently.
+        self.link.send_if_modified(|l| {
+            if let Link::Ended(reason) = l {
+                ended = Some(reason.clone());
+                return false;
+            }
+            old = Some(std::mem::replace(l, Link::Connected { gen, conn }));
+            true
+        });
+        if let Some(reason) = ended {
+            return Err(AttachError::Ended(reason));
+        }
+        book.gate.commit(claim)?;
+        book.connected_since = SystemTime::now();
+        drop(book);
+        if let Some(Link::Connected { conn: old, .. }) = old {
             old.close(
                 tether_proto::handshake::close_code::REPLACED.into(),
                 b"replaced by a newer connection",
             );
         }
-        gen
+        Ok(gen)
     }
 
     /// The connection of generation `gen` died. Returns true if it was the

@@ -3,11 +3,12 @@
 //!
 //! An edge connection is admitted only with a client certificate signed by
 //! the edge CA; the node name is taken from that certificate and must equal
-//! the hello's. A hello with a valid resume token re-attaches the node's
-//! existing session (its streams resume on the new connection); any other
-//! hello starts a new session, and an older session of the same node is ended
-//! (its streams reset: the edge lost its state). When a connection dies its
-//! session waits `grace` for a resume, then ends.
+//! the hello's. The hello's claim (resume token, attempt order) decides by
+//! the rules of [`admission`](crate::admission): it joins the node's session
+//! (its streams resume), starts a new one that ends the old (the edge lost its
+//! state), or is refused as superseded. The session is attached to the
+//! connection only when the edge commits to it after the welcome. When a
+//! connection dies its session waits `grace` for a resume, then ends.
 //!
 //! Misbehaviour of one edge (bad hello, bad frames, garbage datagrams) closes
 //! that connection only.
@@ -25,9 +26,10 @@ use tether_proto::Frame;
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn, Instrument};
 
+use crate::admission::Claim;
 use crate::config::CloudConfig;
 use crate::metrics::CloudMetrics;
-use crate::registry::Registry;
+use crate::registry::{Admitted, Registry};
 use crate::session::{Link, Session};
 
 /// Bounds on what a hello may announce.
@@ -127,7 +129,11 @@ async fn refuse(
     message: String,
     max: usize,
 ) {
-    warn!(?code, %message, "refusing edge");
+    if code == RefusalCode::Superseded {
+        info!(?code, %message, "refusing an obsolete connection attempt");
+    } else {
+        warn!(?code, %message, "refusing edge");
+    }
     let _ = write_frame(
         send,
         &Frame::Refused(Refusal {
@@ -234,11 +240,21 @@ async fn handle(
         .await;
         return Ok(());
     };
-    let (session, resumed, token) = admit(registry, cfg, &node, &hello)?;
+    let claim = Claim::of(&hello);
+    let Some((session, resumed)) = admit(registry, cfg, &node, &hello, &claim)? else {
+        refuse(
+            &mut send,
+            &conn,
+            RefusalCode::Superseded,
+            format!("node {node}: a newer connection of this edge is attached"),
+            max,
+        )
+        .await;
+        return Ok(());
+    };
     let welcome = Welcome {
         version,
         session: session.id,
-        resume_token: token,
         resumed,
         streams: if resumed {
             session.stream_ids()
@@ -251,17 +267,58 @@ async fn handle(
     write_frame(&mut send, &Frame::Welcome(welcome), max)
         .await
         .context("sending the welcome")?;
-    let gen = session.attach_connection(conn.clone());
+    debug!(node = %node, session = %session.id, resumed, attempt = claim.attempt, "welcome sent; waiting for the edge to commit");
+    // Nothing is attached until the edge commits to this connection: an
+    // attempt it abandoned (it took another welcome, or gave up) is dropped
+    // here and leaves the session untouched.
+    let mut reader = reader;
+    let mut recv = recv;
+    match tokio::time::timeout(cfg.handshake_timeout, reader.next(&mut recv)).await {
+        Ok(Ok(Some(Frame::Commit { session: id }))) if id == session.id => {}
+        Ok(Ok(Some(Frame::Commit { session: id }))) => {
+            conn.close(close_code::PROTOCOL.into(), b"commit names another session");
+            anyhow::bail!(
+                "node {node} committed to session {id}, but was welcomed into {}",
+                session.id
+            );
+        }
+        Ok(Ok(Some(other))) => {
+            conn.close(close_code::PROTOCOL.into(), b"expected a commit");
+            anyhow::bail!(
+                "node {node}: expected a commit, got a {} frame",
+                other.kind()
+            );
+        }
+        Ok(Ok(None)) | Ok(Err(_)) => {
+            debug!(node = %node, attempt = claim.attempt, "the edge abandoned this attempt before committing");
+            return Ok(());
+        }
+        Err(_) => {
+            conn.close(close_code::REPLACED.into(), b"no commit in time");
+            debug!(node = %node, attempt = claim.attempt, "no commit within --handshake-timeout; dropping this attempt");
+            return Ok(());
+        }
+    }
+    let gen = match session.attach_connection(conn.clone(), &claim) {
+        Ok(gen) => gen,
+        Err(e) => {
+            info!(node = %node, session = %session.id, attempt = claim.attempt, error = %e, "not attaching a committed connection");
+            conn.close(close_code::REPLACED.into(), e.to_string().as_bytes());
+            return Ok(());
+        }
+    };
     info!(
         node = %node,
         session = %session.id,
         resumed,
+        attempt = claim.attempt,
         streams = session.open_streams(),
         remote = %conn.remote_address(),
         addresses = ?hello.addresses,
         "edge connected"
     );
     metrics.edges_connected.inc();
+    // Counted only now: the edge took this welcome and committed to it.
     if resumed {
         metrics.resumes.inc();
     }
@@ -304,22 +361,7 @@ async fn handle(
         metrics.sessions.set(registry.len() as i64);
     } else if session.connection_lost(gen) {
         info!(node = %node, session = %session.id, reason = %conn.close_reason().map(|r| r.to_string()).unwrap_or_default(), grace = ?cfg.grace, streams = session.open_streams(), "edge disconnected; keeping its streams for a resume");
-        let registry = registry.clone();
-        let grace = cfg.grace;
-        tokio::spawn(async move {
-            tokio::time::sleep(grace).await;
-            if let Link::Disconnected { gen: g, .. } = session.link() {
-                if g == gen {
-                    let reason = format!(
-                        "edge {} did not come back within the grace period ({grace:?})",
-                        session.node
-                    );
-                    warn!(node = %session.node, session = %session.id, "{reason}; ending its streams");
-                    registry.remove(&session);
-                    session.end(ResetCode::SessionLost, &reason);
-                }
-            }
-        });
+        expire_unless_resumed(registry.clone(), session, gen, cfg.grace);
     }
     Ok(())
 }
@@ -365,37 +407,64 @@ fn check_hello(hello: &Hello, node: &str) -> Option<String> {
     None
 }
 
-/// Finds or creates the node's session for this hello.
+/// Finds or creates the node's session for this hello (see
+/// [`crate::admission`]): `Some((session, resumed))`, or `None` when the hello
+/// is older than the connection attached now. A new session ends the node's
+/// previous one, and expires by itself if no connection is ever attached.
 fn admit(
-    registry: &Registry,
+    registry: &Arc<Registry>,
     cfg: &CloudConfig,
     node: &str,
     hello: &Hello,
-) -> anyhow::Result<(Arc<Session>, bool, tether_proto::token::ResumeToken)> {
-    let existing = registry.get(node);
-    if let (Some(token), Some(s)) = (&hello.resume, &existing) {
-        if let Some(next) = s.redeem(token) {
-            registry.set_addresses(s, hello.addresses.clone());
-            return Ok((s.clone(), true, next));
+    claim: &Claim,
+) -> anyhow::Result<Option<(Arc<Session>, bool)>> {
+    let admitted = registry
+        .admit(node, claim, || {
+            Session::new(node.to_string(), hello.addresses.clone(), cfg.limits, claim)
+        })
+        .context("generating session secrets")?;
+    match admitted {
+        Admitted::Joined(s) => {
+            registry.set_addresses(&s, hello.addresses.clone());
+            Ok(Some((s, true)))
+        }
+        Admitted::Superseded => Ok(None),
+        Admitted::New { session, replaced } => {
+            if let Some(old) = replaced {
+                info!(node, old_session = %old.id, new_session = %session.id, instance = claim.instance, attempt = claim.attempt, "a new session replaces the node's previous one (the edge restarted or discarded its streams)");
+                old.end(
+                    ResetCode::SessionLost,
+                    &format!("edge {node} started a new session (it restarted or lost its state)"),
+                );
+            }
+            expire_unless_resumed(registry.clone(), session.clone(), 0, cfg.grace);
+            Ok(Some((session, false)))
         }
     }
-    if hello.resume.is_some() {
-        warn!(
-            node,
-            "resume token refused (unknown, already used or expired); starting a new session"
-        );
-    }
-    let session = Session::new(node.to_string(), hello.addresses.clone(), cfg.limits)
-        .context("generating session secrets")?;
-    let token = session.token();
-    if let Some(old) = registry.insert(session.clone()) {
-        info!(node, old_session = %old.id, new_session = %session.id, "a new session replaces the node's previous one");
-        old.end(
-            ResetCode::SessionLost,
-            &format!("edge {node} started a new session (it restarted or lost its state)"),
-        );
-    }
-    Ok((session, false, token))
+}
+
+/// Ends `session` after `grace` unless a connection newer than generation
+/// `gen` was attached meanwhile (generation 0: none ever was).
+fn expire_unless_resumed(
+    registry: Arc<Registry>,
+    session: Arc<Session>,
+    gen: u64,
+    grace: Duration,
+) {
+    tokio::spawn(async move {
+        tokio::time::sleep(grace).await;
+        if let Link::Disconnected { gen: g, .. } = session.link() {
+            if g == gen {
+                let reason = format!(
+                    "edge {} did not come back within the grace period ({grace:?})",
+                    session.node
+                );
+                warn!(node = %session.node, session = %session.id, "{reason}; ending its streams");
+                registry.remove(&session);
+                session.end(ResetCode::SessionLost, &reason);
+            }
+        }
+    });
 }
 
 async fn control_loop(

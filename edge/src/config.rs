@@ -90,7 +90,9 @@ pub struct EdgeArgs {
     /// Address of the operations listener (`/metrics`, `/healthz`, `/readyz`).
     #[arg(long, env = "TETHER_METRICS_LISTEN", default_value = "127.0.0.1:9091")]
     pub metrics_listen: std::net::SocketAddr,
-    /// Time allowed for the QUIC handshake and the welcome.
+    /// Time allowed for one connection attempt (QUIC handshake and welcome).
+    /// After a round in which every attempt timed out, the next round allows
+    /// twice as long, up to 8×, so a link slower than this still gets in.
     #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handshake_timeout: Duration,
     /// A TOML file of settings (keys are the long flag names); flags and

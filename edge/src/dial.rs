@@ -9,19 +9,33 @@
 //! the minimum after a connection that worked, so the edge is back about a
 //! second after its link is.
 //!
-//! Streams survive reconnections: a welcome that resumes the session lets the
-//! cloud re-attach them; a welcome for a new session (the cloud restarted, or
-//! the grace period ran out) ends them at once with a clear error, and so
-//! does being disconnected for longer than the grace period.
+//! Streams survive reconnections. The edge draws a resume token that names its
+//! current state (its open streams) and sends it in every hello, together with
+//! the attempt's number: any number of overlapping, slow or abandoned attempts
+//! of the same state join the same session at the cloud, and nothing is spent
+//! by a welcome that never arrives. The edge takes the first welcome of a
+//! round and commits to that connection; the cloud attaches only committed
+//! connections, and never an older one over a newer one. A welcome into the
+//! session the edge had lets the cloud re-attach its streams; one into another
+//! session (the cloud restarted, or the grace period ran out) ends them at once
+//! with a clear error. Being disconnected for longer than the grace period
+//! ends them too, and the edge then draws a new token (a new state).
+//!
+//! Each attempt may take `--handshake-timeout`; after a round in which every
+//! attempt timed out, the next round allows twice as long (up to 8×), so a
+//! link slower than the setting still gets the edge back.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rand::Rng;
-use tether_proto::handshake::{close_code, Hello, Welcome, ALPN_TUNNEL, PROTOCOL_VERSION};
+use tether_proto::handshake::{
+    close_code, Hello, RefusalCode, Welcome, ALPN_TUNNEL, PROTOCOL_VERSION,
+};
 use tether_proto::io::{write_frame, FrameReader};
-use tether_proto::token::ResumeToken;
+use tether_proto::token::{ResumeToken, SessionId};
 use tether_proto::Frame;
 use tokio::net::lookup_host;
 use tracing::{debug, info, warn};
@@ -49,7 +63,17 @@ pub struct Dialer {
     client: quinn::ClientConfig,
     target: Arc<KubeletTarget>,
     streams: Arc<EdgeStreams>,
-    token: Option<ResumeToken>,
+    /// Names the current state (the streams in `streams`); a new one is
+    /// drawn when the streams are discarded.
+    token: ResumeToken,
+    /// This process, for the cloud's ordering of attempts.
+    instance: u64,
+    /// Connection attempts made so far (the next one's number is this + 1).
+    attempts: AtomicU64,
+    /// The session the streams belong to (from the last welcome taken).
+    session: Option<SessionId>,
+    /// Rounds of attempts that all timed out since the last connection.
+    timed_out_rounds: u32,
     grace: Duration,
     disconnected_since: Option<Instant>,
     metrics: EdgeMetrics,
@@ -120,7 +144,16 @@ impl Dialer {
             client,
             target,
             streams,
-            token: None,
+            token: ResumeToken::generate().context("drawing a resume token")?,
+            instance: {
+                use rand::TryRngCore;
+                rand::rngs::OsRng
+                    .try_next_u64()
+                    .context("drawing the instance id")?
+            },
+            attempts: AtomicU64::new(0),
+            session: None,
+            timed_out_rounds: 0,
             grace: Duration::from_secs(300),
             disconnected_since: None,
             metrics,
@@ -151,6 +184,11 @@ impl Dialer {
                     warn!(node = %self.node, cloud = %self.cfg.cloud, error = format!("{e:#}"), retry_in = ?delay, "cannot reach the cloud");
                 }
             }
+            self.timed_out_rounds = match &ended {
+                Ended::Failed(e) if is_timeout(e) => (self.timed_out_rounds + 1).min(3),
+                Ended::Failed(_) => self.timed_out_rounds,
+                _ => 0,
+            };
             if matches!(ended, Ended::CloudShutdown) && !self.cfg.reconnect_spread.is_zero() {
                 let wait = rand::rng().random_range(Duration::ZERO..=self.cfg.reconnect_spread);
                 info!(node = %self.node, ?wait, "the cloud shut down; reconnecting after a random part of --reconnect-spread");
@@ -162,7 +200,17 @@ impl Dialer {
                         "edge {} could not resume its session within the grace period ({:?})",
                         self.node, self.grace
                     ));
-                    self.token = None;
+                    self.metrics.sessions_lost.inc();
+                    // A new state: the cloud must not re-attach the old streams.
+                    match ResumeToken::generate() {
+                        Ok(t) => {
+                            self.token = t;
+                            self.session = None;
+                        }
+                        Err(e) => {
+                            warn!(node = %self.node, error = %e, "cannot draw a new resume token; keeping the old one")
+                        }
+                    }
                 }
             }
             // Full jitter: sleep a random time up to the current delay.
@@ -218,15 +266,20 @@ impl Dialer {
         const MAX_IN_FLIGHT: usize = 4;
         let mut attempts = tokio::task::JoinSet::new();
         let mut last_error = None;
-        let deadline = tokio::time::Instant::now() + self.cfg.handshake_timeout;
+        // Each round after one whose attempts all timed out allows twice as long.
+        let limit = self.cfg.handshake_timeout * (1u32 << self.timed_out_rounds);
+        let deadline = tokio::time::Instant::now() + limit;
         loop {
             if attempts.len() < MAX_IN_FLIGHT && tokio::time::Instant::now() < deadline {
                 let this = self.attempt_ctx();
-                let limit = self.cfg.handshake_timeout;
                 attempts.spawn(async move {
                     tokio::time::timeout(limit, this.handshake())
                         .await
-                        .map_err(|_| anyhow::anyhow!("no welcome within {limit:?}"))?
+                        .unwrap_or_else(|_| {
+                            Err(AttemptError::Transient(anyhow::anyhow!(
+                                "no welcome within {limit:?}"
+                            )))
+                        })
                 });
             }
             if attempts.is_empty() {
@@ -236,15 +289,16 @@ impl Dialer {
             }
             tokio::select! {
                 done = attempts.join_next() => match done {
+                    // The first welcome wins; dropping the set abandons the
+                    // other attempts, which costs the session nothing.
                     Some(Ok(Ok(x))) => return Ok(x),
-                    Some(Ok(Err(e))) => {
-                        // A definite answer (refused, TLS error) ends the round;
-                        // a timeout leaves the other attempts running.
-                        if is_timeout(&e) && !attempts.is_empty() {
-                            last_error = Some(e);
-                            continue;
-                        }
-                        return Err(e);
+                    // Only a definite answer about this edge (refused, TLS)
+                    // ends the round; a slow or lost attempt leaves the
+                    // others running.
+                    Some(Ok(Err(AttemptError::Definite(e)))) => return Err(e),
+                    Some(Ok(Err(AttemptError::Transient(e)))) => {
+                        debug!(node = %self.node, error = format!("{e:#}"), "connection attempt failed");
+                        last_error = Some(e);
                     }
                     Some(Err(e)) => last_error = Some(anyhow::anyhow!("handshake task failed: {e}")),
                     None => {}
@@ -269,6 +323,8 @@ impl Dialer {
                     .clone()
                     .unwrap_or_else(crate::addrs::host_addresses),
                 resume: self.token,
+                instance: self.instance,
+                attempt: self.attempts.fetch_add(1, Ordering::Relaxed) + 1,
                 limits: self.cfg.limits,
             },
             max: self.cfg.limits.max_frame_bytes as usize,
@@ -281,24 +337,36 @@ impl Dialer {
             Ok(x) => x,
             Err(e) => return Ended::Failed(e),
         };
+        // Commit to this connection: only now does the cloud attach it.
+        if let Err(e) = write_frame(
+            &mut send,
+            &Frame::Commit {
+                session: welcome.session,
+            },
+            self.cfg.limits.max_frame_bytes as usize,
+        )
+        .await
+        {
+            return Ended::Failed(anyhow::Error::new(e).context("sending the commit"));
+        }
         self.grace = Duration::from_millis(welcome.grace_ms);
-        self.token = Some(welcome.resume_token);
         self.metrics.connected.set(1);
         self.metrics.connects.inc();
-        if welcome.resumed {
+        let resumed = self.session == Some(welcome.session);
+        if resumed {
             self.metrics.resumes.inc();
-        }
-        if !welcome.resumed && !self.streams.is_empty() {
+        } else if !self.streams.is_empty() {
             self.metrics.sessions_lost.inc();
             self.streams.end_all(
                 "the cloud did not resume the session (it restarted or the grace period ran out)",
             );
         }
+        self.session = Some(welcome.session);
         self.disconnected_since = None;
-        info!(node = %self.node, session = %welcome.session, resumed = welcome.resumed, streams = welcome.streams.len(), remote = %conn.remote_address(), "connected to the cloud");
+        info!(node = %self.node, session = %welcome.session, resumed, streams = welcome.streams.len(), remote = %conn.remote_address(), "connected to the cloud");
         println!(
-            "tether-edge connected node={} session={} resumed={}",
-            self.node, welcome.session, welcome.resumed
+            "tether-edge connected node={} session={} resumed={resumed}",
+            self.node, welcome.session
         );
         let max = self.cfg.limits.max_frame_bytes as usize;
         let (out_tx, out_rx) = tokio::sync::mpsc::channel::<Frame>(4);
@@ -418,6 +486,34 @@ fn is_timeout(e: &anyhow::Error) -> bool {
     e.to_string().starts_with("no welcome within")
 }
 
+/// How one connection attempt failed.
+enum AttemptError {
+    /// A definite answer about this edge (refused for its version, name or
+    /// hello; TLS rejected): ends the round.
+    Definite(anyhow::Error),
+    /// Anything the network may cure (a timeout, a lost connection, an
+    /// obsolete attempt): the round's other attempts go on.
+    Transient(anyhow::Error),
+}
+
+impl<E: Into<anyhow::Error>> From<E> for AttemptError {
+    fn from(e: E) -> Self {
+        AttemptError::Transient(e.into())
+    }
+}
+
+/// Whether a failed QUIC handshake was a TLS/crypto refusal (definite).
+fn is_tls_refusal(e: &quinn::ConnectionError) -> bool {
+    // QUIC carries TLS alerts as transport error codes 0x100–0x1ff.
+    let crypto = |code: quinn::TransportErrorCode| (0x100..0x200).contains(&u64::from(code));
+    match e {
+        quinn::ConnectionError::TransportError(t) => crypto(t.code),
+        quinn::ConnectionError::ConnectionClosed(c) => crypto(c.error_code),
+        quinn::ConnectionError::VersionMismatch => true,
+        _ => false,
+    }
+}
+
 /// What one handshake attempt needs (owned, so attempts can overlap).
 struct Attempt {
     endpoint: quinn::Endpoint,
@@ -429,18 +525,29 @@ struct Attempt {
 }
 
 impl Attempt {
-    async fn handshake(self) -> anyhow::Result<Established> {
+    async fn handshake(self) -> Result<Established, AttemptError> {
         let addr = lookup_host(&self.cloud)
             .await
             .with_context(|| format!("resolving {}", self.cloud))?
             .next()
             .with_context(|| format!("{} resolves to no address", self.cloud))?;
-        let conn = self
+        let connecting = self
             .endpoint
             .connect_with(self.client.clone(), addr, &self.server_name)
-            .context("starting the QUIC handshake")?
-            .await
-            .with_context(|| format!("QUIC handshake with {addr}"))?;
+            .context("starting the QUIC handshake")?;
+        let conn = match connecting.await {
+            Ok(c) => c,
+            Err(e) if is_tls_refusal(&e) => {
+                return Err(AttemptError::Definite(
+                    anyhow::Error::new(e).context(format!("QUIC handshake with {addr}")),
+                ))
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e)
+                    .context(format!("QUIC handshake with {addr}"))
+                    .into())
+            }
+        };
         let (mut send, mut recv) = conn.open_bi().await.context("opening the control stream")?;
         write_frame(&mut send, &Frame::Hello(self.hello), self.max)
             .await
@@ -453,10 +560,24 @@ impl Attempt {
         {
             Some(Frame::Welcome(w)) => Ok((conn, send, ControlReader { recv, reader }, w)),
             Some(Frame::Refused(r)) => {
-                anyhow::bail!("the cloud refused this edge ({:?}): {}", r.code, r.message)
+                let e =
+                    anyhow::anyhow!("the cloud refused this edge ({:?}): {}", r.code, r.message);
+                match r.code {
+                    RefusalCode::Superseded | RefusalCode::Shutdown => {
+                        Err(AttemptError::Transient(e))
+                    }
+                    RefusalCode::Version | RefusalCode::NodeMismatch | RefusalCode::BadHello => {
+                        Err(AttemptError::Definite(e))
+                    }
+                }
             }
-            Some(other) => anyhow::bail!("expected a welcome, got a {} frame", other.kind()),
-            None => anyhow::bail!("the cloud closed the control stream before welcoming"),
+            Some(other) => Err(AttemptError::Definite(anyhow::anyhow!(
+                "expected a welcome, got a {} frame",
+                other.kind()
+            ))),
+            None => {
+                Err(anyhow::anyhow!("the cloud closed the control stream before welcoming").into())
+            }
         }
     }
 }

@@ -9,7 +9,7 @@
 //! Two kinds of QUIC stream carry frames:
 //! - the *control stream*, the first bidirectional stream the edge opens on a
 //!   connection: [`Frame::Hello`], [`Frame::Welcome`], [`Frame::Refused`],
-//!   [`Frame::PodReport`], [`Frame::GoAway`];
+//!   [`Frame::Commit`], [`Frame::PodReport`], [`Frame::GoAway`];
 //! - one QUIC stream per *logical stream* (one apiserver connection), opened by
 //!   the cloud: [`Frame::Attach`] first in each direction, then
 //!   [`Frame::Data`], [`Frame::Ack`], [`Frame::End`], [`Frame::Reset`]. These
@@ -98,6 +98,10 @@ pub enum Frame {
     RenewCert { csr_pem: String },
     /// Cloud → edge: the renewed certificate (PEM), or why not.
     RenewedCert { result: Result<String, String> },
+    /// Edge → cloud, right after the welcome on the connection whose welcome
+    /// the edge took: attach session `session` to this connection. Until it
+    /// arrives the cloud attaches nothing, so abandoned attempts are harmless.
+    Commit { session: crate::token::SessionId },
 }
 
 impl Frame {
@@ -128,6 +132,7 @@ impl Frame {
             Frame::Reset { .. } => "reset",
             Frame::RenewCert { .. } => "renew-cert",
             Frame::RenewedCert { .. } => "renewed-cert",
+            Frame::Commit { .. } => "commit",
         }
     }
 }
@@ -222,9 +227,14 @@ mod tests {
                 versions: vec![PROTOCOL_VERSION],
                 node: "edge-1".into(),
                 addresses: vec!["10.0.0.1".into()],
-                resume: None,
+                resume: crate::token::ResumeToken([7; 16]),
+                instance: 42,
+                attempt: 3,
                 limits: crate::Limits::default(),
             }),
+            Frame::Commit {
+                session: crate::token::SessionId(9),
+            },
             Frame::PodReport(PodReport {
                 pods: vec![PodRef {
                     namespace: "default".into(),

@@ -2,7 +2,11 @@
 //!
 //! A connection's life: the edge opens the first bidirectional QUIC stream and
 //! sends [`Hello`]; the cloud checks the node name against the edge's
-//! certificate and answers [`Welcome`] (or [`Refusal`] and closes). After that
+//! certificate and answers [`Welcome`] (or [`Refusal`] and closes). The edge
+//! may have several connection attempts in flight; it takes the first welcome
+//! and answers it with `Commit` on that connection only, and the cloud attaches
+//! the session to a connection only when its commit arrives (an attempt the
+//! edge abandoned is never attached). After that
 //! the edge sends a [`PodReport`] whenever its kubelet's pod list changes,
 //! asks for a renewed certificate (`RenewCert` → `RenewedCert`) when two
 //! thirds of its certificate's lifetime have passed, and either side may send
@@ -15,17 +19,22 @@ use crate::limits::Limits;
 use crate::token::{ResumeToken, SessionId};
 use crate::StreamId;
 
-/// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The protocol version this build speaks. Version 2: the edge draws its
+/// resume token, hellos carry the attempt order, and the edge commits to the
+/// connection whose welcome it takes.
+pub const PROTOCOL_VERSION: u16 = 2;
 
-/// ALPN of the tunnel connection between edge and cloud.
-pub const ALPN_TUNNEL: &[u8] = b"tether/1";
+/// ALPN of the tunnel connection between edge and cloud. It names the
+/// protocol version, so an edge and a cloud of incompatible versions fail in
+/// the TLS handshake with a clear "no application protocol" error.
+pub const ALPN_TUNNEL: &[u8] = b"tether/2";
 
 /// QUIC application close codes.
 pub mod close_code {
     /// Normal close (shutdown of a stream-free connection).
     pub const NORMAL: u32 = 0;
-    /// A newer connection of the same node replaced this one.
+    /// A newer connection of the same node replaced this one, or this one
+    /// was older than the one attached when its commit arrived.
     pub const REPLACED: u32 = 1;
     /// The hello was refused.
     pub const REFUSED: u32 = 2;
@@ -54,8 +63,18 @@ pub struct Hello {
     pub node: String,
     /// Addresses (IPs or DNS names) by which the apiserver may know this node.
     pub addresses: Vec<String>,
-    /// The token from the last welcome, to resume that session's streams.
-    pub resume: Option<ResumeToken>,
+    /// Names the edge's current state (its open streams): drawn by the edge
+    /// when it starts and again whenever it discards its streams. Every
+    /// attempt of one state carries the same token, so any of them resumes
+    /// the session that state belongs to; a new token starts a new session.
+    pub resume: ResumeToken,
+    /// Random, drawn once per edge process: attempts are ordered only
+    /// against attempts of the same process.
+    pub instance: u64,
+    /// Counts the process's connection attempts (1, 2, …): of two
+    /// connections of one process, the higher attempt is the newer, and an
+    /// older one never displaces it.
+    pub attempt: u64,
     /// The edge's own limits (what it accepts).
     pub limits: Limits,
 }
@@ -66,9 +85,8 @@ pub struct Welcome {
     pub version: u16,
     /// The session this connection belongs to (new, or the resumed one).
     pub session: SessionId,
-    /// Present this on the next connection to resume. Single use.
-    pub resume_token: ResumeToken,
-    /// True if the hello's token resumed an existing session.
+    /// True if the hello's token resumed an existing session (the edge
+    /// itself decides by comparing `session` with the one it had).
     pub resumed: bool,
     /// Logical streams the cloud still holds for this session; the cloud
     /// re-attaches each on a new QUIC stream. Empty for a new session.
@@ -90,6 +108,9 @@ pub enum RefusalCode {
     BadHello,
     /// The cloud is shutting down; try another replica.
     Shutdown,
+    /// A newer connection of this edge is already attached; this attempt is
+    /// obsolete (not an error of the edge: it takes the newer one).
+    Superseded,
 }
 
 /// Cloud → edge, answer to a refused hello.

@@ -1,9 +1,12 @@
 //! Resume tokens and session ids: random values from the OS CSPRNG.
 //!
-//! A [`ResumeToken`] is 128 random bits. The cloud binds each token to the
-//! node identity of the certificate it was issued to, accepts it once, and
-//! issues the next one in the welcome that accepts it; the bookkeeping lives
-//! in the cloud's session table. Its `Debug` form never prints the secret.
+//! A [`ResumeToken`] is 128 random bits that name one state of an edge (its
+//! open streams). The edge draws it when it starts and again whenever it
+//! discards its streams, and presents it in every hello; the cloud binds it
+//! to the node of the certificate the first hello came with. It adds
+//! freshness, not identity: it is only ever accepted on a connection
+//! authenticated as that node (README, "Sessions and resume"). Its `Debug`
+//! form never prints it.
 
 use rand::TryRngCore;
 use serde::{Deserialize, Serialize};

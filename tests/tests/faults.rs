@@ -531,3 +531,286 @@ async fn killed_edge_and_restarted_cloud_end_streams_promptly() {
         t.elapsed().as_secs_f64()
     );
 }
+
+/// One outage and how the link comes back (issue "Resume loses the session
+/// when the link comes back slowly"): a total outage, then a slow, lossy link,
+/// optionally with the welcome lost on the wire.
+#[derive(Debug, Clone, Copy)]
+struct SlowReturn {
+    outage: Duration,
+    /// Delay in each direction once the link is back (RTT is twice this).
+    one_way: Duration,
+    /// Random loss in each direction once the link is back, in %.
+    loss: f64,
+    /// Cut the link again for 4 s right after the cloud answered a hello, so
+    /// its welcome (and the edge's answer) die on the wire.
+    drop_welcome: bool,
+}
+
+impl Traffic {
+    /// Neither stream has ended and every log line so far is in sequence.
+    fn check_so_far(&self) -> Result<(), String> {
+        if self.reader.is_finished() {
+            return Err("the echo stream ended".into());
+        }
+        if let Some(end) = self.log_ended.lock().unwrap().clone() {
+            return Err(format!("the log stream ended: {end:?}"));
+        }
+        let text = self.log_text.lock().unwrap().clone();
+        let complete = text.rfind('\n').map_or(0, |i| i + 1);
+        for (i, l) in text[..complete].lines().enumerate() {
+            if l != format!("edge-1 line {i}") {
+                return Err(format!("log line {i} lost, doubled or reordered: {l:?}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until both streams move after `since`, or one of them ends.
+    async fn wait_flowing_or_ended(
+        &self,
+        since: Instant,
+        limit: Duration,
+    ) -> Result<Duration, String> {
+        let (bytes, lines) = (self.received(), self.log_lines());
+        loop {
+            self.check_so_far()?;
+            if self.received() > bytes && self.log_lines() > lines {
+                return Ok(since.elapsed());
+            }
+            if since.elapsed() > limit {
+                return Err(format!("streams did not move within {limit:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Waits (bounded) until the cloud's log grows a line containing one of `needles`
+/// past byte `from`.
+async fn wait_cloud_log(env: &NsEnv, from: usize, needles: &[&str], limit: Duration) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        let log = env.cloud_log();
+        if log.len() > from && needles.iter().any(|n| log[from..].contains(n)) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+/// Runs `cycles` outages through one session and returns (kept, lost). A lost
+/// session is counted, its streams checked to end with errors, and new
+/// streams are started, so one run measures every cycle.
+async fn slow_return_cycles(
+    label: &str,
+    cloud_args: &[&str],
+    edge_args: &[&str],
+    cycles: &[SlowReturn],
+) -> (usize, usize) {
+    let env = NsEnv::start(cloud_args, edge_args).await;
+    let mut traffic = Traffic::start(&env.client).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (mut kept, mut lost) = (0, 0);
+    for (n, c) in cycles.iter().enumerate() {
+        env.link.outage(true).unwrap();
+        tokio::time::sleep(c.outage).await;
+        env.link
+            .set(Impairment::clean().with_delay(c.one_way).with_loss(c.loss))
+            .unwrap();
+        let from = env.cloud_log().len();
+        env.link.outage(false).unwrap();
+        let restored = Instant::now();
+        let mut welcome_dropped = false;
+        if c.drop_welcome {
+            // The cloud logs "welcome sent" (or, before the fix, "edge
+            // connected") as the welcome leaves; it is then `one_way` on the wire.
+            if wait_cloud_log(
+                &env,
+                from,
+                &["welcome sent", "edge connected"],
+                Duration::from_secs(90),
+            )
+            .await
+            {
+                env.link.outage(true).unwrap();
+                welcome_dropped = true;
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                env.link.outage(false).unwrap();
+            }
+        }
+        let outcome = traffic
+            .wait_flowing_or_ended(restored, Duration::from_secs(150))
+            .await;
+        env.link.set(Impairment::clean()).unwrap();
+        match outcome {
+            Ok(back) => {
+                kept += 1;
+                println!(
+                    "FIGURE {label} cycle {n} {c:?} welcome_dropped={welcome_dropped}: kept, streams moving {:.1} s after the link returned",
+                    back.as_secs_f64()
+                );
+            }
+            Err(why) => {
+                lost += 1;
+                println!("FIGURE {label} cycle {n} {c:?} welcome_dropped={welcome_dropped}: LOST ({why})");
+                // Start over with new streams once the edge is routable again.
+                traffic.stop.store(true, Ordering::Relaxed);
+                traffic.writer.abort();
+                traffic.reader.abort();
+                traffic.log_task.abort();
+                env.wait_routable().await;
+                traffic = Traffic::start(&env.client).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let (bytes, lines) = traffic.finish_intact().await;
+    println!(
+        "FIGURE {label}: {kept} of {} sessions kept, {lost} lost; last streams {bytes} bytes and {lines} lines exactly once",
+        cycles.len()
+    );
+    let cloud_resumes = ns_metric(
+        &env.link,
+        true,
+        env.cloud_metrics,
+        "tether_cloud_resumes_total",
+    )
+    .await;
+    let edge_resumes = ns_metric(
+        &env.link,
+        false,
+        edge_metrics_addr(&env.edge),
+        "tether_edge_resumes_total",
+    )
+    .await;
+    println!(
+        "FIGURE {label}: resumes counted by the cloud {cloud_resumes}, by the edge {edge_resumes}"
+    );
+    if lost == 0 {
+        assert_eq!(
+            cloud_resumes, edge_resumes,
+            "the cloud counts only resumes the edge completed"
+        );
+    }
+    (kept, lost)
+}
+
+/// Outages of 6–15 s with a 3 s idle timeout (the connection dies in each),
+/// then the link back at 300 ms–1 s RTT and 0–20 % loss; two cycles lose the
+/// welcome on the wire as well. Before the fix about half of such cycles lost
+/// the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_return_after_outage_keeps_the_session() {
+    let fast = ["--idle-timeout", "3s", "--keep-alive", "1s"];
+    let ms = Duration::from_millis;
+    let cycles = [
+        SlowReturn {
+            outage: ms(6_000),
+            one_way: ms(500),
+            loss: 20.0,
+            drop_welcome: false,
+        },
+        SlowReturn {
+            outage: ms(9_000),
+            one_way: ms(150),
+            loss: 0.0,
+            drop_welcome: false,
+        },
+        SlowReturn {
+            outage: ms(7_000),
+            one_way: ms(400),
+            loss: 10.0,
+            drop_welcome: true,
+        },
+        SlowReturn {
+            outage: ms(15_000),
+            one_way: ms(300),
+            loss: 5.0,
+            drop_welcome: false,
+        },
+        SlowReturn {
+            outage: ms(8_000),
+            one_way: ms(500),
+            loss: 0.0,
+            drop_welcome: false,
+        },
+        SlowReturn {
+            outage: ms(12_000),
+            one_way: ms(250),
+            loss: 15.0,
+            drop_welcome: true,
+        },
+        SlowReturn {
+            outage: ms(6_000),
+            one_way: ms(450),
+            loss: 10.0,
+            drop_welcome: false,
+        },
+    ];
+    let (_, lost) = slow_return_cycles("slow return", &fast, &fast, &cycles).await;
+    assert_eq!(
+        lost, 0,
+        "no session may be lost when the link comes back slowly"
+    );
+}
+
+/// The edge's handshake timeout (2 s) is shorter than what a handshake takes
+/// on the returning link (1–2 s RTT, up to 10 % loss).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_return_with_short_handshake_timeout_keeps_the_session() {
+    let fast = ["--idle-timeout", "3s", "--keep-alive", "1s"];
+    let edge = [
+        "--idle-timeout",
+        "3s",
+        "--keep-alive",
+        "1s",
+        "--handshake-timeout",
+        "2s",
+    ];
+    let ms = Duration::from_millis;
+    let cycles = [
+        SlowReturn {
+            outage: ms(6_000),
+            one_way: ms(600),
+            loss: 0.0,
+            drop_welcome: false,
+        },
+        SlowReturn {
+            outage: ms(8_000),
+            one_way: ms(1_000),
+            loss: 5.0,
+            drop_welcome: false,
+        },
+        SlowReturn {
+            outage: ms(7_000),
+            one_way: ms(800),
+            loss: 10.0,
+            drop_welcome: true,
+        },
+        SlowReturn {
+            outage: ms(6_000),
+            one_way: ms(500),
+            loss: 0.0,
+            drop_welcome: false,
+        },
+        SlowReturn {
+            outage: ms(9_000),
+            one_way: ms(900),
+            loss: 5.0,
+            drop_welcome: false,
+        },
+        SlowReturn {
+            outage: ms(6_000),
+            one_way: ms(700),
+            loss: 0.0,
+            drop_welcome: false,
+        },
+    ];
+    let (_, lost) = slow_return_cycles("short handshake timeout", &fast, &edge, &cycles).await;
+    assert_eq!(
+        lost, 0,
+        "no session may be lost when the link comes back slowly"
+    );
+}

@@ -541,7 +541,9 @@ async fn hello_as(env: &Env, cert_node: &str, hello_node: &str) -> String {
         versions: vec![PROTOCOL_VERSION],
         node: hello_node.into(),
         addresses: vec![],
-        resume: None,
+        resume: tether_proto::token::ResumeToken([1; 16]),
+        instance: 1,
+        attempt: 1,
         limits: tether_proto::Limits::default(),
     };
     write_frame(&mut send, &tether_proto::Frame::Hello(hello), 1 << 20)

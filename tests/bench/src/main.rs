@@ -59,6 +59,11 @@ struct Plan {
     outage: Duration,
     /// How long to watch after the link event.
     observe: Duration,
+    /// Repeated outages, the link coming back clean or slow: cycles per
+    /// way of coming back, outage length, how long to watch after each.
+    outage_cycles: usize,
+    cycle_outage: Duration,
+    cycle_observe: Duration,
     idle_window: Duration,
     scale_edges: Vec<usize>,
     /// Exec sessions held open at once through one edge.
@@ -88,6 +93,9 @@ impl Plan {
                 links: vec![("clean", clean, s)],
                 outage: Duration::from_secs(5),
                 observe: Duration::from_secs(8),
+                outage_cycles: 1,
+                cycle_outage: Duration::from_secs(5),
+                cycle_observe: Duration::from_secs(15),
                 idle_window: Duration::from_secs(5),
                 scale_edges: Vec::new(),
                 sessions: 100,
@@ -132,6 +140,11 @@ impl Plan {
             ],
             outage: Duration::from_secs(60),
             observe: Duration::from_secs(45),
+            // Longer than the 30 s idle timeout: Tether's connection dies
+            // in every cycle and the session must be resumed.
+            outage_cycles: 4,
+            cycle_outage: Duration::from_secs(35),
+            cycle_observe: Duration::from_secs(40),
             idle_window: Duration::from_secs(60),
             scale_edges: vec![1000, 10_000],
             sessions: 1000,
@@ -326,6 +339,86 @@ fn survived(f: &StreamFate, after: Instant) -> (bool, String) {
         return (false, "no (stalled)".into());
     }
     (true, "yes".into())
+}
+
+/// Sessions kept across repeated outages (scenario 3b): in each cycle every
+/// peer opens an exec session and a `logs -f`, the link goes down for
+/// `cycle_outage`, then comes back clean or slow (1 s RTT, 10 % loss). A
+/// session is kept when both its streams deliver again after the restore.
+async fn outage_cycles_run(r: &mut Report, plan: &Plan) -> Result<()> {
+    let returns = [
+        ("clean", Impairment::clean()),
+        (
+            "1 s RTT, 10 % loss",
+            Impairment::clean()
+                .with_delay(Duration::from_millis(500))
+                .with_loss(10.0),
+        ),
+    ];
+    r.push(&format!(
+        "\n### Outage cycles: {} × {} s total outage, the link back clean or slow, watched {} s after each restore\n\n\
+         In each cycle every peer opens an exec session typing a byte every 100 ms and a `logs -f` at 16 KiB/s; \
+         kept = both still deliver after the restore (a new connection that lost the session does not count).\n\n",
+        plan.outage_cycles,
+        plan.cycle_outage.as_secs(),
+        plan.cycle_observe.as_secs()
+    ));
+    let mut kept: Vec<(&'static str, Vec<usize>)> = Vec::new();
+    for (i, (label, imp)) in returns.iter().enumerate() {
+        let bed = Bed::start(Impairment::clean(), BedOptions::default())
+            .await
+            .context("starting the bed")?;
+        for cycle in 0..plan.outage_cycles {
+            bed.link.set(Impairment::clean())?;
+            let mut watches = Vec::new();
+            for p in &bed.peers {
+                let Some(dial) = unavailable(r, p) else {
+                    continue;
+                };
+                let id = format!("{}_{i}_{cycle}", p.name.replace(' ', "_"));
+                match Watch::start(&dial, &id, Duration::from_millis(100), 16 << 10).await {
+                    Ok(w) => watches.push((p.name, w)),
+                    Err(e) => {
+                        r.error(format!("{}: opening sessions: {e:#}", p.name));
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            bed.link.outage(true)?;
+            tokio::time::sleep(plan.cycle_outage).await;
+            bed.link.set(*imp)?;
+            bed.link.outage(false)?;
+            let restored = Instant::now();
+            tokio::time::sleep(plan.cycle_observe).await;
+            for (name, w) in watches {
+                let (typed, log) = w.finish(Duration::from_secs(2), &bed.kubelet).await;
+                let ok = survived(&typed, restored).0 && survived(&log, restored).0;
+                let row = match kept.iter_mut().find(|k| k.0 == name) {
+                    Some(row) => row,
+                    None => {
+                        kept.push((name, vec![0; returns.len()]));
+                        kept.last_mut().expect("just pushed")
+                    }
+                };
+                row.1[i] += usize::from(ok);
+                eprintln!("tether-bench: outage cycle {cycle}, back {label}: {name} kept={ok}");
+            }
+        }
+    }
+    let cols: Vec<String> = std::iter::once("peer".to_string())
+        .chain(
+            returns
+                .iter()
+                .map(|(l, _)| format!("back {l}: kept of {}", plan.outage_cycles)),
+        )
+        .collect();
+    let cols: Vec<&str> = cols.iter().map(String::as_str).collect();
+    let mut t = Table::new(&cols, 1);
+    for (name, k) in &kept {
+        t.row(name, k.iter().map(|n| Cell::Int(*n as u64)).collect());
+    }
+    r.push(&t.render());
+    Ok(())
 }
 
 /// What a link event does to sessions: scenario 3 (outage) or 4 (address change).
@@ -552,6 +645,11 @@ async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
     }
     if want("outage") {
         event_run(r, plan, true).await.context("outage scenario")?;
+    }
+    if want("outage cycles slow return") {
+        outage_cycles_run(r, plan)
+            .await
+            .context("outage cycles scenario")?;
     }
     if want("migration address") {
         event_run(r, plan, false)

@@ -151,13 +151,28 @@ const NEW_ATTEMPT_EVERY: Duration = Duration::from_secs(1);
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const RECONNECT_SPREAD: Duration = Duration::from_secs(5);
 
-/// One handshake: QUIC + TLS, hello, welcome; the connection and its control stream.
+/// What a simulated edge says in its hellos: its state's token, its
+/// process id and its attempt counter, as tether-edge does.
+struct EdgeState {
+    token: tether_proto::token::ResumeToken,
+    instance: u64,
+    attempts: std::sync::atomic::AtomicU64,
+}
+
+/// One handshake: QUIC + TLS, hello, welcome; the connection, its control
+/// stream and the welcome's session (not yet committed).
 async fn handshake(
     ep: quinn::Endpoint,
     cfg: quinn::ClientConfig,
     node: String,
     addr: std::net::SocketAddr,
-) -> Result<(quinn::Connection, quinn::SendStream, quinn::RecvStream)> {
+    state: Arc<EdgeState>,
+) -> Result<(
+    quinn::Connection,
+    quinn::SendStream,
+    quinn::RecvStream,
+    tether_proto::token::SessionId,
+)> {
     let conn = ep
         .connect_with(cfg, addr, tether_tests::pki::CLOUD_SERVER_NAME)?
         .await?;
@@ -166,23 +181,26 @@ async fn handshake(
         versions: vec![PROTOCOL_VERSION],
         node,
         addresses: Vec::new(),
-        resume: None,
+        resume: state.token,
+        instance: state.instance,
+        attempt: state.attempts.fetch_add(1, Ordering::Relaxed) + 1,
         limits: Default::default(),
     };
     let max = 1 << 20;
     write_frame(&mut send, &Frame::Hello(hello), max).await?;
     match FrameReader::new(max).next(&mut recv).await? {
-        Some(Frame::Welcome(_)) => Ok((conn, send, recv)),
+        Some(Frame::Welcome(w)) => Ok((conn, send, recv, w.session)),
         other => bail!("expected a welcome, got {:?}", other.map(|f| f.kind())),
     }
 }
 
-/// Overlapping attempts until one is welcomed (or all time out).
+/// Overlapping attempts until one is welcomed and committed to (or all time out).
 async fn establish(
     ep: &quinn::Endpoint,
     cfg: &quinn::ClientConfig,
     node: &str,
     addr: std::net::SocketAddr,
+    state: &Arc<EdgeState>,
 ) -> Option<(quinn::Connection, quinn::SendStream, quinn::RecvStream)> {
     let mut attempts = tokio::task::JoinSet::new();
     let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
@@ -191,7 +209,7 @@ async fn establish(
             let (ep, cfg, node) = (ep.clone(), cfg.clone(), node.to_string());
             attempts.spawn(tokio::time::timeout(
                 HANDSHAKE_TIMEOUT,
-                handshake(ep, cfg, node, addr),
+                handshake(ep, cfg, node, addr, state.clone()),
             ));
         }
         if attempts.is_empty() {
@@ -199,7 +217,14 @@ async fn establish(
         }
         tokio::select! {
             done = attempts.join_next() => match done {
-                Some(Ok(Ok(Ok(x)))) => return Some(x),
+                Some(Ok(Ok(Ok((conn, mut send, recv, session))))) => {
+                    // Commit to the first welcome, as the edge does.
+                    let commit = Frame::Commit { session };
+                    return match write_frame(&mut send, &commit, 1 << 20).await {
+                        Ok(()) => Some((conn, send, recv)),
+                        Err(_) => None,
+                    };
+                }
                 // A definite refusal ends the round, as on the edge.
                 Some(Ok(Ok(Err(_)))) => return None,
                 _ => {}
@@ -219,8 +244,13 @@ async fn edge(
     stop: Arc<AtomicBool>,
 ) {
     let mut delay = Duration::from_millis(100);
+    let state = Arc::new(EdgeState {
+        token: tether_proto::token::ResumeToken(rand::random()),
+        instance: rand::random(),
+        attempts: std::sync::atomic::AtomicU64::new(0),
+    });
     while !stop.load(Ordering::Relaxed) {
-        if let Some((conn, send, recv)) = establish(&ep, &cfg, &node, addr).await {
+        if let Some((conn, send, recv)) = establish(&ep, &cfg, &node, addr, &state).await {
             welcomes.fetch_add(1, Ordering::Relaxed);
             delay = Duration::from_millis(100);
             let closed = conn.closed().await;
