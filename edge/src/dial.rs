@@ -355,6 +355,8 @@ impl Dialer {
         let resumed = self.session == Some(welcome.session);
         if resumed {
             self.metrics.resumes.inc();
+            // Streams the cloud dropped meanwhile will never be re-attached.
+            self.streams.retain_only(&welcome.streams);
         } else if !self.streams.is_empty() {
             self.metrics.sessions_lost.inc();
             self.streams.end_all(

@@ -50,6 +50,31 @@ impl Table {
     }
 }
 
+impl Table {
+    /// Takes out every live stream whose id is not in `keep` (the streams the
+    /// cloud still holds): they can never be re-attached. Returned for the
+    /// caller to reset outside the lock.
+    fn prune(&mut self, keep: &HashSet<StreamId>) -> Vec<(StreamId, Arc<SharedStream>)> {
+        let gone: Vec<StreamId> = self
+            .live
+            .keys()
+            .filter(|id| !keep.contains(id))
+            .copied()
+            .collect();
+        gone.into_iter()
+            .filter_map(|id| {
+                let live = self.live.get_mut(&id)?;
+                if let Some(d) = live.driver.take() {
+                    d.abort();
+                }
+                let shared = live.shared.clone();
+                self.end(id);
+                Some((id, shared))
+            })
+            .collect()
+    }
+}
+
 /// The streams of the current session.
 pub struct EdgeStreams {
     streams: Mutex<Table>,
@@ -101,6 +126,26 @@ impl EdgeStreams {
         for s in all {
             s.reset(ResetCode::SessionLost, reason);
         }
+    }
+
+    /// On a resume: ends every stream the cloud no longer holds (not in the
+    /// welcome's list), so no slot is kept for a stream nobody will
+    /// re-attach. Returns how many were ended.
+    pub fn retain_only(&self, cloud_holds: &[StreamId]) -> usize {
+        let keep: HashSet<StreamId> = cloud_holds.iter().copied().collect();
+        let gone = self.map().prune(&keep);
+        for (id, s) in &gone {
+            info!(node = %self.node, stream = id, "the cloud no longer holds this stream; ending it");
+            s.reset(
+                ResetCode::UnknownStream,
+                format!(
+                    "the cloud no longer holds stream {id} of edge {}",
+                    self.node
+                ),
+            );
+        }
+        self.metrics.streams_open.set(self.len() as i64);
+        gone.len()
     }
 
     /// Handles one QUIC stream the cloud opened.
@@ -223,5 +268,32 @@ impl EdgeStreams {
                 debug!(node = %self.node, stream = id, error = %e, "stream detached; waiting for a resume")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(id: StreamId) -> Live {
+        Live {
+            shared: SharedStream::new(StreamState::new(id, StreamLimits::from(&Limits::default()))),
+            driver: None,
+        }
+    }
+
+    #[test]
+    fn prune_ends_streams_the_cloud_no_longer_holds() {
+        let mut t = Table::default();
+        for id in [1, 2, 3] {
+            t.live.insert(id, live(id));
+        }
+        let keep: HashSet<StreamId> = [2].into_iter().collect();
+        let mut gone: Vec<StreamId> = t.prune(&keep).into_iter().map(|(id, _)| id).collect();
+        gone.sort_unstable();
+        assert_eq!(gone, vec![1, 3]);
+        assert_eq!(t.live.keys().copied().collect::<Vec<_>>(), vec![2]);
+        // Remembered as ended: a late re-attach is refused, not taken as new.
+        assert!(t.ended.contains(&1) && t.ended.contains(&3));
     }
 }

@@ -490,6 +490,10 @@ where
         if let Some(f) = reset {
             let _ = write_frame(send, &f, max_frame).await;
         }
+        // The stream can never be attached again: it is over, and its slot
+        // is freed now rather than retried on every later connection (a
+        // stream the edge finished while its final ack was lost ends here).
+        shared.with_state(|s| s.abandon());
         return Err(e.into());
     }
     attached_loops(shared, recv, send, &mut reader, max_frame).await
@@ -640,8 +644,10 @@ mod tests {
     }
 
     /// A peer that lost the stream's state (it attaches below what it had
-    /// acknowledged) is told with a Reset on that transport, and the driver
-    /// gives up at once.
+    /// acknowledged — e.g. the edge finished the stream but its final ack was
+    /// lost with the connection) is told with a Reset on that transport, the
+    /// driver gives up at once, and the stream is over: its slot is freed
+    /// instead of the re-attach being retried on every later connection.
     #[tokio::test]
     async fn peer_that_lost_state_is_reset_promptly() {
         let a = SharedStream::new(StreamState::new(5, L));
@@ -671,11 +677,15 @@ mod tests {
             .expect("the driver must give up, not wait on a transport it never attached")
             .unwrap();
         assert!(
-            matches!(
-                result,
-                Err(TransportError::Stream(StreamError::PeerLostState { .. }))
-            ),
-            "{result:?}"
+            a.is_done(),
+            "a stream the peer lost is over: its slot must be freed, not retried"
+        );
+        // The stream is over (reset): the driver reports no transport
+        // failure to retry.
+        assert!(result.is_ok(), "{result:?}");
+        assert_eq!(
+            a.with_state(|s| s.reset_reason().map(|(c, _)| c)),
+            Some(ResetCode::ProtocolError)
         );
         let mut reader = FrameReader::new(1 << 20);
         assert!(matches!(

@@ -214,6 +214,16 @@ impl StreamState {
         }
     }
 
+    /// The peer lost this stream (it re-attached below what it had
+    /// acknowledged): our reset was told to it outside the state machine and
+    /// nothing can ever be re-attached, so the stream is over (done) instead
+    /// of waiting for a transport on which to send the reset.
+    pub fn abandon(&mut self) {
+        if let Some(r) = &mut self.reset {
+            r.sent = true;
+        }
+    }
+
     /// The reset, if any: code and message.
     pub fn reset_reason(&self) -> Option<(ResetCode, &str)> {
         self.reset.as_ref().map(|r| (r.code, r.message.as_str()))
