@@ -63,6 +63,8 @@ pub struct Bed {
 pub struct BedOptions {
     /// Extra `tether-edge` flags.
     pub edge_args: Vec<String>,
+    /// Start only Tether (and direct), not ssh -R and rathole (the soak).
+    pub tether_only: bool,
 }
 
 /// A TCP connection made inside the cloud namespace.
@@ -299,7 +301,7 @@ impl Bed {
                 &pki,
             )?),
         }];
-        {
+        if !opts.tether_only {
             peers.push(Peer {
                 name: "ssh -R",
                 dial: match Self::start_ssh(&link, &d, kport, &pki, &mut others).await {

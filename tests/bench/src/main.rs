@@ -28,6 +28,7 @@ mod footprint;
 mod kubelet;
 mod measure;
 mod scale;
+mod soak;
 mod table;
 
 use std::time::{Duration, Instant};
@@ -594,6 +595,8 @@ struct Args {
     sessions: Option<usize>,
     require_peers: bool,
     out: std::path::PathBuf,
+    /// Run the soak instead of the benchmark, for this many minutes.
+    soak_minutes: Option<u64>,
 }
 
 fn args() -> Result<Args> {
@@ -604,6 +607,7 @@ fn args() -> Result<Args> {
         sessions: None,
         require_peers: false,
         out: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/bench"),
+        soak_minutes: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -623,10 +627,18 @@ fn args() -> Result<Args> {
                 )
             }
             "--require-peers" => a.require_peers = true,
+            "--soak" => {
+                a.soak_minutes = Some(
+                    it.next()
+                        .context("--soak needs a number of minutes")?
+                        .parse()?,
+                )
+            }
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "-h" | "--help" => {
                 println!(
-                    "tether-bench [--quick] [--only interactive|outage|migration|footprint|scale|sessions|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]"
+                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|scale|sessions|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]\n\
+                     tether-bench --soak MINUTES [--sessions N] [--out DIR]   (exits non-zero unless 0 sessions lost, 0 bytes lost, RSS within 10 %)"
                 );
                 std::process::exit(0);
             }
@@ -702,11 +714,26 @@ fn main() -> Result<()> {
          The kubelet stand-in is HTTPS with client certificates required, like a kubelet: through ssh -R and rathole the client's TLS runs end to end; \
          Tether's cloud terminates it and its edge opens TLS to the kubelet. \
          Ratio rows: Tether's figure ÷ the peer's (latency: lower is better; throughput: higher is better).\n",
-        if plan.quick { "quick" } else { "full" },
+        if a.soak_minutes.is_some() {
+            "soak"
+        } else if plan.quick {
+            "quick"
+        } else {
+            "full"
+        },
         machine()
     ));
     let started = Instant::now();
-    let result = rt.block_on(run(&plan, &a, &mut r));
+    let mut soak_failed = false;
+    let result = match a.soak_minutes {
+        Some(minutes) => {
+            let n = a.sessions.unwrap_or(1000);
+            rt.block_on(soak::run(&mut r, n, minutes)).map(|ok| {
+                soak_failed = !ok;
+            })
+        }
+        None => rt.block_on(run(&plan, &a, &mut r)),
+    };
     if !r.notes.is_empty() {
         let notes: Vec<String> = r.notes.iter().map(|n| format!("- {n}\n")).collect();
         r.push(&format!("\nNot measured:\n{}", notes.concat()));
@@ -716,7 +743,9 @@ fn main() -> Result<()> {
         started.elapsed().as_secs_f64()
     ));
     std::fs::create_dir_all(&a.out)?;
-    let file = a.out.join(if plan.quick {
+    let file = a.out.join(if a.soak_minutes.is_some() {
+        "results-soak.md"
+    } else if plan.quick {
         "results-quick.md"
     } else {
         "results.md"
@@ -725,6 +754,9 @@ fn main() -> Result<()> {
     eprintln!("tether-bench: written {}", file.display());
     rt.shutdown_timeout(Duration::from_secs(5));
     result?;
+    if soak_failed {
+        anyhow::bail!("the soak failed its verdict (see {})", file.display());
+    }
     if !r.errors.is_empty() {
         anyhow::bail!(
             "{} measurement(s) failed:\n{}",

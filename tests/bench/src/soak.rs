@@ -1,0 +1,298 @@
+//! The soak (issue "Hardening"): many exec sessions through one edge for a long
+//! time, the link going down every minute.
+//!
+//! `n` upgraded exec sessions stay open through Tether for the whole run; each
+//! writes a position-dependent byte pattern (`CHUNK` bytes every `EVERY`) and
+//! checks every echoed byte against it, so a byte lost, doubled or reordered is
+//! caught where it happens. Every minute the emulated link has a total outage
+//! whose length cycles through [`OUTAGES`] (5–40 s: the longer ones outlast the
+//! 30 s QUIC idle timeout, so the session is resumed over a new connection).
+//! At the end the writers stop, every session must have echoed exactly what it
+//! wrote, and the cloud's and edge's RSS are compared with their values after
+//! the first minute (every session open, one outage and resume behind them:
+//! buffers a resume allocates once are not a leak; growth after that is). Verdict: 0 sessions lost, 0 bytes lost or
+//! duplicated, RSS at the end within [`RSS_TOLERANCE`] of the start. The
+//! command prints a table and exits non-zero when the verdict fails; it is a
+//! soak, not a timing test (no figure of speed is judged).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use linkemu::Impairment;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::bed::{Bed, BedOptions, TETHER};
+use crate::footprint::status_kb;
+use crate::table::{Cell, Table};
+use crate::Report;
+
+/// Bytes each session writes per tick.
+const CHUNK: usize = 64;
+/// Tick of each session's writer.
+const EVERY: Duration = Duration::from_secs(1);
+/// Outage lengths, one a minute, in turn (seconds).
+pub const OUTAGES: [u64; 10] = [35, 5, 20, 40, 12, 31, 8, 25, 38, 15];
+/// Allowed growth of either agent's RSS from start to end.
+pub const RSS_TOLERANCE: f64 = 0.10;
+/// Opens in flight at once.
+const IN_FLIGHT: usize = 64;
+
+fn pattern_byte(session: u64, i: u64) -> u8 {
+    (i.wrapping_add(session.wrapping_mul(7919))
+        .wrapping_mul(2654435761)
+        >> 13) as u8
+}
+
+/// One session's counters.
+struct Session {
+    written: Arc<AtomicU64>,
+    echoed: Arc<AtomicU64>,
+    writer: tokio::task::JoinHandle<Result<u64>>,
+    reader: tokio::task::JoinHandle<Result<u64>>,
+}
+
+/// What the soak saw.
+pub struct Verdict {
+    pub lost_sessions: usize,
+    pub bytes_written: u64,
+    pub bytes_wrong: u64,
+    pub outages: Vec<u64>,
+    /// (start, end) KiB.
+    pub cloud_rss: (u64, u64),
+    pub edge_rss: (u64, u64),
+    pub first_error: Option<String>,
+}
+
+impl Verdict {
+    pub fn rss_ok(&self) -> bool {
+        let within = |(a, b): (u64, u64)| (b as f64) <= (a as f64) * (1.0 + RSS_TOLERANCE);
+        within(self.cloud_rss) && within(self.edge_rss)
+    }
+
+    pub fn ok(&self) -> bool {
+        self.lost_sessions == 0 && self.bytes_wrong == 0 && self.rss_ok()
+    }
+}
+
+async fn open(bed: &Bed, id: u64, stop: Arc<AtomicBool>) -> Result<Session> {
+    let dial = bed
+        .peers
+        .iter()
+        .find(|p| p.name == TETHER)
+        .context("no tether peer in the bed")?
+        .dial
+        .clone()
+        .map_err(anyhow::Error::msg)?;
+    let io = tokio::time::timeout(Duration::from_secs(60), crate::measure::exec(&dial))
+        .await
+        .context("open timed out")??;
+    let (mut r, mut w) = tokio::io::split(io);
+    let written = Arc::new(AtomicU64::new(0));
+    let echoed = Arc::new(AtomicU64::new(0));
+    let wr = written.clone();
+    let writer = tokio::spawn(async move {
+        let mut off = 0u64;
+        // Spread the sessions' ticks over the interval.
+        tokio::time::sleep(EVERY.mul_f64((id % 1000) as f64 / 1000.0)).await;
+        while !stop.load(Ordering::Relaxed) {
+            let chunk: Vec<u8> = (off..off + CHUNK as u64)
+                .map(|i| pattern_byte(id, i))
+                .collect();
+            w.write_all(&chunk).await?;
+            off += CHUNK as u64;
+            wr.store(off, Ordering::Relaxed);
+            tokio::time::sleep(EVERY).await;
+        }
+        Ok(off)
+    });
+    let ec = echoed.clone();
+    let reader = tokio::spawn(async move {
+        let mut off = 0u64;
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let n = r.read(&mut buf).await?;
+            if n == 0 {
+                return Ok(off);
+            }
+            for (k, b) in buf[..n].iter().enumerate() {
+                let at = off + k as u64;
+                if *b != pattern_byte(id, at) {
+                    bail!("session {id}: echoed byte {at} is wrong (lost, doubled or reordered)");
+                }
+            }
+            off += n as u64;
+            ec.store(off, Ordering::Relaxed);
+        }
+    });
+    Ok(Session {
+        written,
+        echoed,
+        writer,
+        reader,
+    })
+}
+
+fn rss(bed: &Bed) -> Result<(u64, u64)> {
+    let cloud = bed.cloud.pid().context("cloud pid")?;
+    let edge = bed.edge.pid().context("edge pid")?;
+    Ok((status_kb(cloud, "VmRSS:")?, status_kb(edge, "VmRSS:")?))
+}
+
+/// Runs the soak: `n` sessions for `minutes`, an outage every minute.
+pub async fn soak(n: usize, minutes: u64) -> Result<Verdict> {
+    let bed = Bed::start(
+        Impairment::clean(),
+        BedOptions {
+            tether_only: true,
+            ..BedOptions::default()
+        },
+    )
+    .await
+    .context("starting the bed")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let gate = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
+    let bed = Arc::new(bed);
+    let mut opening = Vec::with_capacity(n);
+    for id in 0..n as u64 {
+        let (bed, gate, stop) = (bed.clone(), gate.clone(), stop.clone());
+        opening.push(tokio::spawn(async move {
+            let _permit = gate.acquire_owned().await?;
+            open(&bed, id, stop).await
+        }));
+    }
+    let mut sessions = Vec::with_capacity(n);
+    for o in opening {
+        sessions.push(o.await.context("open task")??);
+    }
+    eprintln!("tether-bench soak: {n} sessions open");
+    let mut start_rss = rss(&bed)?;
+    let t0 = Instant::now();
+    let mut outages = Vec::new();
+    for minute in 0..minutes {
+        let len = OUTAGES[minute as usize % OUTAGES.len()];
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        eprintln!("tether-bench soak: minute {minute}: {len} s outage");
+        bed.link.outage(true)?;
+        tokio::time::sleep(Duration::from_secs(len)).await;
+        bed.link.outage(false)?;
+        outages.push(len);
+        let next = t0 + Duration::from_secs(60 * (minute + 1));
+        tokio::time::sleep_until(next.into()).await;
+        if minute == 0 && minutes > 1 {
+            // The reference reading: after the first outage and resume.
+            start_rss = rss(&bed)?;
+        }
+    }
+    // Before stopping: the memory at the end, with every session still open.
+    let end_rss = rss(&bed)?;
+    stop.store(true, Ordering::Relaxed);
+    // Drain: every written byte echoed, bounded.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while sessions.iter().any(|s| {
+        !s.reader.is_finished()
+            && s.echoed.load(Ordering::Relaxed) < s.written.load(Ordering::Relaxed)
+    }) && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut v = Verdict {
+        lost_sessions: 0,
+        bytes_written: 0,
+        bytes_wrong: 0,
+        outages,
+        cloud_rss: (start_rss.0, end_rss.0),
+        edge_rss: (start_rss.1, end_rss.1),
+        first_error: None,
+    };
+    for s in sessions {
+        let wrote = s.written.load(Ordering::Relaxed);
+        let echoed = s.echoed.load(Ordering::Relaxed);
+        v.bytes_written += wrote;
+        let mut lost = false;
+        if s.reader.is_finished() {
+            // A reader ends only with an error or the stream's end: both
+            // mean the session was lost.
+            lost = true;
+            match s.reader.await {
+                Ok(Err(e)) => {
+                    v.first_error.get_or_insert(format!("{e:#}"));
+                }
+                Ok(Ok(at)) => {
+                    v.first_error
+                        .get_or_insert(format!("a session ended early at byte {at}"));
+                }
+                Err(e) => {
+                    v.first_error.get_or_insert(format!("reader task: {e}"));
+                }
+            }
+        } else {
+            s.reader.abort();
+        }
+        if s.writer.is_finished() {
+            if let Ok(Err(e)) = s.writer.await {
+                lost = true;
+                v.first_error.get_or_insert(format!("writer: {e:#}"));
+            }
+        } else {
+            s.writer.abort();
+        }
+        if echoed != wrote {
+            v.bytes_wrong += wrote.abs_diff(echoed);
+            lost = true;
+        }
+        v.lost_sessions += usize::from(lost);
+    }
+    Ok(v)
+}
+
+/// The soak as a report section.
+pub async fn run(r: &mut Report, n: usize, minutes: u64) -> Result<bool> {
+    let v = soak(n, minutes).await?;
+    r.push(&format!(
+        "\n### Soak: {n} exec sessions through one edge for {minutes} min, a total outage every minute\n\n\
+         Each session writes {CHUNK} bytes a second of a checksummed pattern and checks every echoed byte; \
+         outages (s): {:?}. RSS at the start (after the first minute: every session open, one outage and resume behind) and at the end (still open).\n\n",
+        v.outages
+    ));
+    let mut t = Table::new(
+        &[
+            "sessions",
+            "lost",
+            "bytes written",
+            "bytes lost or wrong",
+            "cloud RSS MiB start",
+            "end",
+            "edge RSS MiB start",
+            "end",
+            "verdict",
+        ],
+        1,
+    );
+    let mib = |kb: u64| Cell::Num(kb as f64 / 1024.0);
+    t.row(
+        &n.to_string(),
+        vec![
+            Cell::Int(v.lost_sessions as u64),
+            Cell::Int(v.bytes_written),
+            Cell::Int(v.bytes_wrong),
+            mib(v.cloud_rss.0),
+            mib(v.cloud_rss.1),
+            mib(v.edge_rss.0),
+            mib(v.edge_rss.1),
+            Cell::text(if v.ok() { "pass" } else { "FAIL" }),
+        ],
+    );
+    r.push(&t.render());
+    if let Some(e) = &v.first_error {
+        r.push(&format!("\nFirst error: {e}\n"));
+    }
+    if !v.rss_ok() {
+        r.push(&format!(
+            "\nRSS grew by more than {:.0} %.\n",
+            RSS_TOLERANCE * 100.0
+        ));
+    }
+    Ok(v.ok())
+}
