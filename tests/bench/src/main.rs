@@ -378,7 +378,20 @@ async fn outage_cycles_run(r: &mut Report, plan: &Plan) -> Result<()> {
                 };
                 let id = format!("{}_{i}_{cycle}", p.name.replace(' ', "_"));
                 match Watch::start(&dial, &id, Duration::from_millis(100), 16 << 10).await {
-                    Ok(w) => watches.push((p.name, w)),
+                    Ok(w) => watches.push((p.name, Some(w))),
+                    // A tunnel that did not survive an earlier cycle (ssh -R
+                    // exits when its connection dies) cannot open sessions:
+                    // that cycle is not kept either.
+                    Err(e) if cycle > 0 => {
+                        let note = format!(
+                            "{} (back {label}): no sessions could be opened after an earlier outage: {e:#}",
+                            p.name
+                        );
+                        if !r.notes.contains(&note) {
+                            r.notes.push(note);
+                        }
+                        watches.push((p.name, None));
+                    }
                     Err(e) => {
                         r.error(format!("{}: opening sessions: {e:#}", p.name));
                     }
@@ -392,8 +405,13 @@ async fn outage_cycles_run(r: &mut Report, plan: &Plan) -> Result<()> {
             let restored = Instant::now();
             tokio::time::sleep(plan.cycle_observe).await;
             for (name, w) in watches {
-                let (typed, log) = w.finish(Duration::from_secs(2), &bed.kubelet).await;
-                let ok = survived(&typed, restored).0 && survived(&log, restored).0;
+                let ok = match w {
+                    Some(w) => {
+                        let (typed, log) = w.finish(Duration::from_secs(2), &bed.kubelet).await;
+                        survived(&typed, restored).0 && survived(&log, restored).0
+                    }
+                    None => false,
+                };
                 let row = match kept.iter_mut().find(|k| k.0 == name) {
                     Some(row) => row,
                     None => {
