@@ -17,4 +17,7 @@ scripts/install-peers.sh
 export RATHOLE="$root/target/bench-tools/bin/rathole"
 
 cargo build --release -p tether-cloud -p tether-edge -p linkemu -p tether-bench
+# The edge as shipped (Containerfile, systemd): the `edge` profile.
+cargo build --profile edge -p tether-edge
+export TETHER_EDGE_BIN="${CARGO_TARGET_DIR:-$root/target}/edge/tether-edge"
 "${CARGO_TARGET_DIR:-$root/target}/release/tether-bench" --out "$root/target/bench" "$@"

@@ -401,7 +401,9 @@ impl Dialer {
         let rtt = async {
             loop {
                 self.metrics.rtt_seconds.set(conn.rtt().as_secs_f64());
-                tokio::time::sleep(Duration::from_secs(5)).await;
+                // A scrape every 15–60 s is the norm; a faster refresh only
+                // wakes an idle edge.
+                tokio::time::sleep(Duration::from_secs(15)).await;
             }
         };
         tokio::select! {

@@ -27,7 +27,14 @@ fn main() -> anyhow::Result<()> {
     let Some(cfg) = tether_proto::cli::start::<EdgeArgs>(&argv).map_err(anyhow::Error::msg)? else {
         return Ok(());
     };
-    runtime()?.block_on(run(cfg))
+    // Spawned, not run on the main thread by `block_on`: every timer and I/O
+    // event is then handled on the runtime's worker, not handed over to the
+    // main thread and back (half of the idle edge's wake-ups).
+    runtime()?.block_on(async {
+        tokio::spawn(run(cfg))
+            .await
+            .context("the edge's main task failed")?
+    })
 }
 
 async fn run(cfg: tether_edge::config::EdgeConfig) -> anyhow::Result<()> {

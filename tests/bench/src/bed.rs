@@ -161,6 +161,22 @@ fn tether_dial(link: &Arc<Link>, pki: &Pki) -> Result<Dial> {
 }
 
 /// The rathole binary: `$RATHOLE`, `<workspace>/target/bench-tools/bin`, or `$PATH`.
+/// The `tether-edge` binary the beds run: `$TETHER_EDGE_BIN` (scripts/bench.sh
+/// sets it to the `edge` profile build, the binary as shipped), else the one next
+/// to the other workspace binaries.
+pub fn edge_bin() -> Result<PathBuf> {
+    match std::env::var_os("TETHER_EDGE_BIN") {
+        Some(p) => {
+            let p = PathBuf::from(p);
+            if !p.is_file() {
+                bail!("TETHER_EDGE_BIN={} is not a file", p.display());
+            }
+            Ok(p)
+        }
+        None => tether_tests::bins::binary("tether-edge"),
+    }
+}
+
 pub fn rathole_bin() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("RATHOLE") {
         return Some(PathBuf::from(p));
@@ -243,7 +259,7 @@ impl Bed {
             })
             .await?;
         let pair = pki.edges.get("edge-1").context("edge-1 certificate")?;
-        let mut cmd = link.exec_in_edge(tether_tests::bins::binary("tether-edge")?);
+        let mut cmd = link.exec_in_edge(edge_bin()?);
         cmd.arg("--cloud")
             .arg(format!("{cloud_ip}:{TUNNEL_PORT}"))
             .args(["--server-name", pki::CLOUD_SERVER_NAME])

@@ -78,7 +78,7 @@ pub async fn run(r: &mut Report, window: Duration) -> Result<()> {
     agents.push((
         crate::bed::TETHER,
         bed.edge.pid().context("edge pid")?,
-        tether_tests::bins::binary("tether-edge")?,
+        crate::bed::edge_bin()?,
     ));
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before: Vec<u64> = agents.iter().map(|a| switches(a.1).unwrap_or(0)).collect();
@@ -112,8 +112,14 @@ pub async fn run(r: &mut Report, window: Duration) -> Result<()> {
         t.row(peer, vec![size, rss, wake]);
     }
     r.push(&format!(
-        "\n### Edge footprint ({} build of tether-edge)\n\nConnected and idle. tether-edge: keep-alive 10 s, pods read every 5 s; ssh: ServerAliveInterval 5 s; rathole: defaults (heartbeat 30 s).\n\n",
-        if cfg!(debug_assertions) { "debug" } else { "release" }
+        "\n### Edge footprint (tether-edge: {})\n\nConnected and idle. tether-edge: keep-alive 10 s, pods read every 5 s; ssh: ServerAliveInterval 5 s; rathole: defaults (heartbeat 30 s).\n\n",
+        if std::env::var_os("TETHER_EDGE_BIN").is_some() {
+            "the `edge` profile build, as shipped"
+        } else if cfg!(debug_assertions) {
+            "debug build"
+        } else {
+            "release build"
+        }
     ));
     r.push(&t.render());
     Ok(())
