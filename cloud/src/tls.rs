@@ -56,7 +56,12 @@ pub fn quic_server_config(
     let crypto =
         quinn::crypto::rustls::QuicServerConfig::try_from(tls).context("QUIC TLS configuration")?;
     let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    sc.transport_config(settings.transport_arc().map_err(anyhow::Error::msg)?);
+    let mut transport = settings.transport().map_err(anyhow::Error::msg)?;
+    // Only the edge sends keep-alives: they hold its NAT binding and keep both
+    // ends' idle timers alive; pings from the cloud would only double the
+    // packets an idle edge wakes for (and pays for on a metered link).
+    transport.keep_alive_interval(None);
+    sc.transport_config(Arc::new(transport));
     sc.migration(true);
     Ok(sc)
 }
