@@ -1,5 +1,5 @@
 //! The soak's short variant (issue "Hardening"): 100 exec sessions through one edge
-//! for 2 minutes with a 35 s and a 5 s total outage (the first outlasts the QUIC idle
+//! for 2 minutes with a 40 s and a 5 s total outage (the first outlasts the QUIC idle
 //! timeout, so the session is resumed over a new connection). `tether-bench --soak`
 //! exits non-zero unless every session survives with every byte echoed exactly once
 //! and both agents' RSS at the end is within 10 % of the reading after the first
