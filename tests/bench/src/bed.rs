@@ -65,6 +65,11 @@ pub struct BedOptions {
     pub edge_args: Vec<String>,
     /// Start only Tether (and direct), not ssh -R and rathole (the soak).
     pub tether_only: bool,
+    /// Configure every tunnel's keep-alive to hold a NAT binding of this
+    /// length (ssh's ServerAliveInterval, rathole's heartbeat and TCP
+    /// keep-alive, tether-edge's --keep-alive: each 5 s below it), instead of
+    /// their usual settings (the cellular-data scenario).
+    pub nat_binding: Option<Duration>,
 }
 
 /// A TCP connection made inside the cloud namespace.
@@ -161,6 +166,13 @@ fn tether_dial(link: &Arc<Link>, pki: &Pki) -> Result<Dial> {
 }
 
 /// The rathole binary: `$RATHOLE`, `<workspace>/target/bench-tools/bin`, or `$PATH`.
+/// The keep-alive interval that holds a NAT binding of `binding`: 5 s below it.
+pub fn keepalive_for(binding: Duration) -> Duration {
+    binding
+        .saturating_sub(Duration::from_secs(5))
+        .max(Duration::from_secs(1))
+}
+
 /// The `tether-edge` binary the beds run: `$TETHER_EDGE_BIN` (scripts/bench.sh
 /// sets it to the `edge` profile build, the binary as shipped), else the one next
 /// to the other workspace binaries.
@@ -279,6 +291,13 @@ impl Bed {
             .args(["--metrics-listen", "127.0.0.1:0"])
             .args(["--announce-address", "edge-1.invalid"])
             .args(&opts.edge_args)
+            .args(match opts.nat_binding {
+                Some(b) => vec![
+                    "--keep-alive".to_string(),
+                    format!("{}s", keepalive_for(b).as_secs()),
+                ],
+                None => Vec::new(),
+            })
             .env("TETHER_LOG", "info")
             .env("RUST_BACKTRACE", "0");
         let mut edge = Proc::spawn(
@@ -320,14 +339,25 @@ impl Bed {
         if !opts.tether_only {
             peers.push(Peer {
                 name: "ssh -R",
-                dial: match Self::start_ssh(&link, &d, kport, &pki, &mut others).await {
+                dial: match Self::start_ssh(&link, &d, kport, &pki, &mut others, opts.nat_binding)
+                    .await
+                {
                     Ok(dial) => Ok(dial),
                     Err(e) => Err(format!("{e:#}")),
                 },
             });
             peers.push(Peer {
                 name: "rathole",
-                dial: match Self::start_rathole(&link, &d, kport, &pki, &mut others).await {
+                dial: match Self::start_rathole(
+                    &link,
+                    &d,
+                    kport,
+                    &pki,
+                    &mut others,
+                    opts.nat_binding,
+                )
+                .await
+                {
                     Ok(dial) => Ok(dial),
                     Err(e) => Err(format!("{e:#}")),
                 },
@@ -356,6 +386,7 @@ impl Bed {
         kport: u16,
         pki: &Pki,
         procs: &mut Vec<Proc>,
+        nat_binding: Option<Duration>,
     ) -> Result<Dial> {
         let sshd =
             sshd_bin().context("sshd not installed (scripts/bench.sh installs openssh-server)")?;
@@ -399,8 +430,17 @@ impl Bed {
             "UserKnownHostsFile=/dev/null",
         ])
         .args(["-o", "ExitOnForwardFailure=yes", "-o", "BatchMode=yes"])
-        // The usual keep-alive of a reverse tunnel: dead after 3 × 5 s unanswered.
-        .args(["-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"])
+        // The usual keep-alive of a reverse tunnel: dead after 3 × 5 s
+        // unanswered (or just often enough for the NAT binding).
+        .args([
+            "-o".to_string(),
+            format!(
+                "ServerAliveInterval={}",
+                nat_binding.map_or(5, |b| keepalive_for(b).as_secs())
+            ),
+            "-o".to_string(),
+            "ServerAliveCountMax=3".to_string(),
+        ])
         .args(["-p", "2222", "-i"])
         .arg(d.join("ssh_client_key"))
         .arg("-R")
@@ -423,22 +463,38 @@ impl Bed {
         kport: u16,
         pki: &Pki,
         procs: &mut Vec<Proc>,
+        nat_binding: Option<Duration>,
     ) -> Result<Dial> {
         let bin = rathole_bin().context(
             "rathole not installed (scripts/bench.sh installs it into target/bench-tools; RATHOLE=path overrides)",
         )?;
         let cloud_ip = link.cloud_ip();
+        // rathole's heartbeat (server → client) and the TCP keep-alive of its
+        // connections, tuned to the NAT binding when one is given.
+        let (server_extra, client_extra) = match nat_binding {
+            Some(b) => {
+                let k = keepalive_for(b).as_secs();
+                (
+                    format!("heartbeat_interval = {k}\n"),
+                    format!(
+                        "heartbeat_timeout = {}\n\n[client.transport]\ntype = \"tcp\"\n\n[client.transport.tcp]\nkeepalive_secs = {k}\n",
+                        3 * k
+                    ),
+                )
+            }
+            None => (String::new(), String::new()),
+        };
         std::fs::write(
             d.join("rathole-server.toml"),
             format!(
-                "[server]\nbind_addr = \"{cloud_ip}:2333\"\ndefault_token = \"tether-bench\"\n\n\
+                "[server]\nbind_addr = \"{cloud_ip}:2333\"\ndefault_token = \"tether-bench\"\n{server_extra}\n\
                  [server.services.kubelet]\nbind_addr = \"127.0.0.1:{RATHOLE_PORT}\"\n"
             ),
         )?;
         std::fs::write(
             d.join("rathole-client.toml"),
             format!(
-                "[client]\nremote_addr = \"{cloud_ip}:2333\"\ndefault_token = \"tether-bench\"\n\n\
+                "[client]\nremote_addr = \"{cloud_ip}:2333\"\ndefault_token = \"tether-bench\"\n{client_extra}\n\
                  [client.services.kubelet]\nlocal_addr = \"127.0.0.1:{kport}\"\n"
             ),
         )?;

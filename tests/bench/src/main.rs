@@ -14,7 +14,8 @@
 //! 4. the edge's address changes mid-stream;
 //! 5. scale: many idle edges held by one cloud (see [`scale`]), and many concurrent
 //!    sessions through one edge (see [`concurrent`]);
-//! 6. the edge's footprint (see [`footprint`]).
+//! 6. the edge's footprint (see [`footprint`]);
+//! 7. cellular data: bytes on the wire per idle edge per day (see [`cellular`]).
 //!
 //! `tether-bench` runs everything (release build: `scripts/bench.sh`); `--quick` runs a
 //! short variant (clean link, small sizes, 5 s outage, 100 sessions, no idle edges) for CI. Results go to
@@ -23,6 +24,7 @@
 //! measurement that errors where it must not).
 
 mod bed;
+mod cellular;
 mod concurrent;
 mod footprint;
 mod kubelet;
@@ -66,6 +68,8 @@ struct Plan {
     cycle_outage: Duration,
     cycle_observe: Duration,
     idle_window: Duration,
+    /// Idle window of the cellular-data scenario.
+    cellular_window: Duration,
     scale_edges: Vec<usize>,
     /// Exec sessions held open at once through one edge.
     sessions: usize,
@@ -98,6 +102,7 @@ impl Plan {
                 cycle_outage: Duration::from_secs(5),
                 cycle_observe: Duration::from_secs(15),
                 idle_window: Duration::from_secs(5),
+                cellular_window: Duration::from_secs(30),
                 scale_edges: Vec::new(),
                 sessions: 100,
             };
@@ -147,6 +152,7 @@ impl Plan {
             cycle_outage: Duration::from_secs(35),
             cycle_observe: Duration::from_secs(40),
             idle_window: Duration::from_secs(60),
+            cellular_window: Duration::from_secs(300),
             scale_edges: vec![1000, 10_000],
             sessions: 1000,
         }
@@ -655,7 +661,7 @@ fn args() -> Result<Args> {
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "-h" | "--help" => {
                 println!(
-                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|scale|sessions|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]\n\
+                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|scale|sessions|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]\n\
                      tether-bench --soak MINUTES [--sessions N] [--out DIR]   (exits non-zero unless 0 sessions lost, 0 bytes lost, RSS within 10 %)"
                 );
                 std::process::exit(0);
@@ -685,6 +691,11 @@ async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
         event_run(r, plan, false)
             .await
             .context("address change scenario")?;
+    }
+    if want("cellular data") {
+        cellular::run(r, plan.cellular_window)
+            .await
+            .context("cellular data")?;
     }
     if want("footprint") {
         footprint::run(r, plan.idle_window)
