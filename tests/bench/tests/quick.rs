@@ -10,34 +10,18 @@
 //! (`scripts/setup.sh` installs them, as `scripts/test.sh` does). A missing peer fails
 //! the test (`--require-peers`) rather than leaving its part of the harness untried.
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
 
 #[test]
 fn quick_benchmark_runs() {
     let out = tempfile::tempdir().expect("temp dir");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tether-bench"))
-        .arg("--quick")
-        .arg("--require-peers")
-        .arg("--out")
-        .arg(out.path())
-        .stdout(Stdio::inherit())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawning tether-bench");
-    let limit = Duration::from_secs(420);
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("waiting for tether-bench") {
-            break s;
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("tether-bench --quick ran past {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let status = common::run_bench(
+        &["--quick", "--require-peers"],
+        out.path(),
+        Duration::from_secs(420),
+    );
     assert!(status.success(), "tether-bench --quick failed: {status}");
     let md = std::fs::read_to_string(out.path().join("results-quick.md")).expect("results");
     for section in [

@@ -7,32 +7,18 @@
 //!
 //! Needs root (network namespaces) and the workspace binaries next to this test's.
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
 
 #[test]
 fn short_soak_loses_no_session_and_no_byte() {
     let out = tempfile::tempdir().expect("temp dir");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tether-bench"))
-        .args(["--soak", "2", "--sessions", "100", "--out"])
-        .arg(out.path())
-        .stdout(Stdio::inherit())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawning tether-bench --soak");
-    let limit = Duration::from_secs(420);
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("waiting for tether-bench") {
-            break s;
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("tether-bench --soak ran past {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let status = common::run_bench(
+        &["--soak", "2", "--sessions", "100"],
+        out.path(),
+        Duration::from_secs(420),
+    );
     let md = std::fs::read_to_string(out.path().join("results-soak.md")).unwrap_or_default();
     println!("{md}");
     assert!(status.success(), "the soak failed: {status}\n{md}");
