@@ -261,7 +261,7 @@ pub async fn run(r: &mut Report, n: usize, minutes: u64) -> Result<bool> {
     r.push(&format!(
         "\n### Soak: {n} exec sessions through one edge for {minutes} min, a total outage every minute\n\n\
          Each session writes {CHUNK} bytes a second of a checksummed pattern and checks every echoed byte; \
-         outages (s): {:?}. RSS at the start (after the first minute: every session open, one outage and resume behind) and at the end (still open).\n\n",
+         outages (s): {:?}. RSS at the start (after the first minute: every session open, the longest outage and its resume behind) and at the end (still open).\n\n",
         v.outages
     ));
     let mut t = Table::new(
