@@ -97,6 +97,12 @@ pub struct CloudArgs {
     /// spending the CPU on handshakes the edges abandon after their timeout.
     #[arg(long, env = "TETHER_MAX_PENDING_HANDSHAKES", default_value_t = 512)]
     pub max_pending_handshakes: usize,
+    /// Edge handshakes one source IP may start per second (and at once).
+    /// Its further Initials are dropped; its QUIC retransmits them later.
+    /// Once a quarter of the handshake slots are in use, edges must also
+    /// prove their address with a QUIC Retry first.
+    #[arg(long, env = "TETHER_HANDSHAKES_PER_SOURCE", default_value_t = 20)]
+    pub handshakes_per_source: u32,
     /// A TOML file of settings (keys are the long flag names); flags and
     /// environment variables override it.
     #[arg(long, env = "TETHER_CONFIG")]
@@ -141,6 +147,7 @@ pub struct CloudConfig {
     pub max_apiserver_connections: usize,
     pub max_edges: usize,
     pub max_pending_handshakes: usize,
+    pub handshakes_per_source: u32,
     pub metrics_listen: SocketAddr,
     pub shutdown_grace: Duration,
     /// Join settings, when joins are enabled.
@@ -169,6 +176,9 @@ impl CloudArgs {
         let quic = self
             .quic
             .settings(&limits, tether_proto::cli::Role::Cloud)?;
+        if self.handshakes_per_source == 0 {
+            return Err("--handshakes-per-source must be at least 1".into());
+        }
         if self.max_http_header_bytes < 8192 {
             return Err("--max-http-header-bytes must be at least 8KiB".into());
         }
@@ -194,6 +204,7 @@ impl CloudArgs {
             max_apiserver_connections: self.max_apiserver_connections,
             max_edges: self.max_edges,
             max_pending_handshakes: self.max_pending_handshakes,
+            handshakes_per_source: self.handshakes_per_source,
             metrics_listen: self.metrics_listen,
             shutdown_grace: self.shutdown_grace,
             join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {

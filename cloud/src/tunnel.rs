@@ -26,6 +26,7 @@ use tokio::sync::Semaphore;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::config::CloudConfig;
+use crate::gate::{Gate, Verdict};
 use crate::metrics::CloudMetrics;
 use crate::registry::Registry;
 use crate::session::{Link, Session};
@@ -73,7 +74,34 @@ pub async fn serve(
         }
         None => None,
     };
+    let mut gate = Gate::new(cfg.handshakes_per_source, cfg.max_pending_handshakes);
     while let Some(incoming) = endpoint.accept().await {
+        let in_progress = cfg.max_pending_handshakes - handshakes.available_permits();
+        match gate.check(
+            incoming.remote_address().ip(),
+            incoming.remote_address_validated(),
+            in_progress,
+            std::time::Instant::now(),
+        ) {
+            Verdict::Admit => {}
+            Verdict::Retry => {
+                // Stateless: a spoofed source never answers it, a real edge
+                // comes back validated one round trip later.
+                metrics.refuse_edge("retry");
+                if incoming.may_retry() {
+                    let _ = incoming.retry();
+                } else {
+                    incoming.ignore();
+                }
+                continue;
+            }
+            Verdict::SourceLimited => {
+                debug!(remote = %incoming.remote_address(), limit = cfg.handshakes_per_source, "dropping an edge's Initial: --handshakes-per-source reached");
+                metrics.refuse_edge("source_rate");
+                incoming.ignore();
+                continue;
+            }
+        }
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             warn!(remote = %incoming.remote_address(), limit = cfg.max_edges, "refusing edge connection: --max-edges reached");
             metrics.refuse_edge("max_edges");
