@@ -164,6 +164,11 @@ pub struct TokenRecord {
     /// Free text from the operator.
     #[serde(default)]
     pub description: String,
+    /// May join a node name a certificate was already issued for (the
+    /// operator re-bootstraps that node). Without it such a join is refused:
+    /// a token cannot be used to displace an existing node.
+    #[serde(default)]
+    pub allow_reissue: bool,
 }
 
 impl TokenRecord {
@@ -350,6 +355,20 @@ impl JoinStore {
         description: &str,
         now: SystemTime,
     ) -> Result<(JoinToken, TokenRecord), JoinError> {
+        self.create_with(ttl, node_pattern, uses, description, false, now)
+    }
+
+    /// [`create`](JoinStore::create), and whether the token may join node
+    /// names that already have a certificate (`allow_reissue`).
+    pub fn create_with(
+        &self,
+        ttl: Duration,
+        node_pattern: &str,
+        uses: u32,
+        description: &str,
+        allow_reissue: bool,
+        now: SystemTime,
+    ) -> Result<(JoinToken, TokenRecord), JoinError> {
         if uses == 0 {
             return Err(JoinError::Invalid("a token needs at least one use".into()));
         }
@@ -379,6 +398,7 @@ impl JoinStore {
                 uses_left: uses,
                 revoked: false,
                 description: description.to_string(),
+                allow_reissue,
             };
             f.tokens.push(record.clone());
             Ok((token, record))
@@ -454,7 +474,17 @@ impl JoinStore {
     ) -> Result<(Grant, Option<IssuedCert>), JoinError> {
         let token = JoinToken::parse(token)?;
         self.update(|f| {
-            let id = check_record(f, &token, node, now)?.id.clone();
+            let checked = check_record(f, &token, node, now)?;
+            let id = checked.id.clone();
+            if !checked.allow_reissue {
+                if let Some(before) = f.issued.iter().find(|i| i.node == node) {
+                    return Err(JoinError::NodeTaken {
+                        id,
+                        node: node.to_string(),
+                        serial: before.serial.clone(),
+                    });
+                }
+            }
             let record = f
                 .tokens
                 .iter_mut()
@@ -578,6 +608,35 @@ mod tests {
         assert!(!glob_match("*-site-*.example", "a-site-b.example.com"));
         assert!(glob_match("a*b*c", "aXXbYYbc"));
         assert!(!glob_match("a*b*c", "aXXbYYb"));
+    }
+
+    fn issue_for(s: &JoinStore, token: &str, node: &str) -> Result<Grant, JoinError> {
+        s.redeem_and_issue(token, node, SystemTime::now(), |_| {
+            Ok(IssuedCert {
+                cert_pem: String::new(),
+                serial: format!("serial-{node}"),
+                expires_unix: unix(SystemTime::now()) + 3600,
+            })
+        })
+        .map(|(g, _)| g)
+    }
+
+    #[test]
+    fn a_token_cannot_join_a_node_that_already_has_a_certificate() {
+        let (_d, s) = store();
+        let now = SystemTime::now();
+        let (first, _) = s.create(HOUR, "edge-1", 1, "", now).unwrap();
+        issue_for(&s, &first.reveal(), "edge-1").unwrap();
+        // A wildcard token (or a leaked one) may not displace edge-1.
+        let (any, _) = s.create(HOUR, "*", 5, "", now).unwrap();
+        let e = issue_for(&s, &any.reveal(), "edge-1").unwrap_err();
+        assert!(matches!(e, JoinError::NodeTaken { .. }), "{e}");
+        assert!(e.to_string().contains("--allow-reissue"), "{e}");
+        // The refusal did not spend a use; other names still join.
+        issue_for(&s, &any.reveal(), "edge-2").unwrap();
+        // Re-bootstrapping edge-1 needs a token made for it.
+        let (again, _) = s.create_with(HOUR, "edge-1", 1, "", true, now).unwrap();
+        issue_for(&s, &again.reveal(), "edge-1").unwrap();
     }
 
     #[test]

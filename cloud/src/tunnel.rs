@@ -70,6 +70,7 @@ pub async fn serve(
                 store: Arc::new(store),
                 ca: Arc::new(ca),
                 validity: j.validity,
+                renewals: std::sync::Mutex::new(RenewalLimiter::new(RENEWAL_MIN_INTERVAL)),
             }))
         }
         None => None,
@@ -176,6 +177,46 @@ struct JoinCtx {
     store: Arc<tether_certs::JoinStore>,
     ca: Arc<tether_certs::Ca>,
     validity: Duration,
+    /// When each node last had a certificate renewed.
+    renewals: std::sync::Mutex<RenewalLimiter>,
+}
+
+/// Least time between two renewals of one node's certificate. An edge asks
+/// at two thirds of its certificate's life; anything more often is a
+/// misbehaving (or stolen-key) edge minting certificates.
+const RENEWAL_MIN_INTERVAL: Duration = Duration::from_secs(600);
+
+/// At most one renewal per node per interval (bounded memory: entries older
+/// than the interval are forgotten when the table grows).
+struct RenewalLimiter {
+    interval: Duration,
+    last: std::collections::HashMap<String, std::time::Instant>,
+}
+
+impl RenewalLimiter {
+    fn new(interval: Duration) -> Self {
+        RenewalLimiter {
+            interval,
+            last: std::collections::HashMap::new(),
+        }
+    }
+
+    /// Whether `node` may renew now; if so, counts it. `Err` tells how long to wait.
+    fn try_renew(&mut self, node: &str, now: std::time::Instant) -> Result<(), Duration> {
+        if let Some(at) = self.last.get(node) {
+            let since = now.saturating_duration_since(*at);
+            if since < self.interval {
+                return Err(self.interval - since);
+            }
+        }
+        if self.last.len() >= 100_000 {
+            let interval = self.interval;
+            self.last
+                .retain(|_, at| now.saturating_duration_since(*at) < interval);
+        }
+        self.last.insert(node.to_string(), now);
+        Ok(())
+    }
 }
 
 fn alpn_of(conn: &quinn::Connection) -> Option<Vec<u8>> {
@@ -439,8 +480,19 @@ async fn control_loop(
         match reader.next(&mut recv).await? {
             Some(Frame::RenewCert { csr_pem }) => {
                 // The node is the session's (from its certificate), never the CSR's say-so.
+                let allowed = join.as_ref().map(|j| {
+                    j.renewals
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .try_renew(&session.node, std::time::Instant::now())
+                });
                 let result = match &join {
                     None => Err("certificate renewal is not enabled on this cloud (--join-ca-cert/--join-ca-key)".to_string()),
+                    Some(_) if matches!(allowed, Some(Err(_))) => {
+                        let wait = match allowed { Some(Err(w)) => w, _ => Duration::ZERO };
+                        warn!(node = %session.node, "refusing certificate renewal: renewed less than {RENEWAL_MIN_INTERVAL:?} ago");
+                        Err(format!("renewed too recently; try again in {}s", wait.as_secs()))
+                    }
                     Some(j) => tether_certs::sign_edge_csr(&j.ca, &csr_pem, &session.node, j.validity)
                         .map(|issued| {
                             info!(node = %session.node, serial = %issued.serial, "renewed the edge's certificate");
@@ -469,5 +521,25 @@ async fn control_loop(
             Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
             None => return Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod renewal_tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn a_node_renews_at_most_once_per_interval() {
+        let mut l = RenewalLimiter::new(Duration::from_secs(600));
+        let t = Instant::now();
+        assert!(l.try_renew("edge-1", t).is_ok());
+        let wait = l
+            .try_renew("edge-1", t + Duration::from_secs(1))
+            .unwrap_err();
+        assert_eq!(wait, Duration::from_secs(599));
+        // Other nodes are not affected; the node may renew again later.
+        assert!(l.try_renew("edge-2", t).is_ok());
+        assert!(l.try_renew("edge-1", t + Duration::from_secs(600)).is_ok());
     }
 }
