@@ -179,6 +179,29 @@ impl CloudArgs {
         if self.handshakes_per_source == 0 {
             return Err("--handshakes-per-source must be at least 1".into());
         }
+        // A zero limit or timeout would refuse everything or spin: refuse it.
+        for (flag, n) in [
+            ("--max-edges", self.max_edges),
+            ("--max-pending-handshakes", self.max_pending_handshakes),
+            (
+                "--max-apiserver-connections",
+                self.max_apiserver_connections,
+            ),
+        ] {
+            if n == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+        }
+        for (flag, d) in [
+            ("--response-timeout", self.response_timeout),
+            ("--handshake-timeout", self.handshake_timeout),
+            ("--http-header-timeout", self.http_header_timeout),
+            ("--join-cert-validity", self.join_cert_validity),
+        ] {
+            if d.is_zero() {
+                return Err(format!("{flag} must be more than 0"));
+            }
+        }
         if self.max_http_header_bytes < 8192 {
             return Err("--max-http-header-bytes must be at least 8KiB".into());
         }
@@ -220,5 +243,49 @@ impl CloudArgs {
             limits,
             quic,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &[&str]) -> Result<CloudConfig, String> {
+        let mut args = vec![
+            "tether-cloud",
+            "--tunnel-cert",
+            "t.crt",
+            "--tunnel-key",
+            "t.key",
+            "--edge-ca",
+            "ca.crt",
+            "--kubelet-cert",
+            "k.crt",
+            "--kubelet-key",
+            "k.key",
+            "--insecure-skip-client-auth",
+        ];
+        args.extend_from_slice(extra);
+        CloudArgs::try_parse_from(args)
+            .map_err(|e| e.to_string())?
+            .into_config()
+    }
+
+    #[test]
+    fn zero_limits_and_timeouts_are_refused() {
+        assert!(config(&[]).is_ok());
+        for (flag, zero) in [
+            ("--max-edges", "0"),
+            ("--max-pending-handshakes", "0"),
+            ("--max-apiserver-connections", "0"),
+            ("--handshakes-per-source", "0"),
+            ("--response-timeout", "0s"),
+            ("--handshake-timeout", "0s"),
+            ("--http-header-timeout", "0s"),
+            ("--join-cert-validity", "0s"),
+        ] {
+            let e = config(&[flag, zero]).expect_err(flag);
+            assert!(e.contains(flag), "{flag}: {e}");
+        }
     }
 }

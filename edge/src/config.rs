@@ -210,6 +210,16 @@ impl EdgeArgs {
             .rsplit_once(':')
             .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_string())
             .ok_or_else(|| format!("--cloud {:?} must be HOST:PORT", self.cloud))?;
+        // A zero interval would spin (a busy loop), a zero timeout fail everything.
+        for (flag, d) in [
+            ("--pods-refresh", self.pods_refresh),
+            ("--kubelet-connect-timeout", self.kubelet_connect_timeout),
+            ("--handshake-timeout", self.handshake_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(format!("{flag} must be more than 0"));
+            }
+        }
         if self.reconnect_min > self.reconnect_max || self.reconnect_min.is_zero() {
             return Err("--reconnect-min must be positive and at most --reconnect-max".into());
         }
@@ -240,5 +250,43 @@ impl EdgeArgs {
             limits,
             quic,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &[&str]) -> Result<EdgeConfig, String> {
+        let mut args = vec![
+            "tether-edge",
+            "--cloud",
+            "cloud.example:10004",
+            "--ca",
+            "ca.crt",
+            "--cert",
+            "n.crt",
+            "--key",
+            "n.key",
+            "--kubelet-url",
+            "http://127.0.0.1:10250",
+        ];
+        args.extend_from_slice(extra);
+        EdgeArgs::try_parse_from(args)
+            .map_err(|e| e.to_string())?
+            .into_config()
+    }
+
+    #[test]
+    fn zero_intervals_and_timeouts_are_refused() {
+        config(&[]).unwrap();
+        for flag in [
+            "--pods-refresh",
+            "--kubelet-connect-timeout",
+            "--handshake-timeout",
+        ] {
+            let e = config(&[flag, "0s"]).expect_err(flag);
+            assert!(e.contains(flag), "{flag}: {e}");
+        }
     }
 }
