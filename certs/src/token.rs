@@ -35,8 +35,6 @@ pub const TOKEN_ID_LEN: usize = 6;
 pub const TOKEN_SECRET_LEN: usize = 16;
 /// How long to wait for another process holding the store's lock.
 pub const STORE_LOCK_WAIT: Duration = Duration::from_secs(5);
-/// A lock file older than this is left over from a crashed process.
-pub const STORE_LOCK_STALE: Duration = Duration::from_secs(30);
 
 const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
 
@@ -232,13 +230,12 @@ pub struct JoinStore {
     local: Mutex<()>,
 }
 
-struct LockFile(PathBuf);
-
-impl Drop for LockFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
+/// An exclusive `flock(2)` on the store's lock file, released when the file
+/// is closed — by this drop, or by the kernel when the process dies, so a
+/// crashed holder leaves no stale lock and no process ever takes over a lock
+/// another still holds. The file itself stays (removing it would let two
+/// processes lock two different files of the same name).
+struct LockFile(#[allow(dead_code)] std::fs::File);
 
 impl JoinStore {
     /// A store at `path`. The file need not exist yet (no tokens); if it
@@ -289,41 +286,37 @@ impl JoinStore {
     }
 
     fn lock_file(&self) -> Result<LockFile, JoinError> {
+        use std::os::fd::AsRawFd;
         let mut name = self.path.as_os_str().to_owned();
         name.push(".lock");
         let lock = PathBuf::from(name);
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| self.store_err(e))?;
         }
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock)
+            .map_err(|e| self.store_err(format!("lock {}: {e}", lock.display())))?;
         let start = std::time::Instant::now();
         loop {
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&lock)
-            {
-                Ok(_) => return Ok(LockFile(lock)),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    let stale = std::fs::metadata(&lock)
-                        .and_then(|m| m.modified())
-                        .ok()
-                        .and_then(|t| t.elapsed().ok())
-                        .is_some_and(|age| age > STORE_LOCK_STALE);
-                    if stale {
-                        let _ = std::fs::remove_file(&lock);
-                        continue;
-                    }
-                    if start.elapsed() > STORE_LOCK_WAIT {
-                        return Err(self.store_err(format!(
-                            "locked by another process for over {STORE_LOCK_WAIT:?} \
-                             (remove {} if no tether-cloud or tether-certs is using the store)",
-                            lock.display()
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                Err(e) => return Err(self.store_err(format!("lock {}: {e}", lock.display()))),
+            // SAFETY: flock on a file descriptor this function owns.
+            let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+            if rc == 0 {
+                return Ok(LockFile(file));
             }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::WouldBlock {
+                return Err(self.store_err(format!("lock {}: {e}", lock.display())));
+            }
+            if start.elapsed() > STORE_LOCK_WAIT {
+                return Err(self.store_err(format!(
+                    "locked by another process for over {STORE_LOCK_WAIT:?} ({})",
+                    lock.display()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -333,10 +326,9 @@ impl JoinStore {
         &self,
         change: impl FnOnce(&mut StoreFile) -> Result<T, JoinError>,
     ) -> Result<T, JoinError> {
-        let _local = self
-            .local
-            .lock()
-            .map_err(|_| self.store_err("lock poisoned"))?;
+        // A panic under this lock (a bug, e.g. in an `issue` callback) must
+        // not make the store unusable: the file is the state, re-read below.
+        let _local = self.local.lock().unwrap_or_else(|p| p.into_inner());
         let _file = self.lock_file()?;
         let mut f = self.load()?;
         let out = change(&mut f)?;
@@ -619,6 +611,50 @@ mod tests {
             })
         })
         .map(|(g, _)| g)
+    }
+
+    #[test]
+    fn a_panic_under_the_store_lock_does_not_poison_the_store() {
+        let (_d, s) = store();
+        let now = SystemTime::now();
+        let (t, _) = s.create(HOUR, "edge-1", 1, "", now).unwrap();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = s.redeem_and_issue(&t.reveal(), "edge-1", now, |_| panic!("bug"));
+        }));
+        assert!(r.is_err());
+        // The token was not spent and the store still works.
+        issue_for(&s, &t.reveal(), "edge-1").unwrap();
+        s.create(HOUR, "edge-2", 1, "", now).unwrap();
+    }
+
+    #[test]
+    fn an_old_lock_file_is_never_taken_from_a_live_holder() {
+        use std::os::fd::AsRawFd;
+        let (_d, s) = store();
+        let mut name = s.path().as_os_str().to_owned();
+        name.push(".lock");
+        // Left over by a crashed process: not held, so no obstacle.
+        let f = std::fs::File::create(&name).unwrap();
+        f.set_modified(SystemTime::now() - Duration::from_secs(3600))
+            .unwrap();
+        s.create(HOUR, "edge-1", 1, "", SystemTime::now()).unwrap();
+        // Held by another process (another open file description) for a
+        // long time, its mtime old: still held, so the store waits and fails
+        // instead of taking it over.
+        let held = std::fs::OpenOptions::new().write(true).open(&name).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        assert_eq!(
+            unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+            0
+        );
+        held.set_modified(SystemTime::now() - Duration::from_secs(3600))
+            .unwrap();
+        let e = s
+            .create(HOUR, "edge-2", 1, "", SystemTime::now())
+            .unwrap_err();
+        assert!(e.to_string().contains("locked by another process"), "{e}");
+        drop(held);
+        s.create(HOUR, "edge-2", 1, "", SystemTime::now()).unwrap();
     }
 
     #[test]
