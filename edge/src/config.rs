@@ -66,6 +66,9 @@ pub struct EdgeArgs {
     /// Time allowed to connect to the kubelet.
     #[arg(long, env = "TETHER_KUBELET_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub kubelet_connect_timeout: Duration,
+    /// Time allowed for one read of the kubelet's pod list (`GET /pods`).
+    #[arg(long, env = "TETHER_KUBELET_PODS_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub kubelet_pods_timeout: Duration,
     /// Addresses the apiserver may know this node by (repeatable; default: the host's IPs).
     #[arg(
         long = "announce-address",
@@ -143,6 +146,7 @@ pub struct KubeletConfig {
     pub insecure_skip_tls_verify: bool,
     pub client_cert: Option<(PathBuf, PathBuf)>,
     pub connect_timeout: Duration,
+    pub pods_timeout: Duration,
 }
 
 /// The validated configuration.
@@ -214,6 +218,7 @@ impl EdgeArgs {
         for (flag, d) in [
             ("--pods-refresh", self.pods_refresh),
             ("--kubelet-connect-timeout", self.kubelet_connect_timeout),
+            ("--kubelet-pods-timeout", self.kubelet_pods_timeout),
             ("--handshake-timeout", self.handshake_timeout),
         ] {
             if d.is_zero() {
@@ -235,6 +240,7 @@ impl EdgeArgs {
                 insecure_skip_tls_verify: self.kubelet_insecure_skip_tls_verify,
                 client_cert: self.kubelet_client_cert.zip(self.kubelet_client_key),
                 connect_timeout: self.kubelet_connect_timeout,
+                pods_timeout: self.kubelet_pods_timeout,
             },
             announce_addresses: if self.announce_addresses.is_empty() {
                 None
@@ -283,6 +289,7 @@ mod tests {
         for flag in [
             "--pods-refresh",
             "--kubelet-connect-timeout",
+            "--kubelet-pods-timeout",
             "--handshake-timeout",
         ] {
             let e = config(&[flag, "0s"]).expect_err(flag);

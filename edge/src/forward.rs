@@ -290,6 +290,7 @@ mod tests {
             insecure_skip_tls_verify: false,
             client_cert: None,
             connect_timeout: Duration::from_secs(2),
+            pods_timeout: Duration::from_secs(2),
         };
         let limits = Limits::default();
         let forward = Arc::new(Forward {
