@@ -113,12 +113,12 @@ async fn serve_join_within(
             "edge joined: certificate issued"
         ),
         Err(e) if e.is_internal() => warn!(
-            node = %claimed,
+            node = ?claimed,
             %remote,
             error = %e,
             "join failed on the cloud's side"
         ),
-        Err(e) => warn!(node = %claimed, %remote, error = %e, "join refused"),
+        Err(e) => warn!(node = ?claimed, %remote, error = %e, "join refused"),
     }
     let bytes = join::encode(&answer)?;
     match tokio::time::timeout(answer_timeout, send.write_all(&bytes)).await {

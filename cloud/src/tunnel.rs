@@ -156,7 +156,7 @@ async fn refuse(
     message: String,
     max: usize,
 ) {
-    warn!(?code, %message, "refusing edge");
+    warn!(?code, ?message, "refusing edge");
     let _ = write_frame(
         send,
         &Frame::Refused(Refusal {
@@ -516,7 +516,7 @@ async fn control_loop(
                 registry.report_pods(&session, report.pods);
             }
             Some(Frame::GoAway { reason }) => {
-                info!(node = %session.node, %reason, "edge is going away")
+                info!(node = %session.node, ?reason, "edge is going away")
             }
             Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
             None => return Ok(()),

@@ -60,7 +60,7 @@ impl Forward {
         };
         let path = head.path().to_string();
         if classify(&path).is_none() {
-            warn!(%path, "refusing a path Tether does not forward");
+            warn!(?path, "refusing a path Tether does not forward");
             shared.reset(
                 ResetCode::Refused,
                 format!("path {path} is not forwarded by this edge"),
@@ -144,7 +144,7 @@ impl Forward {
         let sent = tokio::select! {
             r = sender.send_request(req) => r,
             (code, why) = shared.wait_reset() => {
-                info!(?code, %why, "stream reset while waiting for the kubelet's answer; closing the kubelet connection");
+                info!(?code, ?why, "stream reset while waiting for the kubelet's answer; closing the kubelet connection");
                 return;
             }
         };
@@ -221,7 +221,7 @@ impl Forward {
             let frame = tokio::select! {
                 f = body.frame() => f,
                 (code, why) = shared.wait_reset() => {
-                    info!(?code, %why, "stream reset while waiting on the kubelet's body; closing the kubelet connection");
+                    info!(?code, ?why, "stream reset while waiting on the kubelet's body; closing the kubelet connection");
                     return;
                 }
             };
