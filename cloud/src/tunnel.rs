@@ -172,6 +172,39 @@ async fn refuse(
     conn.close(close_code::REFUSED.into(), message.as_bytes());
 }
 
+/// Pod reports an edge may send per second, and at once. An edge reports
+/// on change, at most once per `--pods-refresh`; far more is abuse that
+/// would re-index the registry under its lock.
+const REPORTS_PER_SEC: f64 = 10.0;
+const REPORT_BURST: f64 = 20.0;
+
+/// A token bucket over one connection's pod reports.
+struct ReportRate {
+    tokens: f64,
+    at: std::time::Instant,
+}
+
+impl ReportRate {
+    fn new(now: std::time::Instant) -> Self {
+        ReportRate {
+            tokens: REPORT_BURST,
+            at: now,
+        }
+    }
+
+    fn allow(&mut self, now: std::time::Instant) -> bool {
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + dt * REPORTS_PER_SEC).min(REPORT_BURST);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// What joins need, loaded once.
 struct JoinCtx {
     store: Arc<tether_certs::JoinStore>,
@@ -476,6 +509,7 @@ async fn control_loop(
     join: Option<Arc<JoinCtx>>,
     max: usize,
 ) -> anyhow::Result<()> {
+    let mut reports = ReportRate::new(std::time::Instant::now());
     loop {
         match reader.next(&mut recv).await? {
             Some(Frame::RenewCert { csr_pem }) => {
@@ -512,6 +546,11 @@ async fn control_loop(
                         report.pods.len()
                     );
                 }
+                if !reports.allow(std::time::Instant::now()) {
+                    anyhow::bail!(
+                        "pod reports faster than {REPORTS_PER_SEC}/s (burst {REPORT_BURST}): closing the connection"
+                    );
+                }
                 debug!(node = %session.node, pods = report.pods.len(), "pod report");
                 registry.report_pods(&session, report.pods);
             }
@@ -528,6 +567,23 @@ async fn control_loop(
 mod renewal_tests {
     use super::*;
     use std::time::Instant;
+
+    #[test]
+    fn pod_reports_are_rate_limited() {
+        let t = Instant::now();
+        let mut r = ReportRate::new(t);
+        for _ in 0..20 {
+            assert!(r.allow(t));
+        }
+        assert!(!r.allow(t), "the 21st report at once is refused");
+        assert!(r.allow(t + Duration::from_millis(100)));
+        assert!(!r.allow(t + Duration::from_millis(100)));
+        // A normal edge (one report a second) is never limited.
+        let mut r = ReportRate::new(t);
+        for i in 0..100 {
+            assert!(r.allow(t + Duration::from_secs(i)));
+        }
+    }
 
     #[test]
     fn a_node_renews_at_most_once_per_interval() {
