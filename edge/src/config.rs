@@ -214,6 +214,13 @@ impl EdgeArgs {
             .rsplit_once(':')
             .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_string())
             .ok_or_else(|| format!("--cloud {:?} must be HOST:PORT", self.cloud))?;
+        if self.announce_addresses.len() > crate::addrs::MAX_ANNOUNCED {
+            return Err(format!(
+                "--announce-address given {} times; a hello carries at most {}",
+                self.announce_addresses.len(),
+                crate::addrs::MAX_ANNOUNCED
+            ));
+        }
         // A zero interval would spin (a busy loop), a zero timeout fail everything.
         for (flag, d) in [
             ("--pods-refresh", self.pods_refresh),
