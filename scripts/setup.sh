@@ -38,6 +38,14 @@ fi
 for tool in ip nft iptables script cargo; do
   command -v "$tool" >/dev/null 2>&1 || { echo "setup: required tool '$tool' is still missing" >&2; exit 1; }
 done
+# AFL++ for stable Rust (the fuzz pass in scripts/test.sh, scripts/fuzz.sh).
+if ! cargo afl --version >/dev/null 2>&1; then
+  echo "setup: installing cargo-afl"
+  cargo install --locked cargo-afl >/dev/null
+fi
+cargo afl --version >/dev/null 2>&1 || { echo "setup: cargo-afl is still missing" >&2; exit 1; }
+# Builds AFL++ and its runtime for this toolchain once (says so when already done).
+cargo afl config --build >/dev/null 2>&1 || cargo afl --version >/dev/null
 # Benchmark peers (the quick benchmark runs in the suite with every peer).
 "$(dirname "$0")/install-peers.sh"
 echo "setup: ok ($(cargo --version))"

@@ -22,6 +22,10 @@ echo "== tests"
 cargo test --workspace --no-fail-fast 2>&1 | tee target/test-output.txt
 status=${PIPESTATUS[0]}
 
+echo "== fuzz: corpus and crash-regression replay, then a short AFL++ pass per target"
+if ! (cd fuzz && cargo test 2>&1) | tee -a target/test-output.txt; then status=1; fi
+if ! scripts/fuzz.sh --seconds "${FUZZ_SECONDS:-15}"; then status=1; fi
+
 # Closing line: totals across every test binary.
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "all test binaries: %d passed, %d failed, %d ignored\n", p, f, i }' target/test-output.txt
 exit "$status"

@@ -163,9 +163,19 @@ enum TokenCommand {
         /// How long the token is valid (s, m, h, d or y).
         #[arg(long, default_value = "1h", value_parser = parse_duration)]
         ttl: Duration,
-        /// Node names the token may join; `*` matches any run of characters.
-        #[arg(long, default_value = "*")]
-        node_pattern: String,
+        /// The one node name the token may join.
+        #[arg(
+            long,
+            conflicts_with = "node_pattern",
+            required_unless_present = "node_pattern"
+        )]
+        node: Option<String>,
+        /// Node names the token may join instead; `*` matches any run of characters.
+        #[arg(long)]
+        node_pattern: Option<String>,
+        /// Allow joining a node name that already has a certificate (re-bootstrapping it).
+        #[arg(long)]
+        allow_reissue: bool,
         /// How many edges may join with it.
         #[arg(long, default_value_t = 1)]
         uses: u32,
@@ -390,7 +400,9 @@ fn token(dir: &Path, cmd: TokenCommand) -> anyhow::Result<()> {
     match cmd {
         TokenCommand::Create {
             ttl,
+            node,
             node_pattern,
+            allow_reissue,
             uses,
             description,
             cloud,
@@ -403,7 +415,16 @@ fn token(dir: &Path, cmd: TokenCommand) -> anyhow::Result<()> {
             })?;
             let pin = ca_pin(&ca_pem)?;
             let store = JoinStore::open(store_path(dir, &store))?;
-            let (token, record) = store.create(ttl, &node_pattern, uses, &description, now)?;
+            let node_pattern = match (node, node_pattern) {
+                (Some(n), _) if n.contains('*') => {
+                    anyhow::bail!("--node takes one node name; use --node-pattern for a pattern")
+                }
+                (Some(n), _) => n,
+                (None, Some(p)) => p,
+                (None, None) => anyhow::bail!("give --node NAME or --node-pattern PATTERN"),
+            };
+            let (token, record) =
+                store.create_with(ttl, &node_pattern, uses, &description, allow_reissue, now)?;
             let node = if node_pattern.contains('*') {
                 format!("<node name matching {node_pattern:?}>")
             } else {

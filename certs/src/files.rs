@@ -3,7 +3,8 @@
 //! Every file Tether's certificate tooling writes goes through here: the
 //! content lands in a temporary file in the same directory (created with its
 //! final mode, so a key is never world-readable even for a moment), is
-//! flushed to disk, then renamed over the destination. A reader sees the old
+//! flushed to disk, then renamed over the destination, and the directory is
+//! flushed too so the rename survives a power loss. A reader sees the old
 //! file or the new one, never half of either.
 
 use std::io::Write;
@@ -51,7 +52,15 @@ pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), CertE
         let mut f = opts.open(&tmp).map_err(io_err(&tmp))?;
         f.write_all(contents).map_err(io_err(&tmp))?;
         f.sync_all().map_err(io_err(&tmp))?;
-        std::fs::rename(&tmp, path).map_err(io_err(path))
+        std::fs::rename(&tmp, path).map_err(io_err(path))?;
+        // The rename is durable only once the directory is: without this a
+        // power loss can bring back the old file after a newer sibling (a
+        // renewed key without its certificate).
+        #[cfg(unix)]
+        std::fs::File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(&dir))?;
+        Ok(())
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);

@@ -79,6 +79,12 @@ pub enum JoinError {
         node: String,
         pattern: String,
     },
+    #[error("node {node:?} already has a certificate (serial {serial}); join token {id} may not replace it (create one with `tether-certs token create --allow-reissue` to re-bootstrap that node)")]
+    NodeTaken {
+        id: String,
+        node: String,
+        serial: String,
+    },
     #[error("{0:?} is not a valid node name (a lowercase DNS-1123 subdomain)")]
     InvalidNodeName(String),
     #[error("the CSR for node {node:?} names another node: {asked}")]
@@ -167,6 +173,12 @@ pub fn response_for(outcome: &Result<(Grant, IssuedCert), JoinError>, ca: &Ca) -
         },
         Err(e) if e.is_internal() => JoinResponse::Refused {
             reason: "the cloud could not issue the certificate (internal error: see the cloud's log); try again later".into(),
+        },
+        // Whether an id exists is not told to whoever lacks its secret.
+        Err(JoinError::UnknownToken(id) | JoinError::WrongSecret(id)) => JoinResponse::Refused {
+            reason: format!(
+                "join token {id} is not valid on this cloud (unknown, or a wrong secret)"
+            ),
         },
         Err(e) => JoinResponse::Refused {
             reason: e.to_string(),
@@ -374,6 +386,19 @@ mod tests {
         }
         assert_eq!(c.store.list().unwrap()[0].uses_left, 1);
         assert!(c.store.issued().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_unknown_id_and_a_wrong_secret_get_the_same_answer() {
+        let ca = Ca::new("t", Duration::from_secs(3600)).unwrap();
+        let answer = |e: JoinError| match response_for(&Err(e), &ca) {
+            JoinResponse::Refused { reason } => reason,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            answer(JoinError::UnknownToken("abcdef".into())),
+            answer(JoinError::WrongSecret("abcdef".into()))
+        );
     }
 
     #[test]

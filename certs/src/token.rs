@@ -35,8 +35,6 @@ pub const TOKEN_ID_LEN: usize = 6;
 pub const TOKEN_SECRET_LEN: usize = 16;
 /// How long to wait for another process holding the store's lock.
 pub const STORE_LOCK_WAIT: Duration = Duration::from_secs(5);
-/// A lock file older than this is left over from a crashed process.
-pub const STORE_LOCK_STALE: Duration = Duration::from_secs(30);
 
 const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
 
@@ -164,6 +162,11 @@ pub struct TokenRecord {
     /// Free text from the operator.
     #[serde(default)]
     pub description: String,
+    /// May join a node name a certificate was already issued for (the
+    /// operator re-bootstraps that node). Without it such a join is refused:
+    /// a token cannot be used to displace an existing node.
+    #[serde(default)]
+    pub allow_reissue: bool,
 }
 
 impl TokenRecord {
@@ -227,13 +230,12 @@ pub struct JoinStore {
     local: Mutex<()>,
 }
 
-struct LockFile(PathBuf);
-
-impl Drop for LockFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
+/// An exclusive `flock(2)` on the store's lock file, released when the file
+/// is closed — by this drop, or by the kernel when the process dies, so a
+/// crashed holder leaves no stale lock and no process ever takes over a lock
+/// another still holds. The file itself stays (removing it would let two
+/// processes lock two different files of the same name).
+struct LockFile(#[allow(dead_code)] std::fs::File);
 
 impl JoinStore {
     /// A store at `path`. The file need not exist yet (no tokens); if it
@@ -284,41 +286,37 @@ impl JoinStore {
     }
 
     fn lock_file(&self) -> Result<LockFile, JoinError> {
+        use std::os::fd::AsRawFd;
         let mut name = self.path.as_os_str().to_owned();
         name.push(".lock");
         let lock = PathBuf::from(name);
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| self.store_err(e))?;
         }
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock)
+            .map_err(|e| self.store_err(format!("lock {}: {e}", lock.display())))?;
         let start = std::time::Instant::now();
         loop {
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&lock)
-            {
-                Ok(_) => return Ok(LockFile(lock)),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    let stale = std::fs::metadata(&lock)
-                        .and_then(|m| m.modified())
-                        .ok()
-                        .and_then(|t| t.elapsed().ok())
-                        .is_some_and(|age| age > STORE_LOCK_STALE);
-                    if stale {
-                        let _ = std::fs::remove_file(&lock);
-                        continue;
-                    }
-                    if start.elapsed() > STORE_LOCK_WAIT {
-                        return Err(self.store_err(format!(
-                            "locked by another process for over {STORE_LOCK_WAIT:?} \
-                             (remove {} if no tether-cloud or tether-certs is using the store)",
-                            lock.display()
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                Err(e) => return Err(self.store_err(format!("lock {}: {e}", lock.display()))),
+            // SAFETY: flock on a file descriptor this function owns.
+            let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+            if rc == 0 {
+                return Ok(LockFile(file));
             }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::WouldBlock {
+                return Err(self.store_err(format!("lock {}: {e}", lock.display())));
+            }
+            if start.elapsed() > STORE_LOCK_WAIT {
+                return Err(self.store_err(format!(
+                    "locked by another process for over {STORE_LOCK_WAIT:?} ({})",
+                    lock.display()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -328,10 +326,9 @@ impl JoinStore {
         &self,
         change: impl FnOnce(&mut StoreFile) -> Result<T, JoinError>,
     ) -> Result<T, JoinError> {
-        let _local = self
-            .local
-            .lock()
-            .map_err(|_| self.store_err("lock poisoned"))?;
+        // A panic under this lock (a bug, e.g. in an `issue` callback) must
+        // not make the store unusable: the file is the state, re-read below.
+        let _local = self.local.lock().unwrap_or_else(|p| p.into_inner());
         let _file = self.lock_file()?;
         let mut f = self.load()?;
         let out = change(&mut f)?;
@@ -348,6 +345,20 @@ impl JoinStore {
         node_pattern: &str,
         uses: u32,
         description: &str,
+        now: SystemTime,
+    ) -> Result<(JoinToken, TokenRecord), JoinError> {
+        self.create_with(ttl, node_pattern, uses, description, false, now)
+    }
+
+    /// [`create`](JoinStore::create), and whether the token may join node
+    /// names that already have a certificate (`allow_reissue`).
+    pub fn create_with(
+        &self,
+        ttl: Duration,
+        node_pattern: &str,
+        uses: u32,
+        description: &str,
+        allow_reissue: bool,
         now: SystemTime,
     ) -> Result<(JoinToken, TokenRecord), JoinError> {
         if uses == 0 {
@@ -379,6 +390,7 @@ impl JoinStore {
                 uses_left: uses,
                 revoked: false,
                 description: description.to_string(),
+                allow_reissue,
             };
             f.tokens.push(record.clone());
             Ok((token, record))
@@ -454,7 +466,17 @@ impl JoinStore {
     ) -> Result<(Grant, Option<IssuedCert>), JoinError> {
         let token = JoinToken::parse(token)?;
         self.update(|f| {
-            let id = check_record(f, &token, node, now)?.id.clone();
+            let checked = check_record(f, &token, node, now)?;
+            let id = checked.id.clone();
+            if !checked.allow_reissue {
+                if let Some(before) = f.issued.iter().find(|i| i.node == node) {
+                    return Err(JoinError::NodeTaken {
+                        id,
+                        node: node.to_string(),
+                        serial: before.serial.clone(),
+                    });
+                }
+            }
             let record = f
                 .tokens
                 .iter_mut()
@@ -578,6 +600,79 @@ mod tests {
         assert!(!glob_match("*-site-*.example", "a-site-b.example.com"));
         assert!(glob_match("a*b*c", "aXXbYYbc"));
         assert!(!glob_match("a*b*c", "aXXbYYb"));
+    }
+
+    fn issue_for(s: &JoinStore, token: &str, node: &str) -> Result<Grant, JoinError> {
+        s.redeem_and_issue(token, node, SystemTime::now(), |_| {
+            Ok(IssuedCert {
+                cert_pem: String::new(),
+                serial: format!("serial-{node}"),
+                expires_unix: unix(SystemTime::now()) + 3600,
+            })
+        })
+        .map(|(g, _)| g)
+    }
+
+    #[test]
+    fn a_panic_under_the_store_lock_does_not_poison_the_store() {
+        let (_d, s) = store();
+        let now = SystemTime::now();
+        let (t, _) = s.create(HOUR, "edge-1", 1, "", now).unwrap();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = s.redeem_and_issue(&t.reveal(), "edge-1", now, |_| panic!("bug"));
+        }));
+        assert!(r.is_err());
+        // The token was not spent and the store still works.
+        issue_for(&s, &t.reveal(), "edge-1").unwrap();
+        s.create(HOUR, "edge-2", 1, "", now).unwrap();
+    }
+
+    #[test]
+    fn an_old_lock_file_is_never_taken_from_a_live_holder() {
+        use std::os::fd::AsRawFd;
+        let (_d, s) = store();
+        let mut name = s.path().as_os_str().to_owned();
+        name.push(".lock");
+        // Left over by a crashed process: not held, so no obstacle.
+        let f = std::fs::File::create(&name).unwrap();
+        f.set_modified(SystemTime::now() - Duration::from_secs(3600))
+            .unwrap();
+        s.create(HOUR, "edge-1", 1, "", SystemTime::now()).unwrap();
+        // Held by another process (another open file description) for a
+        // long time, its mtime old: still held, so the store waits and fails
+        // instead of taking it over.
+        let held = std::fs::OpenOptions::new().write(true).open(&name).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        assert_eq!(
+            unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+            0
+        );
+        held.set_modified(SystemTime::now() - Duration::from_secs(3600))
+            .unwrap();
+        let e = s
+            .create(HOUR, "edge-2", 1, "", SystemTime::now())
+            .unwrap_err();
+        assert!(e.to_string().contains("locked by another process"), "{e}");
+        drop(held);
+        s.create(HOUR, "edge-2", 1, "", SystemTime::now()).unwrap();
+    }
+
+    #[test]
+    fn a_token_cannot_join_a_node_that_already_has_a_certificate() {
+        let (_d, s) = store();
+        let now = SystemTime::now();
+        let (first, _) = s.create(HOUR, "edge-1", 1, "", now).unwrap();
+        issue_for(&s, &first.reveal(), "edge-1").unwrap();
+        // A wildcard token (or a leaked one) may not displace edge-1.
+        let (any, _) = s.create(HOUR, "*", 5, "", now).unwrap();
+        let e = issue_for(&s, &any.reveal(), "edge-1").unwrap_err();
+        assert!(matches!(e, JoinError::NodeTaken { .. }), "{e}");
+        assert!(e.to_string().contains("--allow-reissue"), "{e}");
+        // The refusal did not spend a use; other names still join.
+        issue_for(&s, &any.reveal(), "edge-2").unwrap();
+        // Re-bootstrapping edge-1 needs a token made for it.
+        let (again, _) = s.create_with(HOUR, "edge-1", 1, "", true, now).unwrap();
+        issue_for(&s, &again.reveal(), "edge-1").unwrap();
     }
 
     #[test]

@@ -417,12 +417,24 @@ fn tokens_create_list_revoke() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not known"));
     let bad = run(
         &dir,
-        &["token", "create", "--ttl", "10", "--store", &store_arg],
+        &[
+            "token", "create", "--ttl", "10", "--node", "edge-1", "--store", &store_arg,
+        ],
     );
     assert!(!bad.status.success());
     let bad = run(
         &dir,
-        &["token", "create", "--uses", "0", "--store", &store_arg],
+        &[
+            "token", "create", "--uses", "0", "--node", "edge-1", "--store", &store_arg,
+        ],
+    );
+    assert!(!bad.status.success());
+    // A token names its node (or a pattern, explicitly): no silent `*`.
+    let bad = run(&dir, &["token", "create", "--store", &store_arg]);
+    assert!(!bad.status.success());
+    let bad = run(
+        &dir,
+        &["token", "create", "--node", "edge-*", "--store", &store_arg],
     );
     assert!(!bad.status.success());
 

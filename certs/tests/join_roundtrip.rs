@@ -283,7 +283,10 @@ async fn bad_tokens_are_refused_with_a_reason_and_issue_nothing() {
     let e = edge_join::join(&addr, "zzzzzz.0123456789abcdef", &pin, "edge-1", out.path())
         .await
         .unwrap_err();
-    assert!(format!("{e:#}").contains("not known"), "{e:#}");
+    assert!(
+        format!("{e:#}").contains("not valid on this cloud"),
+        "{e:#}"
+    );
 
     // Malformed token: refused locally, nothing dialled.
     let before = cloud.joins.load(Ordering::SeqCst);

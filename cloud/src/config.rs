@@ -97,6 +97,12 @@ pub struct CloudArgs {
     /// spending the CPU on handshakes the edges abandon after their timeout.
     #[arg(long, env = "TETHER_MAX_PENDING_HANDSHAKES", default_value_t = 512)]
     pub max_pending_handshakes: usize,
+    /// Edge handshakes one source IP may start per second (and at once).
+    /// Its further Initials are dropped; its QUIC retransmits them later.
+    /// Once a quarter of the handshake slots are in use, edges must also
+    /// prove their address with a QUIC Retry first.
+    #[arg(long, env = "TETHER_HANDSHAKES_PER_SOURCE", default_value_t = 20)]
+    pub handshakes_per_source: u32,
     /// A TOML file of settings (keys are the long flag names); flags and
     /// environment variables override it.
     #[arg(long, env = "TETHER_CONFIG")]
@@ -141,6 +147,7 @@ pub struct CloudConfig {
     pub max_apiserver_connections: usize,
     pub max_edges: usize,
     pub max_pending_handshakes: usize,
+    pub handshakes_per_source: u32,
     pub metrics_listen: SocketAddr,
     pub shutdown_grace: Duration,
     /// Join settings, when joins are enabled.
@@ -169,6 +176,32 @@ impl CloudArgs {
         let quic = self
             .quic
             .settings(&limits, tether_proto::cli::Role::Cloud)?;
+        if self.handshakes_per_source == 0 {
+            return Err("--handshakes-per-source must be at least 1".into());
+        }
+        // A zero limit or timeout would refuse everything or spin: refuse it.
+        for (flag, n) in [
+            ("--max-edges", self.max_edges),
+            ("--max-pending-handshakes", self.max_pending_handshakes),
+            (
+                "--max-apiserver-connections",
+                self.max_apiserver_connections,
+            ),
+        ] {
+            if n == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+        }
+        for (flag, d) in [
+            ("--response-timeout", self.response_timeout),
+            ("--handshake-timeout", self.handshake_timeout),
+            ("--http-header-timeout", self.http_header_timeout),
+            ("--join-cert-validity", self.join_cert_validity),
+        ] {
+            if d.is_zero() {
+                return Err(format!("{flag} must be more than 0"));
+            }
+        }
         if self.max_http_header_bytes < 8192 {
             return Err("--max-http-header-bytes must be at least 8KiB".into());
         }
@@ -194,6 +227,7 @@ impl CloudArgs {
             max_apiserver_connections: self.max_apiserver_connections,
             max_edges: self.max_edges,
             max_pending_handshakes: self.max_pending_handshakes,
+            handshakes_per_source: self.handshakes_per_source,
             metrics_listen: self.metrics_listen,
             shutdown_grace: self.shutdown_grace,
             join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {
@@ -209,5 +243,49 @@ impl CloudArgs {
             limits,
             quic,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &[&str]) -> Result<CloudConfig, String> {
+        let mut args = vec![
+            "tether-cloud",
+            "--tunnel-cert",
+            "t.crt",
+            "--tunnel-key",
+            "t.key",
+            "--edge-ca",
+            "ca.crt",
+            "--kubelet-cert",
+            "k.crt",
+            "--kubelet-key",
+            "k.key",
+            "--insecure-skip-client-auth",
+        ];
+        args.extend_from_slice(extra);
+        CloudArgs::try_parse_from(args)
+            .map_err(|e| e.to_string())?
+            .into_config()
+    }
+
+    #[test]
+    fn zero_limits_and_timeouts_are_refused() {
+        assert!(config(&[]).is_ok());
+        for (flag, zero) in [
+            ("--max-edges", "0"),
+            ("--max-pending-handshakes", "0"),
+            ("--max-apiserver-connections", "0"),
+            ("--handshakes-per-source", "0"),
+            ("--response-timeout", "0s"),
+            ("--handshake-timeout", "0s"),
+            ("--http-header-timeout", "0s"),
+            ("--join-cert-validity", "0s"),
+        ] {
+            let e = config(&[flag, zero]).expect_err(flag);
+            assert!(e.contains(flag), "{flag}: {e}");
+        }
     }
 }

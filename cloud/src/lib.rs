@@ -14,6 +14,8 @@
 //!   which connection a session is attached to;
 //! - [`tunnel`]: the QUIC listener for edges: mutual TLS, hello/welcome,
 //!   resume, pod reports, connection loss and grace expiry;
+//! - [`gate`]: which Initials may start a handshake (Retry under load, a
+//!   per-source rate);
 //! - [`join`]: the join ALPN: a new edge presents a join token and a CSR
 //!   and receives its certificate;
 //! - [`tls`]: rustls configurations for both listeners;
@@ -25,6 +27,7 @@ pub mod admission;
 pub mod config;
 pub mod forward;
 pub mod front;
+pub mod gate;
 pub mod join;
 pub mod metrics;
 pub mod registry;

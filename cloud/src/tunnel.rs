@@ -28,6 +28,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::admission::Claim;
 use crate::config::CloudConfig;
+use crate::gate::{Gate, Verdict};
 use crate::metrics::CloudMetrics;
 use crate::registry::{Admitted, Registry};
 use crate::session::{Link, Session};
@@ -71,11 +72,39 @@ pub async fn serve(
                 store: Arc::new(store),
                 ca: Arc::new(ca),
                 validity: j.validity,
+                renewals: std::sync::Mutex::new(RenewalLimiter::new(RENEWAL_MIN_INTERVAL)),
             }))
         }
         None => None,
     };
+    let mut gate = Gate::new(cfg.handshakes_per_source, cfg.max_pending_handshakes);
     while let Some(incoming) = endpoint.accept().await {
+        let in_progress = cfg.max_pending_handshakes - handshakes.available_permits();
+        match gate.check(
+            incoming.remote_address().ip(),
+            incoming.remote_address_validated(),
+            in_progress,
+            std::time::Instant::now(),
+        ) {
+            Verdict::Admit => {}
+            Verdict::Retry => {
+                // Stateless: a spoofed source never answers it, a real edge
+                // comes back validated one round trip later.
+                metrics.refuse_edge("retry");
+                if incoming.may_retry() {
+                    let _ = incoming.retry();
+                } else {
+                    incoming.ignore();
+                }
+                continue;
+            }
+            Verdict::SourceLimited => {
+                debug!(remote = %incoming.remote_address(), limit = cfg.handshakes_per_source, "dropping an edge's Initial: --handshakes-per-source reached");
+                metrics.refuse_edge("source_rate");
+                incoming.ignore();
+                continue;
+            }
+        }
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             warn!(remote = %incoming.remote_address(), limit = cfg.max_edges, "refusing edge connection: --max-edges reached");
             metrics.refuse_edge("max_edges");
@@ -130,9 +159,9 @@ async fn refuse(
     max: usize,
 ) {
     if code == RefusalCode::Superseded {
-        info!(?code, %message, "refusing an obsolete connection attempt");
+        info!(?code, ?message, "refusing an obsolete connection attempt");
     } else {
-        warn!(?code, %message, "refusing edge");
+        warn!(?code, ?message, "refusing edge");
     }
     let _ = write_frame(
         send,
@@ -149,11 +178,84 @@ async fn refuse(
     conn.close(close_code::REFUSED.into(), message.as_bytes());
 }
 
+/// Pod reports an edge may send per second, and at once. An edge reports
+/// on change, at most once per `--pods-refresh`; far more is abuse that
+/// would re-index the registry under its lock.
+const REPORTS_PER_SEC: f64 = 10.0;
+const REPORT_BURST: f64 = 20.0;
+
+/// A token bucket over one connection's pod reports.
+struct ReportRate {
+    tokens: f64,
+    at: std::time::Instant,
+}
+
+impl ReportRate {
+    fn new(now: std::time::Instant) -> Self {
+        ReportRate {
+            tokens: REPORT_BURST,
+            at: now,
+        }
+    }
+
+    fn allow(&mut self, now: std::time::Instant) -> bool {
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + dt * REPORTS_PER_SEC).min(REPORT_BURST);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// What joins need, loaded once.
 struct JoinCtx {
     store: Arc<tether_certs::JoinStore>,
     ca: Arc<tether_certs::Ca>,
     validity: Duration,
+    /// When each node last had a certificate renewed.
+    renewals: std::sync::Mutex<RenewalLimiter>,
+}
+
+/// Least time between two renewals of one node's certificate. An edge asks
+/// at two thirds of its certificate's life; anything more often is a
+/// misbehaving (or stolen-key) edge minting certificates.
+const RENEWAL_MIN_INTERVAL: Duration = Duration::from_secs(600);
+
+/// At most one renewal per node per interval (bounded memory: entries older
+/// than the interval are forgotten when the table grows).
+struct RenewalLimiter {
+    interval: Duration,
+    last: std::collections::HashMap<String, std::time::Instant>,
+}
+
+impl RenewalLimiter {
+    fn new(interval: Duration) -> Self {
+        RenewalLimiter {
+            interval,
+            last: std::collections::HashMap::new(),
+        }
+    }
+
+    /// Whether `node` may renew now; if so, counts it. `Err` tells how long to wait.
+    fn try_renew(&mut self, node: &str, now: std::time::Instant) -> Result<(), Duration> {
+        if let Some(at) = self.last.get(node) {
+            let since = now.saturating_duration_since(*at);
+            if since < self.interval {
+                return Err(self.interval - since);
+            }
+        }
+        if self.last.len() >= 100_000 {
+            let interval = self.interval;
+            self.last
+                .retain(|_, at| now.saturating_duration_since(*at) < interval);
+        }
+        self.last.insert(node.to_string(), now);
+        Ok(())
+    }
 }
 
 fn alpn_of(conn: &quinn::Connection) -> Option<Vec<u8>> {
@@ -476,12 +578,24 @@ async fn control_loop(
     join: Option<Arc<JoinCtx>>,
     max: usize,
 ) -> anyhow::Result<()> {
+    let mut reports = ReportRate::new(std::time::Instant::now());
     loop {
         match reader.next(&mut recv).await? {
             Some(Frame::RenewCert { csr_pem }) => {
                 // The node is the session's (from its certificate), never the CSR's say-so.
+                let allowed = join.as_ref().map(|j| {
+                    j.renewals
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .try_renew(&session.node, std::time::Instant::now())
+                });
                 let result = match &join {
                     None => Err("certificate renewal is not enabled on this cloud (--join-ca-cert/--join-ca-key)".to_string()),
+                    Some(_) if matches!(allowed, Some(Err(_))) => {
+                        let wait = match allowed { Some(Err(w)) => w, _ => Duration::ZERO };
+                        warn!(node = %session.node, "refusing certificate renewal: renewed less than {RENEWAL_MIN_INTERVAL:?} ago");
+                        Err(format!("renewed too recently; try again in {}s", wait.as_secs()))
+                    }
                     Some(j) => tether_certs::sign_edge_csr(&j.ca, &csr_pem, &session.node, j.validity)
                         .map(|issued| {
                             info!(node = %session.node, serial = %issued.serial, "renewed the edge's certificate");
@@ -501,14 +615,56 @@ async fn control_loop(
                         report.pods.len()
                     );
                 }
+                if !reports.allow(std::time::Instant::now()) {
+                    anyhow::bail!(
+                        "pod reports faster than {REPORTS_PER_SEC}/s (burst {REPORT_BURST}): closing the connection"
+                    );
+                }
                 debug!(node = %session.node, pods = report.pods.len(), "pod report");
                 registry.report_pods(&session, report.pods);
             }
             Some(Frame::GoAway { reason }) => {
-                info!(node = %session.node, %reason, "edge is going away")
+                info!(node = %session.node, ?reason, "edge is going away")
             }
             Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
             None => return Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod renewal_tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn pod_reports_are_rate_limited() {
+        let t = Instant::now();
+        let mut r = ReportRate::new(t);
+        for _ in 0..20 {
+            assert!(r.allow(t));
+        }
+        assert!(!r.allow(t), "the 21st report at once is refused");
+        assert!(r.allow(t + Duration::from_millis(100)));
+        assert!(!r.allow(t + Duration::from_millis(100)));
+        // A normal edge (one report a second) is never limited.
+        let mut r = ReportRate::new(t);
+        for i in 0..100 {
+            assert!(r.allow(t + Duration::from_secs(i)));
+        }
+    }
+
+    #[test]
+    fn a_node_renews_at_most_once_per_interval() {
+        let mut l = RenewalLimiter::new(Duration::from_secs(600));
+        let t = Instant::now();
+        assert!(l.try_renew("edge-1", t).is_ok());
+        let wait = l
+            .try_renew("edge-1", t + Duration::from_secs(1))
+            .unwrap_err();
+        assert_eq!(wait, Duration::from_secs(599));
+        // Other nodes are not affected; the node may renew again later.
+        assert!(l.try_renew("edge-2", t).is_ok());
+        assert!(l.try_renew("edge-1", t + Duration::from_secs(600)).is_ok());
     }
 }

@@ -21,7 +21,24 @@ pub fn host_addresses() -> Vec<String> {
     }
     out.sort();
     out.dedup();
-    out
+    announceable(out)
+}
+
+/// At most this many addresses go into a hello (the cloud refuses more).
+pub const MAX_ANNOUNCED: usize = 64;
+
+/// The first [`MAX_ANNOUNCED`] addresses (IPv4 first, then in order): a host
+/// with very many addresses still connects, announcing a stable subset.
+pub fn announceable(mut addrs: Vec<String>) -> Vec<String> {
+    if addrs.len() > MAX_ANNOUNCED {
+        tracing::warn!(
+            count = addrs.len(),
+            "the host has more addresses than a hello carries; announcing the first {MAX_ANNOUNCED}"
+        );
+        addrs.sort_by_key(|a| (a.contains(':'), a.clone()));
+        addrs.truncate(MAX_ANNOUNCED);
+    }
+    addrs
 }
 
 /// The kernel's address-change events (rtnetlink multicast groups for IPv4 and
@@ -132,6 +149,19 @@ mod tests {
 
     /// A new address in a private network namespace is reported as an event.
     /// Needs root (unshare(CLONE_NEWNET)); the thread's namespace dies with it.
+    #[test]
+    fn more_addresses_than_a_hello_carries_are_truncated() {
+        let many: Vec<String> = (0..100)
+            .map(|i| format!("fd00::{i:x}"))
+            .chain((0..100).map(|i| format!("10.0.{}.{}", i / 250, i % 250 + 1)))
+            .collect();
+        let out = announceable(many);
+        assert_eq!(out.len(), MAX_ANNOUNCED);
+        assert!(out.iter().all(|a| !a.contains(':')), "IPv4 first: {out:?}");
+        let few = vec!["10.0.0.1".to_string(), "fd00::1".to_string()];
+        assert_eq!(announceable(few.clone()), few);
+    }
+
     #[test]
     fn an_added_address_is_an_event() {
         // SAFETY: geteuid has no preconditions.

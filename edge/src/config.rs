@@ -66,6 +66,9 @@ pub struct EdgeArgs {
     /// Time allowed to connect to the kubelet.
     #[arg(long, env = "TETHER_KUBELET_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub kubelet_connect_timeout: Duration,
+    /// Time allowed for one read of the kubelet's pod list (`GET /pods`).
+    #[arg(long, env = "TETHER_KUBELET_PODS_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub kubelet_pods_timeout: Duration,
     /// Addresses the apiserver may know this node by (repeatable; default: the host's IPs).
     #[arg(
         long = "announce-address",
@@ -145,6 +148,7 @@ pub struct KubeletConfig {
     pub insecure_skip_tls_verify: bool,
     pub client_cert: Option<(PathBuf, PathBuf)>,
     pub connect_timeout: Duration,
+    pub pods_timeout: Duration,
 }
 
 /// The validated configuration.
@@ -212,6 +216,24 @@ impl EdgeArgs {
             .rsplit_once(':')
             .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_string())
             .ok_or_else(|| format!("--cloud {:?} must be HOST:PORT", self.cloud))?;
+        if self.announce_addresses.len() > crate::addrs::MAX_ANNOUNCED {
+            return Err(format!(
+                "--announce-address given {} times; a hello carries at most {}",
+                self.announce_addresses.len(),
+                crate::addrs::MAX_ANNOUNCED
+            ));
+        }
+        // A zero interval would spin (a busy loop), a zero timeout fail everything.
+        for (flag, d) in [
+            ("--pods-refresh", self.pods_refresh),
+            ("--kubelet-connect-timeout", self.kubelet_connect_timeout),
+            ("--kubelet-pods-timeout", self.kubelet_pods_timeout),
+            ("--handshake-timeout", self.handshake_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(format!("{flag} must be more than 0"));
+            }
+        }
         if self.reconnect_min > self.reconnect_max || self.reconnect_min.is_zero() {
             return Err("--reconnect-min must be positive and at most --reconnect-max".into());
         }
@@ -227,6 +249,7 @@ impl EdgeArgs {
                 insecure_skip_tls_verify: self.kubelet_insecure_skip_tls_verify,
                 client_cert: self.kubelet_client_cert.zip(self.kubelet_client_key),
                 connect_timeout: self.kubelet_connect_timeout,
+                pods_timeout: self.kubelet_pods_timeout,
             },
             announce_addresses: if self.announce_addresses.is_empty() {
                 None
@@ -242,5 +265,44 @@ impl EdgeArgs {
             limits,
             quic,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &[&str]) -> Result<EdgeConfig, String> {
+        let mut args = vec![
+            "tether-edge",
+            "--cloud",
+            "cloud.example:10004",
+            "--ca",
+            "ca.crt",
+            "--cert",
+            "n.crt",
+            "--key",
+            "n.key",
+            "--kubelet-url",
+            "http://127.0.0.1:10250",
+        ];
+        args.extend_from_slice(extra);
+        EdgeArgs::try_parse_from(args)
+            .map_err(|e| e.to_string())?
+            .into_config()
+    }
+
+    #[test]
+    fn zero_intervals_and_timeouts_are_refused() {
+        config(&[]).unwrap();
+        for flag in [
+            "--pods-refresh",
+            "--kubelet-connect-timeout",
+            "--kubelet-pods-timeout",
+            "--handshake-timeout",
+        ] {
+            let e = config(&[flag, "0s"]).expect_err(flag);
+            assert!(e.contains(flag), "{flag}: {e}");
+        }
     }
 }

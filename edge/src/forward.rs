@@ -32,6 +32,16 @@ pub struct Forward {
     pub limits: Limits,
 }
 
+/// The task driving one kubelet HTTP connection; dropping it closes the
+/// connection.
+struct KubeletConn(tokio::task::JoinHandle<()>);
+
+impl Drop for KubeletConn {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 type ReqBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
 
 impl Forward {
@@ -50,7 +60,7 @@ impl Forward {
         };
         let path = head.path().to_string();
         if classify(&path).is_none() {
-            warn!(%path, "refusing a path Tether does not forward");
+            warn!(?path, "refusing a path Tether does not forward");
             shared.reset(
                 ResetCode::Refused,
                 format!("path {path} is not forwarded by this edge"),
@@ -87,11 +97,14 @@ impl Forward {
                 return;
             }
         };
-        tokio::spawn(async move {
+        // Aborted when the cloud resets the stream: that closes the kubelet
+        // connection (and so ends an exec process or a log follower) even
+        // while we are only waiting on the kubelet.
+        let _conn = KubeletConn(tokio::spawn(async move {
             if let Err(e) = conn.with_upgrades().await {
                 debug!(error = %e, "kubelet connection ended with an error");
             }
-        });
+        }));
         let upgrade = head.is_upgrade();
         let mut builder = http::Request::builder()
             .method(method)
@@ -128,7 +141,14 @@ impl Forward {
                 return;
             }
         };
-        let mut resp = match sender.send_request(req).await {
+        let sent = tokio::select! {
+            r = sender.send_request(req) => r,
+            (code, why) = shared.wait_reset() => {
+                info!(?code, ?why, "stream reset while waiting for the kubelet's answer; closing the kubelet connection");
+                return;
+            }
+        };
+        let mut resp = match sent {
             Ok(r) => r,
             Err(e) => {
                 shared.reset(
@@ -197,7 +217,15 @@ impl Forward {
             return;
         }
         let mut body = resp.into_body();
-        while let Some(frame) = body.frame().await {
+        loop {
+            let frame = tokio::select! {
+                f = body.frame() => f,
+                (code, why) = shared.wait_reset() => {
+                    info!(?code, ?why, "stream reset while waiting on the kubelet's body; closing the kubelet connection");
+                    return;
+                }
+            };
+            let Some(frame) = frame else { break };
             match frame {
                 Ok(f) => {
                     if let Ok(data) = f.into_data() {
@@ -214,5 +242,120 @@ impl Forward {
             }
         }
         let _ = wr.shutdown().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+    use tether_proto::frame::Frame;
+    use tether_proto::io::SharedStream;
+    use tether_proto::stream::StreamState;
+    use tokio::io::AsyncReadExt;
+
+    /// A kubelet that reads one request, writes `answer`, then stays silent;
+    /// reports how long after the answer its connection was closed.
+    async fn silent_kubelet(
+        answer: &'static [u8],
+    ) -> (String, tokio::sync::oneshot::Receiver<Instant>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = s.read(&mut buf).await.unwrap();
+                assert!(n > 0, "no request");
+                got.extend_from_slice(&buf[..n]);
+            }
+            s.write_all(answer).await.unwrap();
+            // Bounded: the test gives up after 10 s anyway.
+            let _ = tokio::time::timeout(Duration::from_secs(10), async {
+                while s.read(&mut buf).await.map(|n| n > 0).unwrap_or(false) {}
+            })
+            .await;
+            let _ = tx.send(Instant::now());
+        });
+        (addr, rx)
+    }
+
+    async fn reset_while_waiting(answer: &'static [u8]) -> Duration {
+        let (addr, closed) = silent_kubelet(answer).await;
+        let cfg = crate::config::KubeletConfig {
+            url: format!("http://{addr}").parse().unwrap(),
+            ca: None,
+            insecure_skip_tls_verify: false,
+            client_cert: None,
+            connect_timeout: Duration::from_secs(2),
+            pods_timeout: Duration::from_secs(2),
+        };
+        let limits = Limits::default();
+        let forward = Arc::new(Forward {
+            target: Arc::new(KubeletTarget::new(&cfg).unwrap()),
+            limits,
+        });
+        let shared = SharedStream::new(StreamState::new(7, (&limits).into()));
+        let head = encode_head(
+            &RequestHead {
+                method: "GET".into(),
+                path_and_query: "/containerLogs/default/p1/c?follow=true".into(),
+                headers: vec![("accept".to_string(), b"*/*".to_vec())],
+                has_body: false,
+            },
+            limits.max_head_bytes as usize,
+        )
+        .unwrap();
+        shared
+            .with_state(|s| {
+                s.on_frame(Frame::Data {
+                    stream: 7,
+                    offset: 0,
+                    payload: head.into(),
+                })
+            })
+            .unwrap();
+        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone())));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // The cloud gives up (504, or the apiserver left): its Reset arrives.
+        let reset_at = Instant::now();
+        shared
+            .with_state(|s| {
+                s.on_frame(Frame::Reset {
+                    stream: 7,
+                    code: ResetCode::Cancelled,
+                    message: "apiserver went away".into(),
+                })
+            })
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("the forward did not end after the reset")
+            .unwrap();
+        let closed = closed.await.unwrap();
+        closed.saturating_duration_since(reset_at)
+    }
+
+    #[tokio::test]
+    async fn a_reset_while_waiting_for_the_head_closes_the_kubelet_connection() {
+        let took = reset_while_waiting(b"").await;
+        assert!(
+            took < Duration::from_secs(2),
+            "closed {took:?} after the reset"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_reset_while_waiting_for_the_body_closes_the_kubelet_connection() {
+        let took = reset_while_waiting(
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        )
+        .await;
+        assert!(
+            took < Duration::from_secs(2),
+            "closed {took:?} after the reset"
+        );
     }
 }

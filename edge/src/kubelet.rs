@@ -41,8 +41,25 @@ impl PodReader {
         }
     }
 
-    /// The kubelet's pods, sorted.
+    /// The kubelet's pods, sorted. Bounded by the pods timeout: a kubelet
+    /// that accepts and never answers must not stall the edge's control loop
+    /// (pod reports and certificate renewals run behind it).
     pub async fn pods(&mut self) -> anyhow::Result<Vec<PodRef>> {
+        let limit = self.target.pods_timeout;
+        match tokio::time::timeout(limit, self.read()).await {
+            Ok(r) => r,
+            Err(_) => {
+                // The kept connection is in an unknown state: drop it.
+                self.sender = None;
+                anyhow::bail!(
+                    "the kubelet at {} did not answer GET /pods within {limit:?}",
+                    self.target.authority
+                )
+            }
+        }
+    }
+
+    async fn read(&mut self) -> anyhow::Result<Vec<PodRef>> {
         if let Some(mut sender) = self.sender.take().filter(|s| !s.is_closed()) {
             match self.target.get_pods(&mut sender).await {
                 Ok(pods) => {
@@ -74,6 +91,7 @@ pub struct KubeletTarget {
     pub authority: String,
     tls: Option<(tokio_rustls::TlsConnector, ServerName<'static>)>,
     connect_timeout: std::time::Duration,
+    pods_timeout: std::time::Duration,
 }
 
 /// Largest `/pods` answer read.
@@ -136,6 +154,7 @@ impl KubeletTarget {
             authority,
             tls,
             connect_timeout: cfg.connect_timeout,
+            pods_timeout: cfg.pods_timeout,
         })
     }
 
@@ -363,6 +382,7 @@ mod tests {
                 insecure_skip_tls_verify: false,
                 client_cert: None,
                 connect_timeout: std::time::Duration::from_secs(5),
+                pods_timeout: std::time::Duration::from_secs(1),
             })
             .unwrap(),
         )
@@ -389,5 +409,30 @@ mod tests {
         assert_eq!(r.pods().await.unwrap().len(), 1);
         assert_eq!(conns.load(std::sync::atomic::Ordering::SeqCst), 2);
         assert!(r.is_connected());
+    }
+
+    #[tokio::test]
+    async fn a_kubelet_that_never_answers_pods_is_given_up_on() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let server = tokio::spawn(async move {
+            // Accepts, reads, never answers (bounded by the test's end).
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut buf = [0u8; 1024];
+            while tokio::io::AsyncReadExt::read(&mut s, &mut buf)
+                .await
+                .unwrap_or(0)
+                > 0
+            {}
+        });
+        let mut r = PodReader::new(target(&addr));
+        let t = std::time::Instant::now();
+        let e = tokio::time::timeout(std::time::Duration::from_secs(10), r.pods())
+            .await
+            .expect("GET /pods hung")
+            .unwrap_err();
+        assert!(e.to_string().contains("did not answer"), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(3));
+        server.abort();
     }
 }

@@ -156,6 +156,8 @@ pub struct SharedStream {
     rx_room: Notify,
     /// Wakes whoever waits for the stream to finish.
     done: Notify,
+    /// Wakes whoever waits for a reset ([`SharedStream::wait_reset`]).
+    reset: Notify,
 }
 
 impl SharedStream {
@@ -171,6 +173,7 @@ impl SharedStream {
             tx: Notify::new(),
             rx_room: Notify::new(),
             done: Notify::new(),
+            reset: Notify::new(),
         })
     }
 
@@ -200,6 +203,9 @@ impl SharedStream {
         if g.state.is_done() {
             self.done.notify_waiters();
         }
+        if g.state.reset_reason().is_some() {
+            self.reset.notify_waiters();
+        }
     }
 
     /// Resets the stream (the peer is told if a transport is attached now or
@@ -212,6 +218,20 @@ impl SharedStream {
     /// Whether the stream is over in both directions.
     pub fn is_done(&self) -> bool {
         self.lock().state.is_done()
+    }
+
+    /// Waits until the stream is reset (by either side), for a task that is
+    /// busy elsewhere (e.g. waiting on the kubelet) and reads nothing.
+    pub async fn wait_reset(&self) -> (ResetCode, String) {
+        loop {
+            let n = self.reset.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if let Some((code, message)) = self.lock().state.reset_reason() {
+                return (code, message.to_string());
+            }
+            n.await;
+        }
     }
 
     /// Waits until the stream is over.

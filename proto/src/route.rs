@@ -53,7 +53,40 @@ impl Route<'_> {
 }
 
 fn valid_segment(s: &str) -> bool {
-    !s.is_empty() && s != "." && s != ".." && !s.contains('\\')
+    // Judged as the kubelet will see it: percent-escapes decoded, so `%2e%2e`
+    // is `..` and `%2f` a separator. A malformed escape is refused too.
+    let Some(decoded) = percent_decode(s) else {
+        return false;
+    };
+    !decoded.is_empty()
+        && decoded != b"."
+        && decoded != b".."
+        && !decoded.iter().any(|&b| b == b'/' || b == b'\\' || b == 0)
+}
+
+/// A segment under `/logs/`: may be empty (`/logs/`, `a//b`), never `..`
+/// or a hidden separator, decoded or not.
+fn log_segment(s: &str) -> bool {
+    s.is_empty() || (valid_segment(s) || percent_decode(s).is_some_and(|d| d == b"."))
+}
+
+/// `%XX`-decodes `s`; `None` if an escape is malformed.
+fn percent_decode(s: &str) -> Option<Vec<u8>> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = b.get(i + 1..i + 3)?;
+            let hex = std::str::from_utf8(hex).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    Some(out)
 }
 
 /// Classifies a request path (without query). `None`: not forwarded.
@@ -80,9 +113,11 @@ pub fn classify(path: &str) -> Option<Route<'_>> {
         // {ns}/{pod}/{container}
         "containerLogs" => pod_scoped(StreamKind::Logs, 3, 3),
         // /logs/ and /logs/{path}
-        "logs" if segs.len() >= 2 && segs[1..].iter().all(|s| *s != "..") => Some(Route::Node {
-            kind: StreamKind::Logs,
-        }),
+        "logs" if segs.len() >= 2 && segs[1..].iter().all(|s| log_segment(s)) => {
+            Some(Route::Node {
+                kind: StreamKind::Logs,
+            })
+        }
         "metrics" => match &segs[1..] {
             [] | ["cadvisor"] | ["resource"] | ["probes"] | ["slis"] => Some(Route::Node {
                 kind: StreamKind::Metrics,
@@ -149,6 +184,18 @@ mod tests {
         assert_eq!(classify("/exec/ns/p/u/c/x"), None);
         assert_eq!(classify("/exec/ns//c"), None);
         assert_eq!(classify("/exec/ns/../c"), None);
+        // Escapes are judged decoded, as the kubelet sees them.
+        assert_eq!(classify("/exec/ns/%2e%2e/c"), None);
+        assert_eq!(classify("/exec/ns/%2E./c"), None);
+        assert_eq!(classify("/containerLogs/ns/p%2fq/c"), None);
+        assert_eq!(classify("/containerLogs/ns/p%5cq/c"), None);
+        assert_eq!(classify("/containerLogs/ns/p%zz/c"), None);
+        assert_eq!(classify("/logs/%2e%2e/%2e%2e/etc/passwd"), None);
+        assert_eq!(classify("/logs/a%2f..%2f..%2fetc"), None);
+        assert_eq!(
+            classify("/containerLogs/ns/p%2dq/c").map(|r| r.kind()),
+            Some(StreamKind::Logs)
+        );
         assert_eq!(classify("/containerLogs/ns/p/uid/c"), None);
     }
 

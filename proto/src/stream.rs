@@ -30,9 +30,16 @@
 
 use std::collections::VecDeque;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use crate::frame::{Frame, ResetCode, StreamId};
+
+/// Payloads shorter than this are copied into one buffer instead of being
+/// queued as their own chunk.
+const COALESCE_BELOW: usize = 4096;
+/// What one queued chunk costs besides its bytes (the `Bytes` handle, the
+/// queue slot, the allocation's header), counted against the receive bound.
+const CHUNK_OVERHEAD: usize = 64;
 
 /// Buffer bounds of one stream (from [`crate::Limits`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +67,8 @@ impl From<&crate::Limits> for StreamLimits {
 pub enum StreamError {
     #[error("data at offset {got} leaves a gap after offset {expected}")]
     Gap { expected: u64, got: u64 },
+    #[error("data at offset {offset} with {len} bytes overflows the stream offset")]
+    OffsetOverflow { offset: u64, len: usize },
     #[error("data beyond the announced end at offset {end}")]
     DataAfterEnd { end: u64 },
     #[error("acknowledgement of offset {acked} beyond the {written} bytes written")]
@@ -120,6 +129,9 @@ pub struct StreamState {
     fin_acked: bool,
     // The peer's direction.
     recv: VecDeque<Bytes>,
+    /// Small payloads copied together, after everything in `recv`: a peer
+    /// sending tiny frames costs its bytes, not an allocation each.
+    recv_tail: BytesMut,
     delivered: u64,
     received: u64,
     peer_end: Option<u64>,
@@ -154,6 +166,7 @@ impl StreamState {
             fin_sent: false,
             fin_acked: false,
             recv: VecDeque::new(),
+            recv_tail: BytesMut::new(),
             delivered: 0,
             received: 0,
             peer_end: None,
@@ -234,9 +247,15 @@ impl StreamState {
         (self.received - self.delivered) as usize
     }
 
+    /// Memory the receive queue holds, as counted against
+    /// [`StreamLimits::recv_bytes`]: the bytes plus a fixed cost per chunk.
+    pub fn recv_memory(&self) -> usize {
+        self.recv_buffered() + self.recv.len() * CHUNK_OVERHEAD
+    }
+
     /// Whether the receive queue has room for more data from the transport.
     pub fn recv_has_room(&self) -> bool {
-        self.recv_buffered() < self.limits.recv_bytes
+        self.recv_memory() < self.limits.recv_bytes
     }
 
     /// Bytes kept for replay (written, not yet acknowledged).
@@ -256,6 +275,7 @@ impl StreamState {
     fn drop_received(&mut self) {
         if self.received > self.delivered {
             self.recv.clear();
+            self.recv_tail = BytesMut::new();
             self.delivered = self.received;
             self.ack_due = true;
         }
@@ -276,6 +296,17 @@ impl StreamState {
                 front.split_to(max)
             };
             self.delivered += chunk.len() as u64;
+            self.ack_due = true;
+            return ReadOutcome::Data(chunk);
+        }
+        if !self.recv_tail.is_empty() && max > 0 {
+            let n = max.min(self.recv_tail.len());
+            let chunk = self.recv_tail.split_to(n).freeze();
+            if self.recv_tail.is_empty() {
+                // Give the allocation back rather than keep it for later.
+                self.recv_tail = BytesMut::new();
+            }
+            self.delivered += n as u64;
             self.ack_due = true;
             return ReadOutcome::Data(chunk);
         }
@@ -355,7 +386,12 @@ impl StreamState {
                 if self.reset.is_some() {
                     return Ok(());
                 }
-                let end = offset + payload.len() as u64;
+                let end = offset.checked_add(payload.len() as u64).ok_or(
+                    StreamError::OffsetOverflow {
+                        offset,
+                        len: payload.len(),
+                    },
+                )?;
                 if offset > self.received {
                     return Err(StreamError::Gap {
                         expected: self.received,
@@ -369,7 +405,16 @@ impl StreamState {
                 }
                 if end > self.received {
                     let skip = (self.received - offset) as usize;
-                    self.recv.push_back(payload.slice(skip..));
+                    let fresh = &payload[skip..];
+                    if fresh.len() < COALESCE_BELOW {
+                        self.recv_tail.extend_from_slice(fresh);
+                    } else {
+                        if !self.recv_tail.is_empty() {
+                            let tail = std::mem::take(&mut self.recv_tail);
+                            self.recv.push_back(tail.freeze());
+                        }
+                        self.recv.push_back(payload.slice(skip..));
+                    }
                     self.received = end;
                 }
                 if self.discard_incoming {
@@ -630,6 +675,60 @@ mod tests {
                 _ => return (out, false),
             }
         }
+    }
+
+    #[test]
+    fn an_offset_that_would_overflow_is_a_protocol_error() {
+        let (_, mut b) = pair();
+        b.on_frame(Frame::Data {
+            stream: 1,
+            offset: 0,
+            payload: Bytes::from_static(b"ab"),
+        })
+        .unwrap();
+        // A peer cannot make `offset + len` wrap (a panic in debug, a bogus
+        // end in release): it is refused.
+        let r = b.on_frame(Frame::Data {
+            stream: 1,
+            offset: u64::MAX,
+            payload: Bytes::from_static(b"xy"),
+        });
+        assert!(
+            matches!(r, Err(StreamError::OffsetOverflow { .. })),
+            "{r:?}"
+        );
+        let r = b.on_frame(Frame::Data {
+            stream: 1,
+            offset: 1,
+            payload: Bytes::from(vec![0u8; 2]),
+        });
+        assert!(r.is_ok(), "an overlapping retransmit is fine: {r:?}");
+        let (got, _) = read_all(&mut b);
+        assert_eq!(got, b"ab\0");
+    }
+
+    #[test]
+    fn small_frames_are_coalesced_and_read_in_order() {
+        let (_, mut b) = pair();
+        let mut offset = 0u64;
+        let mut want = Vec::new();
+        for (i, len) in [1usize, 2, 40, 1, 3].into_iter().enumerate() {
+            let p = vec![i as u8; len];
+            want.extend_from_slice(&p);
+            b.on_frame(Frame::Data {
+                stream: 1,
+                offset,
+                payload: Bytes::from(p),
+            })
+            .unwrap();
+            offset += len as u64;
+        }
+        let mut got = Vec::new();
+        while let ReadOutcome::Data(d) = b.read(5) {
+            assert!(d.len() <= 5);
+            got.extend_from_slice(&d);
+        }
+        assert_eq!(got, want);
     }
 
     #[test]

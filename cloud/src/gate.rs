@@ -1,0 +1,155 @@
+//! Who may start an edge handshake: the decisions the QUIC accept loop makes
+//! about an Initial before it costs the cloud a handshake slot.
+//!
+//! Two defences against handshake starvation (a flood of Initials, spoofed or
+//! not, that would hold every `--max-pending-handshakes` slot for the
+//! handshake timeout and keep real edges out):
+//! - **address validation under load**: once a quarter of the handshake slots
+//!   are in use, an Initial from an address QUIC has not validated is answered
+//!   with a stateless Retry. A spoofed source never sees the Retry and never
+//!   comes back; a real edge returns with the token one round trip later and
+//!   is validated. The Retry itself costs the cloud nothing but an HMAC.
+//! - **a per-source rate**: each source IP may start at most
+//!   `--handshakes-per-source` handshakes per second (a burst of that many),
+//!   so one validated address cannot take every slot either. Its surplus
+//!   Initials are dropped (its QUIC retransmits them later).
+//!
+//! Pure logic over time and addresses; the tokio glue is in [`crate::tunnel`].
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::time::Instant;
+
+/// Largest number of sources remembered; beyond it, full (idle) buckets are
+/// forgotten first, then the whole table (a forgotten source starts full).
+const MAX_SOURCES: usize = 65_536;
+
+/// What to do with one Initial.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Take a handshake slot.
+    Admit,
+    /// Answer with a QUIC Retry (address not yet validated, cloud under load).
+    Retry,
+    /// Drop it: this source started too many handshakes lately.
+    SourceLimited,
+}
+
+/// The per-source token buckets and the load threshold for Retry.
+#[derive(Debug)]
+pub struct Gate {
+    per_source: f64,
+    retry_above: usize,
+    buckets: HashMap<IpAddr, Bucket>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Gate {
+    /// `per_source`: handshakes a second (and burst) per source IP, at least 1;
+    /// `max_pending`: the handshake slots; Retry starts at a quarter of them.
+    pub fn new(per_source: u32, max_pending: usize) -> Gate {
+        Gate {
+            per_source: f64::from(per_source.max(1)),
+            retry_above: max_pending / 4,
+            buckets: HashMap::new(),
+        }
+    }
+
+    /// Decides for an Initial from `source` while `pending` handshakes are in
+    /// progress; `validated` is whether QUIC validated the address (the
+    /// Initial carried a Retry token).
+    pub fn check(
+        &mut self,
+        source: IpAddr,
+        validated: bool,
+        pending: usize,
+        now: Instant,
+    ) -> Verdict {
+        if !validated && pending >= self.retry_above {
+            return Verdict::Retry;
+        }
+        if self.buckets.len() >= MAX_SOURCES && !self.buckets.contains_key(&source) {
+            self.prune(now);
+        }
+        let rate = self.per_source;
+        let b = self.buckets.entry(source).or_insert(Bucket {
+            tokens: rate,
+            at: now,
+        });
+        let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
+        b.tokens = (b.tokens + elapsed * rate).min(rate);
+        b.at = now;
+        if b.tokens >= 1.0 {
+            b.tokens -= 1.0;
+            Verdict::Admit
+        } else {
+            Verdict::SourceLimited
+        }
+    }
+
+    /// Sources remembered (for tests).
+    pub fn sources(&self) -> usize {
+        self.buckets.len()
+    }
+
+    fn prune(&mut self, now: Instant) {
+        let rate = self.per_source;
+        self.buckets.retain(|_, b| {
+            b.tokens + now.saturating_duration_since(b.at).as_secs_f64() * rate < rate
+        });
+        if self.buckets.len() >= MAX_SOURCES {
+            self.buckets.clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn ip(n: u32) -> IpAddr {
+        IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n))
+    }
+
+    #[test]
+    fn unvalidated_sources_get_a_retry_only_under_load() {
+        let mut g = Gate::new(10, 16);
+        let t = Instant::now();
+        assert_eq!(g.check(ip(1), false, 0, t), Verdict::Admit);
+        assert_eq!(g.check(ip(2), false, 3, t), Verdict::Admit);
+        assert_eq!(g.check(ip(3), false, 4, t), Verdict::Retry);
+        assert_eq!(g.check(ip(3), true, 15, t), Verdict::Admit);
+    }
+
+    #[test]
+    fn one_source_is_held_to_its_rate_and_refills() {
+        let mut g = Gate::new(5, 512);
+        let t = Instant::now();
+        for _ in 0..5 {
+            assert_eq!(g.check(ip(1), true, 0, t), Verdict::Admit);
+        }
+        assert_eq!(g.check(ip(1), true, 0, t), Verdict::SourceLimited);
+        // Another source is not affected.
+        assert_eq!(g.check(ip(2), true, 0, t), Verdict::Admit);
+        // 200 ms later one token (5/s) is back, not two.
+        let t2 = t + Duration::from_millis(200);
+        assert_eq!(g.check(ip(1), true, 0, t2), Verdict::Admit);
+        assert_eq!(g.check(ip(1), true, 0, t2), Verdict::SourceLimited);
+    }
+
+    #[test]
+    fn the_source_table_stays_bounded() {
+        let mut g = Gate::new(1, 512);
+        let t = Instant::now();
+        for n in 0..(MAX_SOURCES as u32 + 1000) {
+            assert_eq!(g.check(ip(n), true, 0, t), Verdict::Admit);
+        }
+        assert!(g.sources() <= MAX_SOURCES, "{} sources", g.sources());
+    }
+}
