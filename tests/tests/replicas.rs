@@ -37,14 +37,52 @@ fn free_udp_port() -> u16 {
         .port()
 }
 
+/// A run directory and the certificates every replica of a test uses.
+struct Bed {
+    dir: tempfile::TempDir,
+    pki: Pki,
+    peers: PeerPki,
+}
+
+impl Bed {
+    fn new() -> Bed {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = pki::mint(dir.path(), &["edge-1"]).unwrap();
+        let peers = pki::mint_peers(&dir.path().join("peers")).unwrap();
+        Bed { dir, pki, peers }
+    }
+
+    /// Starts replica `name` with `peer_cert`, peer listener `listen`,
+    /// static `members` and `extra` flags.
+    async fn spawn(
+        &self,
+        name: &str,
+        peer_cert: &Pair,
+        listen: SocketAddr,
+        members: &[SocketAddr],
+        extra: &[String],
+    ) -> Result<Replica> {
+        spawn_replica(
+            self.dir.path(),
+            &self.pki,
+            &self.peers,
+            name,
+            (peer_cert, listen),
+            members,
+            extra,
+        )
+        .await
+    }
+}
+
 async fn spawn_replica(
     dir: &Path,
     pki: &Pki,
     peers: &PeerPki,
     name: &str,
-    peer_cert: &Pair,
-    listen: SocketAddr,
+    (peer_cert, listen): (&Pair, SocketAddr),
     members: &[SocketAddr],
+    extra: &[String],
 ) -> Result<Replica> {
     let list = members
         .iter()
@@ -70,6 +108,7 @@ async fn spawn_replica(
         "--peers",
         &list,
     ])
+    .args(extra)
     .args(pki.cloud_flags())
     .args(peers.flags_with(peer_cert))
     .env("TETHER_LOG", "info,tether_cloud=debug")
@@ -129,54 +168,36 @@ fn log(dir: &Path, name: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_find_each_other_and_notice_joins_and_deaths() {
-    let dir = tempfile::tempdir().unwrap();
-    let pki = pki::mint(dir.path(), &["edge-1"]).unwrap();
-    let peers = pki::mint_peers(&dir.path().join("peers")).unwrap();
+    let bed = Bed::new();
     let addrs: Vec<SocketAddr> = (0..3)
         .map(|_| SocketAddr::from(([127, 0, 0, 1], free_udp_port())))
         .collect();
     // Every replica is given the whole list, itself included (as a headless
     // Service's DNS answer would): it must skip itself.
     let start = Instant::now();
-    let a = spawn_replica(
-        dir.path(),
-        &pki,
-        &peers,
-        "replica-a",
-        &peers.peer,
-        addrs[0],
-        &addrs,
-    )
-    .await
-    .unwrap();
-    let b = spawn_replica(
-        dir.path(),
-        &pki,
-        &peers,
-        "replica-b",
-        &peers.peer,
-        addrs[1],
-        &addrs,
-    )
-    .await
-    .unwrap();
+    let a = bed
+        .spawn("replica-a", &bed.peers.peer, addrs[0], &addrs, &[])
+        .await
+        .unwrap();
+    let b = bed
+        .spawn("replica-b", &bed.peers.peer, addrs[1], &addrs, &[])
+        .await
+        .unwrap();
     let t = wait_peers_up(&a, 1.0, start).await;
     wait_peers_up(&b, 1.0, start).await;
     eprintln!("two replicas linked {t:?} after the first started");
 
-    // A third joins: all see two peers.
+    // A third joins: all see two peers. It finds A only through DNS
+    // (`localhost` resolves to A's loopback address), B through its list.
     let joined = Instant::now();
-    let mut c = spawn_replica(
-        dir.path(),
-        &pki,
-        &peers,
-        "replica-c",
-        &peers.peer,
-        addrs[2],
-        &addrs,
-    )
-    .await
-    .unwrap();
+    let dns = vec![
+        "--peer-dns".to_string(),
+        format!("localhost:{}", addrs[0].port()),
+    ];
+    let mut c = bed
+        .spawn("replica-c", &bed.peers.peer, addrs[2], &addrs[1..], &dns)
+        .await
+        .unwrap();
     for r in [&a, &b, &c] {
         let t = wait_peers_up(r, 2.0, joined).await;
         eprintln!("{} sees the join after {t:?}", r.name);
@@ -210,7 +231,7 @@ async fn replicas_find_each_other_and_notice_joins_and_deaths() {
         let t = wait_peers_up(r, 1.0, died).await;
         eprintln!("{} notices the death after {t:?}", r.name);
     }
-    assert!(log(dir.path(), "replica-a").contains("peer down"));
+    assert!(log(bed.dir.path(), "replica-a").contains("peer down"));
     // A stays linked to B after C's death (no flapping).
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(metric(&a, "tether_cloud_peers_up").await, 1.0);
@@ -219,49 +240,38 @@ async fn replicas_find_each_other_and_notice_joins_and_deaths() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_with_a_wrong_certificate_is_refused_and_logged() {
-    let dir = tempfile::tempdir().unwrap();
-    let pki = pki::mint(dir.path(), &["edge-1"]).unwrap();
-    let peers = pki::mint_peers(&dir.path().join("peers")).unwrap();
+    let bed = Bed::new();
     let good = SocketAddr::from(([127, 0, 0, 1], free_udp_port()));
-    let a = spawn_replica(
-        dir.path(),
-        &pki,
-        &peers,
-        "replica-a",
-        &peers.peer,
-        good,
-        &[good],
-    )
-    .await
-    .unwrap();
+    let a = bed
+        .spawn("replica-a", &bed.peers.peer, good, &[good], &[])
+        .await
+        .unwrap();
 
     // The right CA, but an edge certificate: refused by the explicit check.
     let start = Instant::now();
     let edge_addr = SocketAddr::from(([127, 0, 0, 1], free_udp_port()));
-    let pretender = spawn_replica(
-        dir.path(),
-        &pki,
-        &peers,
-        "pretender",
-        &peers.edge_signed_by_peer_ca,
-        edge_addr,
-        &[good],
-    )
-    .await
-    .unwrap();
+    let pretender = bed
+        .spawn(
+            "pretender",
+            &bed.peers.edge_signed_by_peer_ca,
+            edge_addr,
+            &[good],
+            &[],
+        )
+        .await
+        .unwrap();
     // A trusted stranger from another CA: refused by TLS.
     let foreign_addr = SocketAddr::from(([127, 0, 0, 1], free_udp_port()));
-    let foreign = spawn_replica(
-        dir.path(),
-        &pki,
-        &peers,
-        "foreign",
-        &peers.foreign_peer,
-        foreign_addr,
-        &[good],
-    )
-    .await
-    .unwrap();
+    let foreign = bed
+        .spawn(
+            "foreign",
+            &bed.peers.foreign_peer,
+            foreign_addr,
+            &[good],
+            &[],
+        )
+        .await
+        .unwrap();
     let deadline = start + NOTICE_BOUND;
     loop {
         let not_peer = metric(
@@ -280,7 +290,7 @@ async fn a_peer_with_a_wrong_certificate_is_refused_and_logged() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let log_a = log(dir.path(), "replica-a");
+    let log_a = log(bed.dir.path(), "replica-a");
     assert!(
         log_a.contains("refused a peer connection") && log_a.contains("not a peer certificate"),
         "{log_a}"
