@@ -306,3 +306,59 @@ impl CloudArgs {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Result<CloudConfig, String> {
+        let mut argv = vec![
+            "tether-cloud",
+            "--tunnel-cert=t.crt",
+            "--tunnel-key=t.key",
+            "--edge-ca=e.crt",
+            "--kubelet-cert=k.crt",
+            "--kubelet-key=k.key",
+            "--apiserver-client-ca=a.crt",
+        ];
+        argv.extend_from_slice(extra);
+        CloudArgs::try_parse_from(argv)
+            .map_err(|e| e.to_string())?
+            .into_config()
+    }
+
+    const PEER: &[&str] = &[
+        "--peer-listen=127.0.0.1:7000",
+        "--peer-cert=p.crt",
+        "--peer-key=p.key",
+        "--peer-ca=pca.crt",
+    ];
+
+    #[test]
+    fn peers_are_optional_and_checked() {
+        assert!(parse(&[]).unwrap().peer.is_none());
+        let mut flags = PEER.to_vec();
+        flags.extend([
+            "--peers=10.0.0.1:7000,tether-1.tether-peers:7000",
+            "--peer-dns=tether-peers.tether.svc:7000",
+            "--replica-name=tether-0",
+            "--peer-timeout=2s",
+        ]);
+        let p = parse(&flags).unwrap().peer.unwrap();
+        assert_eq!(p.static_peers.len(), 2);
+        assert_eq!(p.dns.as_deref(), Some("tether-peers.tether.svc:7000"));
+        assert_eq!(p.replica_name, "tether-0");
+        assert_eq!(p.timeout, Duration::from_secs(2));
+        assert_eq!(p.resolve_interval, Duration::from_secs(5));
+        // Peers without a peer listener, a listener without its certificate,
+        // a peer without a port: refused at start.
+        assert!(parse(&["--peers=10.0.0.1:7000"]).is_err());
+        assert!(parse(&["--peer-listen=127.0.0.1:7000"]).is_err());
+        let mut bad = PEER.to_vec();
+        bad.push("--peer-dns=tether-peers");
+        assert!(parse(&bad).unwrap_err().contains("HOST:PORT"));
+        let mut bad = PEER.to_vec();
+        bad.push("--peers=:7000");
+        assert!(parse(&bad).is_err());
+    }
+}
