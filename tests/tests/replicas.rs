@@ -304,3 +304,43 @@ async fn a_peer_with_a_wrong_certificate_is_refused_and_logged() {
     let (_, status) = plain_get(a.metrics, "/status").await.unwrap();
     assert!(!status.contains("\"up\":true"), "{status}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_peer_link_is_seen_within_the_timeout_and_heals() {
+    let bed = Bed::new();
+    let pa = SocketAddr::from(([127, 0, 0, 1], free_udp_port()));
+    let pb = SocketAddr::from(([127, 0, 0, 1], free_udp_port()));
+    // B is alive throughout; A reaches it only through a relay we can cut.
+    let _b = bed
+        .spawn("replica-b", &bed.peers.peer, pb, &[pb], &[])
+        .await
+        .unwrap();
+    let relay = support::UdpRelay::start(pb).await.unwrap();
+    let a = bed
+        .spawn("replica-a", &bed.peers.peer, pa, &[relay.addr], &[])
+        .await
+        .unwrap();
+    wait_peers_up(&a, 1.0, Instant::now()).await;
+
+    let cut = Instant::now();
+    relay.set_outage(true);
+    let t = wait_peers_up(&a, 0.0, cut).await;
+    eprintln!("replica-a sees the cut link after {t:?} (peer timeout {PEER_TIMEOUT:?})");
+    assert!(
+        t >= PEER_TIMEOUT / 2,
+        "down after {t:?}: before any timeout could expire"
+    );
+    let (_, status) = plain_get(a.metrics, "/status").await.unwrap();
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    let peer = &status["peers"][0];
+    assert_eq!(peer["up"], false, "{status}");
+    assert!(
+        peer["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "{status}"
+    );
+
+    let healed = Instant::now();
+    relay.set_outage(false);
+    let t = wait_peers_up(&a, 1.0, healed).await;
+    eprintln!("replica-a relinks after {t:?} once the link heals");
+}
