@@ -135,6 +135,14 @@ enum IssueCommand {
         #[command(flatten)]
         opts: IssueOpts,
     },
+    /// The peer certificate cloud replicas present to each other (tether-cloud
+    /// --peer-cert/--peer-key): CN tether-peer, O tether:peers, SAN DNS
+    /// tether-peer, server- and client-auth. Sign it with a CA of its own
+    /// (`--dir` of a separate `ca create`), given to tether-cloud as --peer-ca.
+    Peer {
+        #[command(flatten)]
+        opts: IssueOpts,
+    },
     /// An apiserver-style client certificate (client-auth), as the
     /// kube-apiserver's --kubelet-client-certificate; for tests and demos.
     ApiserverClient {
@@ -317,6 +325,7 @@ fn issue(dir: &Path, cmd: IssueCommand) -> anyhow::Result<()> {
         IssueCommand::CloudKubelet { opts, .. } => ("kubelet".to_string(), opts),
         IssueCommand::Edge { node, opts } => (node.clone(), opts),
         IssueCommand::ApiserverClient { opts, .. } => ("apiserver-client".to_string(), opts),
+        IssueCommand::Peer { opts } => ("peer".to_string(), opts),
     };
     let cert_path = opts
         .cert
@@ -347,6 +356,7 @@ fn issue(dir: &Path, cmd: IssueCommand) -> anyhow::Result<()> {
             let orgs: Vec<&str> = orgs.iter().map(String::as_str).collect();
             (ca.issue_client(cn, &orgs, opts.validity)?, false)
         }
+        IssueCommand::Peer { opts } => (ca.issue_peer(opts.validity)?, false),
     };
     let cert_text = if chain {
         format!("{}{}", issued.cert_pem, ca.cert_pem)

@@ -4,6 +4,9 @@
 //! Kubernetes convention, also KubeEdge's); a bare CN or a DNS SAN is accepted
 //! when the CN has no such prefix. The name must be a valid Kubernetes node
 //! name (DNS-1123 subdomain).
+//!
+//! A cloud replica's peer certificate is recognised by [`check_peer_cert`]:
+//! exactly CN `tether-peer` and O `tether:peers` (see [`crate::mint`]).
 
 use rustls::pki_types::CertificateDer;
 use x509_parser::prelude::*;
@@ -59,6 +62,32 @@ pub fn node_name_from_cert(der: &CertificateDer<'_>) -> Result<String, CertError
         )));
     }
     Ok(name)
+}
+
+/// Checks that a certificate is a cloud replica's peer certificate: CN
+/// [`crate::mint::PEER_COMMON_NAME`] and O [`crate::mint::PEER_ORGANIZATION`],
+/// nothing else in the subject. Edge (`system:node:*`, `system:nodes`) and
+/// apiserver client certificates fail this.
+pub fn check_peer_cert(der: &CertificateDer<'_>) -> Result<(), CertError> {
+    use crate::mint::{PEER_COMMON_NAME, PEER_ORGANIZATION};
+    let (_, cert) =
+        X509Certificate::from_der(der.as_ref()).map_err(|e| CertError::Parse(e.to_string()))?;
+    let cns: Vec<&str> = cert
+        .subject()
+        .iter_common_name()
+        .filter_map(|c| c.as_str().ok())
+        .collect();
+    let orgs: Vec<&str> = cert
+        .subject()
+        .iter_organization()
+        .filter_map(|c| c.as_str().ok())
+        .collect();
+    if cns != [PEER_COMMON_NAME] || orgs != [PEER_ORGANIZATION] {
+        return Err(CertError::NotPeer(format!(
+            "subject CN {cns:?} O {orgs:?}; a peer has CN {PEER_COMMON_NAME:?} O {PEER_ORGANIZATION:?}"
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

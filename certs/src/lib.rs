@@ -1,8 +1,9 @@
 //! # tether-certs — certificates for Tether
 //!
 //! - [`mint`]: a CA and the certificates signed by it (cloud server, edge
-//!   client naming its node, apiserver-style client), made with rcgen.
-//! - [`identity`]: reading the node name out of an edge certificate.
+//!   client naming its node, apiserver-style client, replica peer), made with rcgen.
+//! - [`identity`]: reading the node name out of an edge certificate, and
+//!   recognising a cloud replica's peer certificate.
 //! - [`pem`]: loading PEM files into rustls types, with errors naming the file.
 //! - [`files`]: atomic writes, keys 0600.
 //! - [`pin`]: the CA pin (`sha256:` of its public key) and the TLS verifier
@@ -50,4 +51,6 @@ pub enum CertError {
     Parse(String),
     #[error("certificate names no node: {0}")]
     NoNode(String),
+    #[error("not a peer certificate: {0}")]
+    NotPeer(String),
 }

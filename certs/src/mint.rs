@@ -7,7 +7,13 @@
 //! - an **edge** certificate: CN `system:node:<name>`, O `system:nodes`, SAN
 //!   DNS `<name>`, client-auth EKU — the node identity the cloud trusts;
 //! - an **apiserver client** certificate (client-auth EKU) for tests and the
-//!   demo, like the kube-apiserver's `--kubelet-client-certificate`.
+//!   demo, like the kube-apiserver's `--kubelet-client-certificate`;
+//! - a **peer** certificate that cloud replicas present to each other on the
+//!   peer link: CN [`PEER_COMMON_NAME`], O [`PEER_ORGANIZATION`], SAN DNS
+//!   [`PEER_SERVER_NAME`], server- and client-auth EKU. Sign it with a CA of
+//!   its own (the peer CA); the cloud also checks the name explicitly, so an
+//!   edge or apiserver certificate can never pass for a peer even when an
+//!   operator reuses one CA.
 
 use std::net::IpAddr;
 use std::time::Duration;
@@ -19,6 +25,14 @@ use rcgen::{
 use time::OffsetDateTime;
 
 use crate::CertError;
+
+/// The common name of every peer certificate.
+pub const PEER_COMMON_NAME: &str = "tether-peer";
+/// The organisation of every peer certificate (no Kubernetes group uses it).
+pub const PEER_ORGANIZATION: &str = "tether:peers";
+/// The DNS name in a peer certificate; replicas dial each other with it as
+/// the TLS server name, whatever address they reach the peer at.
+pub const PEER_SERVER_NAME: &str = "tether-peer";
 
 /// A certificate and its private key, both PEM.
 #[derive(Debug, Clone)]
@@ -182,6 +196,24 @@ impl Ca {
         self.sign(p, valid_for)
     }
 
+    /// A peer certificate for cloud replicas (see the module doc). All
+    /// replicas may share one (a Kubernetes Secret).
+    pub fn issue_peer(&self, valid_for: Duration) -> Result<CertKey, CertError> {
+        let mut p = CertificateParams::default();
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, PEER_COMMON_NAME);
+        dn.push(DnType::OrganizationName, PEER_ORGANIZATION);
+        p.distinguished_name = dn;
+        p.subject_alt_names
+            .push(SanType::DnsName(PEER_SERVER_NAME.try_into()?));
+        p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        p.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        self.sign(p, valid_for)
+    }
+
     /// A client certificate (e.g. the apiserver's kubelet-client certificate).
     pub fn issue_client(
         &self,
@@ -220,5 +252,33 @@ mod tests {
                 Duration::from_secs(60),
             )
             .unwrap();
+    }
+
+    #[test]
+    fn only_a_peer_certificate_is_a_peer() {
+        let ca = Ca::new("peer ca", Duration::from_secs(3600)).unwrap();
+        let der = |ck: CertKey| crate::pem::certs_from_pem(&ck.cert_pem, "x").unwrap()[0].clone();
+        let peer = der(ca.issue_peer(Duration::from_secs(60)).unwrap());
+        crate::identity::check_peer_cert(&peer).unwrap();
+        let edge = der(ca.issue_edge("edge-1", Duration::from_secs(60)).unwrap());
+        assert!(crate::identity::check_peer_cert(&edge).is_err());
+        let api = der(ca
+            .issue_client(
+                "kube-apiserver-kubelet-client",
+                &["system:masters"],
+                Duration::from_secs(60),
+            )
+            .unwrap());
+        assert!(crate::identity::check_peer_cert(&api).is_err());
+        // A client certificate that copies the CN but not the organisation.
+        let fake = der(ca
+            .issue_client(PEER_COMMON_NAME, &[], Duration::from_secs(60))
+            .unwrap());
+        assert!(crate::identity::check_peer_cert(&fake).is_err());
+        // An edge cannot be named like a peer: its CN is system:node:<name>.
+        let node = der(ca
+            .issue_edge("tether-peer", Duration::from_secs(60))
+            .unwrap());
+        assert!(crate::identity::check_peer_cert(&node).is_err());
     }
 }

@@ -103,6 +103,39 @@ pub struct CloudArgs {
     /// prove their address with a QUIC Retry first.
     #[arg(long, env = "TETHER_HANDSHAKES_PER_SOURCE", default_value_t = 20)]
     pub handshakes_per_source: u32,
+    /// UDP address of the peer listener other replicas dial (QUIC, mutual
+    /// TLS with peer certificates only). Unset: this replica runs alone.
+    #[arg(long, env = "TETHER_PEER_LISTEN", requires_all = ["peer_cert", "peer_key", "peer_ca"])]
+    pub peer_listen: Option<SocketAddr>,
+    /// Peer certificate (PEM) this replica presents to its peers
+    /// (`tether-certs issue peer`; all replicas may share one).
+    #[arg(long, env = "TETHER_PEER_CERT")]
+    pub peer_cert: Option<PathBuf>,
+    /// Private key (PEM) of the peer certificate.
+    #[arg(long, env = "TETHER_PEER_KEY")]
+    pub peer_key: Option<PathBuf>,
+    /// CA (PEM) that signs peer certificates; keep it apart from the edge CA.
+    #[arg(long, env = "TETHER_PEER_CA")]
+    pub peer_ca: Option<PathBuf>,
+    /// Static peers, `HOST:PORT` of their peer listeners (comma-separated or
+    /// repeated); this replica's own address may be listed and is skipped.
+    #[arg(long, env = "TETHER_PEERS", value_delimiter = ',')]
+    pub peers: Vec<String>,
+    /// A DNS name whose every A/AAAA record is a replica (a headless
+    /// Service), `NAME:PORT`; re-resolved every `--peer-resolve-interval`.
+    #[arg(long, env = "TETHER_PEER_DNS")]
+    pub peer_dns: Option<String>,
+    /// How often the peer list is re-resolved and missing links re-dialled.
+    #[arg(long, env = "TETHER_PEER_RESOLVE_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    pub peer_resolve_interval: Duration,
+    /// Bound on every wait on a peer: resolving, dialling, its hello; a peer
+    /// link silent for this long is down.
+    #[arg(long, env = "TETHER_PEER_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub peer_timeout: Duration,
+    /// This replica's name as its peers and `/status` show it (in
+    /// Kubernetes, the pod name). Default: the host name.
+    #[arg(long, env = "TETHER_REPLICA_NAME")]
+    pub replica_name: Option<String>,
     /// A TOML file of settings (keys are the long flag names); flags and
     /// environment variables override it.
     #[arg(long, env = "TETHER_CONFIG")]
@@ -125,6 +158,22 @@ pub struct JoinConfig {
     pub ca_cert: PathBuf,
     pub ca_key: PathBuf,
     pub validity: Duration,
+}
+
+/// How this replica finds and talks to the others.
+#[derive(Debug, Clone)]
+pub struct PeerConfig {
+    pub listen: SocketAddr,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+    /// `HOST:PORT` strings, resolved on every round.
+    pub static_peers: Vec<String>,
+    /// `NAME:PORT` of the headless Service.
+    pub dns: Option<String>,
+    pub resolve_interval: Duration,
+    pub timeout: Duration,
+    pub replica_name: String,
 }
 
 /// The validated configuration.
@@ -152,6 +201,8 @@ pub struct CloudConfig {
     pub shutdown_grace: Duration,
     /// Join settings, when joins are enabled.
     pub join: Option<JoinConfig>,
+    /// Peer settings, when this replica has peers.
+    pub peer: Option<PeerConfig>,
     pub limits: Limits,
     pub quic: QuicSettings,
 }
@@ -170,6 +221,48 @@ impl tether_proto::cli::BinaryArgs for CloudArgs {
 }
 
 impl CloudArgs {
+    fn peer_config(&self) -> Result<Option<PeerConfig>, String> {
+        let Some(listen) = self.peer_listen else {
+            if !self.peers.is_empty() || self.peer_dns.is_some() {
+                return Err("--peers and --peer-dns need --peer-listen".into());
+            }
+            return Ok(None);
+        };
+        let (Some(cert), Some(key), Some(ca)) = (
+            self.peer_cert.clone(),
+            self.peer_key.clone(),
+            self.peer_ca.clone(),
+        ) else {
+            return Err("--peer-listen needs --peer-cert, --peer-key and --peer-ca".into());
+        };
+        for p in self.peers.iter().chain(self.peer_dns.iter()) {
+            match p.rsplit_once(':') {
+                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
+                _ => return Err(format!("peer {p:?} is not HOST:PORT")),
+            }
+        }
+        if self.peer_timeout.is_zero() || self.peer_resolve_interval.is_zero() {
+            return Err("--peer-timeout and --peer-resolve-interval must be positive".into());
+        }
+        let replica_name = match &self.replica_name {
+            Some(n) if !n.is_empty() => n.clone(),
+            _ => std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_else(|_| "tether-cloud".into()),
+        };
+        Ok(Some(PeerConfig {
+            listen,
+            cert,
+            key,
+            ca,
+            static_peers: self.peers.clone(),
+            dns: self.peer_dns.clone(),
+            resolve_interval: self.peer_resolve_interval,
+            timeout: self.peer_timeout,
+            replica_name,
+        }))
+    }
+
     /// Checks the flags and builds the configuration.
     pub fn into_config(self) -> Result<CloudConfig, String> {
         let limits = self.limits.limits()?;
@@ -205,6 +298,7 @@ impl CloudArgs {
         if self.max_http_header_bytes < 8192 {
             return Err("--max-http-header-bytes must be at least 8KiB".into());
         }
+        let peer = self.peer_config()?;
         let apiserver_client_ca = if self.insecure_skip_client_auth {
             None
         } else {
@@ -240,6 +334,7 @@ impl CloudArgs {
                 (None, _, _) => None,
                 _ => return Err("--join-store needs --join-ca-cert and --join-ca-key".into()),
             },
+            peer,
             limits,
             quic,
         })
@@ -271,6 +366,22 @@ mod tests {
             .into_config()
     }
 
+    fn parse(extra: &[&str]) -> Result<CloudConfig, String> {
+        let mut argv = vec![
+            "tether-cloud",
+            "--tunnel-cert=t.crt",
+            "--tunnel-key=t.key",
+            "--edge-ca=e.crt",
+            "--kubelet-cert=k.crt",
+            "--kubelet-key=k.key",
+            "--apiserver-client-ca=a.crt",
+        ];
+        argv.extend_from_slice(extra);
+        CloudArgs::try_parse_from(argv)
+            .map_err(|e| e.to_string())?
+            .into_config()
+    }
+
     #[test]
     fn zero_limits_and_timeouts_are_refused() {
         assert!(config(&[]).is_ok());
@@ -287,5 +398,40 @@ mod tests {
             let e = config(&[flag, zero]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
         }
+    }
+
+    const PEER: &[&str] = &[
+        "--peer-listen=127.0.0.1:7000",
+        "--peer-cert=p.crt",
+        "--peer-key=p.key",
+        "--peer-ca=pca.crt",
+    ];
+
+    #[test]
+    fn peers_are_optional_and_checked() {
+        assert!(parse(&[]).unwrap().peer.is_none());
+        let mut flags = PEER.to_vec();
+        flags.extend([
+            "--peers=10.0.0.1:7000,tether-1.tether-peers:7000",
+            "--peer-dns=tether-peers.tether.svc:7000",
+            "--replica-name=tether-0",
+            "--peer-timeout=2s",
+        ]);
+        let p = parse(&flags).unwrap().peer.unwrap();
+        assert_eq!(p.static_peers.len(), 2);
+        assert_eq!(p.dns.as_deref(), Some("tether-peers.tether.svc:7000"));
+        assert_eq!(p.replica_name, "tether-0");
+        assert_eq!(p.timeout, Duration::from_secs(2));
+        assert_eq!(p.resolve_interval, Duration::from_secs(5));
+        // Peers without a peer listener, a listener without its certificate,
+        // a peer without a port: refused at start.
+        assert!(parse(&["--peers=10.0.0.1:7000"]).is_err());
+        assert!(parse(&["--peer-listen=127.0.0.1:7000"]).is_err());
+        let mut bad = PEER.to_vec();
+        bad.push("--peer-dns=tether-peers");
+        assert!(parse(&bad).unwrap_err().contains("HOST:PORT"));
+        let mut bad = PEER.to_vec();
+        bad.push("--peers=:7000");
+        assert!(parse(&bad).is_err());
     }
 }

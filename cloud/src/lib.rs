@@ -18,6 +18,10 @@
 //!   per-source rate);
 //! - [`join`]: the join ALPN: a new edge presents a join token and a CSR
 //!   and receives its certificate;
+//! - [`members`]: which other replicas exist (static list, DNS) and which
+//!   have a live peer link;
+//! - [`peer`]: the peer listener between replicas: mutual TLS with peer
+//!   certificates, the hello;
 //! - [`tls`]: rustls configurations for both listeners;
 //! - [`metrics`]: the Prometheus metrics, registered in one place (served
 //!   with `/healthz`, `/readyz` and `/status` by [`tether_proto::ops`]);
@@ -29,7 +33,9 @@ pub mod forward;
 pub mod front;
 pub mod gate;
 pub mod join;
+pub mod members;
 pub mod metrics;
+pub mod peer;
 pub mod registry;
 pub mod session;
 pub mod tls;
@@ -48,6 +54,10 @@ pub struct Cloud {
     pub tunnel_addr: SocketAddr,
     pub kubelet_api_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
+    /// The peer listener, when this replica has peers.
+    pub peer_addr: Option<SocketAddr>,
+    /// The other replicas, when this replica has peers.
+    pub members: Option<Arc<members::Members>>,
     pub registry: Arc<registry::Registry>,
     pub metrics: metrics::CloudMetrics,
     endpoint: quinn::Endpoint,
@@ -78,8 +88,27 @@ impl Cloud {
         let metrics_addr = ops_listener
             .local_addr()
             .context("reading the metrics listener's address")?;
+        let mut tasks = tokio::task::JoinSet::new();
+        let (peer_addr, members) = match &cfg.peer {
+            Some(pc) => {
+                let me = peer::ReplicaId::new(&pc.replica_name);
+                let ep = peer::bind(pc).context("starting the peer listener")?;
+                let addr = ep
+                    .local_addr()
+                    .context("reading the peer listener's address")?;
+                let mut pc = pc.clone();
+                pc.listen = addr;
+                let members =
+                    members::Members::new(me.clone(), pc.clone(), ep.clone(), metrics.clone());
+                tasks.spawn(peer::serve(ep, me, pc.timeout, metrics.clone()));
+                tasks.spawn(members.clone().run());
+                (Some(addr), Some(members))
+            }
+            None => (None, None),
+        };
         let sd = shutting_down.clone();
         let reg = registry.clone();
+        let mem = members.clone();
         let ops = tether_proto::ops::Ops {
             registry: prom,
             ready: Box::new(move || {
@@ -89,9 +118,8 @@ impl Cloud {
                     Ok(())
                 }
             }),
-            status: Some(Box::new(move || status_json(&reg))),
+            status: Some(Box::new(move || status_json(&reg, mem.as_deref()))),
         };
-        let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(tunnel::serve(
             endpoint.clone(),
             cfg.clone(),
@@ -109,6 +137,8 @@ impl Cloud {
             tunnel_addr,
             kubelet_api_addr,
             metrics_addr,
+            peer_addr,
+            members,
             registry,
             metrics,
             endpoint,
@@ -159,7 +189,10 @@ impl Cloud {
 }
 
 /// The `/status` document: connected nodes with addresses, RTT and connected-since.
-fn status_json(registry: &registry::Registry) -> serde_json::Value {
+fn status_json(
+    registry: &registry::Registry,
+    members: Option<&members::Members>,
+) -> serde_json::Value {
     let nodes: Vec<_> = registry
         .sessions()
         .iter()
@@ -189,7 +222,14 @@ fn status_json(registry: &registry::Registry) -> serde_json::Value {
             })
         })
         .collect();
-    serde_json::json!({ "nodes": nodes })
+    match members {
+        Some(m) => serde_json::json!({
+            "replica": m.me().name,
+            "nodes": nodes,
+            "peers": m.status().iter().map(|p| p.json()).collect::<Vec<_>>(),
+        }),
+        None => serde_json::json!({ "nodes": nodes }),
+    }
 }
 
 /// Samples RTT and loss of every connected edge every 10 s.

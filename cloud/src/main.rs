@@ -20,8 +20,12 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(cfg: tether_cloud::config::CloudConfig) -> anyhow::Result<()> {
     let mut cloud = tether_cloud::Cloud::start(cfg).await?;
+    let peer = cloud
+        .peer_addr
+        .map(|a| format!(" peer={a}"))
+        .unwrap_or_default();
     println!(
-        "tether-cloud ready tunnel={} kubelet-api={} metrics={}",
+        "tether-cloud ready tunnel={} kubelet-api={} metrics={}{peer}",
         cloud.tunnel_addr, cloud.kubelet_api_addr, cloud.metrics_addr
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -39,6 +39,10 @@ pub struct CloudMetrics {
     pub stream_open_seconds: Histogram,
     pub edge_rtt_seconds: Histogram,
     pub edge_lost_packets: Counter,
+    /// Peer replicas with a live link from this one.
+    pub peers_up: Gauge,
+    /// Peer connections refused (either direction), by reason.
+    pub peers_refused: Family<ReasonLabel, Counter>,
 }
 
 impl CloudMetrics {
@@ -57,6 +61,8 @@ impl CloudMetrics {
             stream_open_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             edge_rtt_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             edge_lost_packets: Counter::default(),
+            peers_up: Gauge::default(),
+            peers_refused: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("tether_cloud");
         r.register(
@@ -129,6 +135,16 @@ impl CloudMetrics {
             "QUIC packets lost on edge connections",
             m.edge_lost_packets.clone(),
         );
+        r.register(
+            "peers_up",
+            "Peer replicas with a live peer link from this replica",
+            m.peers_up.clone(),
+        );
+        r.register(
+            "peers_refused",
+            "Peer connections refused, by reason (tls, not_a_peer, bad_hello)",
+            m.peers_refused.clone(),
+        );
         m
     }
 
@@ -145,6 +161,13 @@ impl CloudMetrics {
 
     pub fn refuse(&self, reason: &'static str) {
         self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    /// Counts a refused peer connection.
+    pub fn refuse_peer(&self, reason: &'static str) {
+        self.peers_refused
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
     }
 
     /// Counts an edge connection refused before its handshake.

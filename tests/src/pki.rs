@@ -170,6 +170,58 @@ pub fn mint(dir: &Path, nodes: &[&str]) -> Result<Pki> {
     })
 }
 
+/// The peer certificates of a set of cloud replicas (see `tether-cloud
+/// --peer-*`), from a peer CA of their own, and two that must be refused.
+#[derive(Debug, Clone)]
+pub struct PeerPki {
+    /// The peer CA certificate (file).
+    pub ca: PathBuf,
+    /// The peer certificate all replicas share.
+    pub peer: Pair,
+    /// An edge certificate signed by the peer CA: the right CA, not a peer.
+    pub edge_signed_by_peer_ca: Pair,
+    /// A well-formed peer certificate from a CA the replicas do not trust.
+    pub foreign_peer: Pair,
+}
+
+impl PeerPki {
+    /// The peer flags of `tether-cloud` with the shared peer certificate.
+    pub fn flags(&self) -> Vec<std::ffi::OsString> {
+        self.flags_with(&self.peer)
+    }
+
+    /// The peer flags with `pair` as this replica's certificate.
+    pub fn flags_with(&self, pair: &Pair) -> Vec<std::ffi::OsString> {
+        vec![
+            "--peer-cert".into(),
+            pair.cert.clone().into(),
+            "--peer-key".into(),
+            pair.key.clone().into(),
+            "--peer-ca".into(),
+            self.ca.clone().into(),
+        ]
+    }
+}
+
+/// Mints a [`PeerPki`] into `dir` (created if needed).
+pub fn mint_peers(dir: &Path) -> Result<PeerPki> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let ca = Ca::new("tether-peer-test-ca", VALIDITY).context("minting the peer CA")?;
+    let other = Ca::new("some-other-ca", VALIDITY).context("minting another CA")?;
+    let ca_path = dir.join("peer-ca.crt");
+    write_file(&ca_path, &ca.cert_pem, 0o644)?;
+    Ok(PeerPki {
+        ca: ca_path,
+        peer: write_pair(dir, "peer", ca.issue_peer(VALIDITY)?)?,
+        edge_signed_by_peer_ca: write_pair(
+            dir,
+            "peer-ca-edge",
+            ca.issue_edge("edge-1", VALIDITY)?,
+        )?,
+        foreign_peer: write_pair(dir, "foreign-peer", other.issue_peer(VALIDITY)?)?,
+    })
+}
+
 /// Mints the same set with the `tether-certs` command-line tool, as an
 /// operator would (the demo does this): a Tether CA under `dir/tether`, an
 /// apiserver client CA under `dir/apiserver`.

@@ -1,0 +1,341 @@
+//! The peer link between cloud replicas: its listener, its TLS, and the
+//! hello that tells each side who the other is.
+//!
+//! Replicas talk over QUIC on a listener of their own (`--peer-listen`), apart
+//! from the edges' tunnel listener and the apiserver's kubelet-API listener, so
+//! neither edges nor the apiserver have a port into it. Both directions use
+//! mutual TLS with **peer certificates**: signed by the peer CA (`--peer-ca`)
+//! and, checked explicitly after the handshake, carrying the peer identity of
+//! [`tether_certs::identity::check_peer_cert`] — so an edge or apiserver
+//! certificate cannot pass for a peer even if an operator signs everything
+//! with one CA. Every replica dials the others with the fixed TLS server name
+//! [`tether_certs::mint::PEER_SERVER_NAME`], whatever address it found them at.
+//!
+//! After the handshake the dialling side opens one bidirectional stream and
+//! both sides exchange a [`Hello`]: the replica's name and a random instance
+//! number drawn at start, by which a replica that dialled itself (its own
+//! address in the DNS answer or the static list) recognises itself.
+//! A connection that fails any of this is refused, logged with the remote
+//! address and the reason, and counted in `tether_cloud_peers_refused`.
+//! Every wait here is bounded by `--peer-timeout`; a link silent for that long
+//! is closed by QUIC's idle timeout (keep-alives go out three times as often).
+//!
+//! Which peers to dial and what is known about them is [`crate::members`]'s job.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use rustls::pki_types::CertificateDer;
+use rustls::server::WebPkiClientVerifier;
+use tether_certs::mint::PEER_SERVER_NAME;
+use tether_certs::pem::{load_certs, load_key, load_roots};
+use tokio::io::AsyncReadExt;
+use tracing::{debug, info, warn};
+
+use crate::config::PeerConfig;
+use crate::metrics::CloudMetrics;
+
+/// ALPN of the peer link.
+pub const ALPN_PEER: &[u8] = b"tether-peer/1";
+/// First bytes of a hello.
+const HELLO_MAGIC: &[u8; 4] = b"TPH1";
+/// Longest replica name in a hello.
+const MAX_NAME: usize = 253;
+
+/// QUIC application close codes on the peer link.
+pub mod close_code {
+    /// The certificate is not a peer certificate.
+    pub const NOT_A_PEER: u32 = 0x501;
+    /// No valid hello in time.
+    pub const BAD_HELLO: u32 = 0x502;
+    /// The replica dialled itself.
+    pub const SELF: u32 = 0x503;
+    /// The peer is no longer a member (left DNS / the list).
+    pub const LEFT: u32 = 0x504;
+}
+
+/// Who a replica is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaId {
+    /// Its name (pod name), for people.
+    pub name: String,
+    /// Random per process start: tells a replica apart from its own restart
+    /// and from itself.
+    pub instance: u64,
+}
+
+impl ReplicaId {
+    /// This process's identity under `name`.
+    pub fn new(name: &str) -> ReplicaId {
+        ReplicaId {
+            name: name.chars().take(MAX_NAME).collect(),
+            instance: rand::random(),
+        }
+    }
+}
+
+/// The hello both ends send: magic, instance (u64 BE), name length (u16 BE), name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello(pub ReplicaId);
+
+impl Hello {
+    /// The hello's bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let name = self.0.name.as_bytes();
+        let mut v = Vec::with_capacity(14 + name.len());
+        v.extend_from_slice(HELLO_MAGIC);
+        v.extend_from_slice(&self.0.instance.to_be_bytes());
+        v.extend_from_slice(&(name.len() as u16).to_be_bytes());
+        v.extend_from_slice(name);
+        v
+    }
+
+    /// Reads one hello from `r`.
+    async fn read<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> Result<Hello, String> {
+        let mut head = [0u8; 14];
+        r.read_exact(&mut head)
+            .await
+            .map_err(|e| format!("reading the hello: {e}"))?;
+        if &head[..4] != HELLO_MAGIC {
+            return Err("not a peer hello".into());
+        }
+        let instance = u64::from_be_bytes(head[4..12].try_into().unwrap_or_default());
+        let len = u16::from_be_bytes([head[12], head[13]]) as usize;
+        if len > MAX_NAME {
+            return Err(format!("replica name of {len} bytes (at most {MAX_NAME})"));
+        }
+        let mut name = vec![0u8; len];
+        r.read_exact(&mut name)
+            .await
+            .map_err(|e| format!("reading the hello: {e}"))?;
+        let name = String::from_utf8(name).map_err(|_| "replica name is not UTF-8".to_string())?;
+        Ok(Hello(ReplicaId { name, instance }))
+    }
+}
+
+/// Why a peer connection failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    #[error("connecting: {0}")]
+    Connect(String),
+    #[error("refused: {0}")]
+    Refused(String),
+    #[error("that address is this replica")]
+    IsSelf,
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn transport(cfg: &PeerConfig) -> anyhow::Result<Arc<quinn::TransportConfig>> {
+    let mut t = quinn::TransportConfig::default();
+    t.max_idle_timeout(Some(
+        quinn::IdleTimeout::try_from(cfg.timeout).context("--peer-timeout too large")?,
+    ));
+    t.keep_alive_interval(Some(cfg.timeout / 3));
+    Ok(Arc::new(t))
+}
+
+/// Binds the peer listener: one QUIC endpoint that accepts peers and dials them.
+pub fn bind(cfg: &PeerConfig) -> anyhow::Result<quinn::Endpoint> {
+    let chain = load_certs(&cfg.cert).context("loading --peer-cert")?;
+    let key = load_key(&cfg.key).context("loading --peer-key")?;
+    let roots = Arc::new(load_roots(&cfg.ca).context("loading --peer-ca")?);
+    let transport = transport(cfg)?;
+
+    let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+        .build()
+        .context("building the peer certificate verifier")?;
+    let mut server = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .context("TLS 1.3 with ring")?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain.clone(), key.clone_key())
+        .context("--peer-cert and --peer-key do not match")?;
+    server.alpn_protocols = vec![ALPN_PEER.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(server)
+        .context("QUIC TLS configuration of the peer listener")?;
+    let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    sc.transport_config(transport.clone());
+    sc.migration(false);
+
+    let mut client = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .context("TLS 1.3 with ring")?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .context("--peer-cert and --peer-key do not match")?;
+    client.alpn_protocols = vec![ALPN_PEER.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(client)
+        .context("QUIC TLS configuration of the peer dialler")?;
+    let mut cc = quinn::ClientConfig::new(Arc::new(crypto));
+    cc.transport_config(transport);
+
+    let mut endpoint = quinn::Endpoint::server(sc, cfg.listen)
+        .with_context(|| format!("binding the peer listener UDP {}", cfg.listen))?;
+    endpoint.set_default_client_config(cc);
+    Ok(endpoint)
+}
+
+/// Checks that the other end of `conn` presented a peer certificate.
+fn check_identity(conn: &quinn::Connection) -> Result<(), String> {
+    let certs = conn
+        .peer_identity()
+        .and_then(|i| i.downcast::<Vec<CertificateDer<'static>>>().ok())
+        .ok_or_else(|| "no certificate".to_string())?;
+    let leaf = certs.first().ok_or_else(|| "no certificate".to_string())?;
+    tether_certs::identity::check_peer_cert(leaf).map_err(|e| e.to_string())
+}
+
+/// A live, identified link to another replica.
+#[derive(Debug, Clone)]
+pub struct PeerLink {
+    pub addr: SocketAddr,
+    pub replica: ReplicaId,
+    pub conn: quinn::Connection,
+}
+
+/// Dials the replica at `addr`: handshake, identity check, hello; all within `timeout`.
+pub async fn dial(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    me: &ReplicaId,
+    timeout: Duration,
+    metrics: &CloudMetrics,
+) -> Result<PeerLink, PeerError> {
+    let attempt = async {
+        let conn = endpoint
+            .connect(addr, PEER_SERVER_NAME)
+            .map_err(|e| PeerError::Connect(e.to_string()))?
+            .await
+            .map_err(|e| PeerError::Connect(e.to_string()))?;
+        if let Err(why) = check_identity(&conn) {
+            metrics.refuse_peer("not_a_peer");
+            conn.close(close_code::NOT_A_PEER.into(), b"not a peer certificate");
+            return Err(PeerError::Refused(format!("its certificate: {why}")));
+        }
+        let (mut send, mut recv) = conn
+            .open_bi()
+            .await
+            .map_err(|e| PeerError::Connect(e.to_string()))?;
+        send.write_all(&Hello(me.clone()).encode())
+            .await
+            .map_err(|e| PeerError::Connect(e.to_string()))?;
+        let _ = send.finish();
+        let Hello(replica) = match Hello::read(&mut recv).await {
+            Ok(h) => h,
+            Err(why) => {
+                metrics.refuse_peer("bad_hello");
+                conn.close(close_code::BAD_HELLO.into(), b"bad hello");
+                return Err(PeerError::Refused(why));
+            }
+        };
+        if replica.instance == me.instance {
+            conn.close(close_code::SELF.into(), b"self");
+            return Err(PeerError::IsSelf);
+        }
+        Ok(PeerLink {
+            addr,
+            replica,
+            conn,
+        })
+    };
+    tokio::time::timeout(timeout, attempt)
+        .await
+        .map_err(|_| PeerError::Timeout(timeout))?
+}
+
+/// Accepts peer connections until the endpoint closes. A connection that is
+/// not a peer's is refused and logged; a peer's is held until it closes.
+pub async fn serve(
+    endpoint: quinn::Endpoint,
+    me: ReplicaId,
+    timeout: Duration,
+    metrics: CloudMetrics,
+) -> anyhow::Result<()> {
+    while let Some(incoming) = endpoint.accept().await {
+        let me = me.clone();
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let remote = incoming.remote_address();
+            match tokio::time::timeout(timeout, accept(incoming, &me, &metrics)).await {
+                Ok(Ok((replica, conn))) => {
+                    if replica.instance != me.instance {
+                        info!(%remote, peer = %replica.name, "peer connected");
+                    }
+                    let why = conn.closed().await;
+                    debug!(%remote, peer = %replica.name, reason = %why, "peer connection closed");
+                }
+                Ok(Err(why)) => warn!(%remote, reason = %why, "refused a peer connection"),
+                Err(_) => {
+                    metrics.refuse_peer("timeout");
+                    warn!(%remote, ?timeout, "refused a peer connection: no hello in time")
+                }
+            }
+        });
+    }
+    Ok(())
+}
+
+/// One incoming peer connection up to its hello.
+async fn accept(
+    incoming: quinn::Incoming,
+    me: &ReplicaId,
+    metrics: &CloudMetrics,
+) -> Result<(ReplicaId, quinn::Connection), String> {
+    let conn = match incoming.await {
+        Ok(c) => c,
+        Err(e) => {
+            metrics.refuse_peer("tls");
+            return Err(format!(
+                "handshake failed (certificate not from the peer CA?): {e}"
+            ));
+        }
+    };
+    if let Err(why) = check_identity(&conn) {
+        metrics.refuse_peer("not_a_peer");
+        conn.close(close_code::NOT_A_PEER.into(), b"not a peer certificate");
+        return Err(format!("not a peer certificate: {why}"));
+    }
+    let (mut send, mut recv) = conn
+        .accept_bi()
+        .await
+        .map_err(|e| format!("waiting for the hello: {e}"))?;
+    let Hello(replica) = match Hello::read(&mut recv).await {
+        Ok(h) => h,
+        Err(why) => {
+            metrics.refuse_peer("bad_hello");
+            conn.close(close_code::BAD_HELLO.into(), b"bad hello");
+            return Err(why);
+        }
+    };
+    send.write_all(&Hello(me.clone()).encode())
+        .await
+        .map_err(|e| format!("answering the hello: {e}"))?;
+    let _ = send.finish();
+    Ok((replica, conn))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn hello_round_trips_and_rejects_garbage() {
+        let h = Hello(ReplicaId::new("tether-cloud-0"));
+        let bytes = h.encode();
+        assert_eq!(Hello::read(&mut &bytes[..]).await.unwrap(), h);
+        let mut bad = bytes.clone();
+        bad[0] = b'X';
+        assert!(Hello::read(&mut &bad[..]).await.is_err());
+        let mut long = bytes[..12].to_vec();
+        long.extend_from_slice(&1000u16.to_be_bytes());
+        assert!(Hello::read(&mut &long[..]).await.is_err());
+        assert!(Hello::read(&mut &bytes[..5]).await.is_err());
+    }
+}
