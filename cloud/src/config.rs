@@ -11,6 +11,8 @@ use tether_proto::quic::QuicSettings;
 use tether_proto::units::{parse_bytes_u32, parse_duration};
 use tether_proto::Limits;
 
+use crate::identity::AllowedIdentity;
+
 /// Command-line flags of `tether-cloud`.
 #[derive(Debug, Parser)]
 #[command(
@@ -48,6 +50,18 @@ pub struct CloudArgs {
         required_unless_present = "insecure_skip_client_auth"
     )]
     pub apiserver_client_ca: Option<PathBuf>,
+    /// Client-certificate identities allowed to use the kubelet-API front:
+    /// `CN=<user>` or `O=<group>`, comma-separated or repeated. Any other
+    /// certificate from `--apiserver-client-ca` (on kubeadm that CA signs every
+    /// user's and node's certificate too) gets 403. The default is kubeadm's
+    /// `--kubelet-client-certificate` identity.
+    #[arg(
+        long,
+        env = "TETHER_APISERVER_ALLOWED_IDENTITY",
+        value_delimiter = ',',
+        default_value = "CN=kube-apiserver-kubelet-client"
+    )]
+    pub apiserver_allowed_identity: Vec<String>,
     /// Accept apiserver connections without a client certificate. Local development only.
     #[arg(long, env = "TETHER_INSECURE_SKIP_CLIENT_AUTH")]
     pub insecure_skip_client_auth: bool,
@@ -133,6 +147,8 @@ pub struct CloudConfig {
     pub kubelet_key: PathBuf,
     /// `None` only with the insecure opt-out.
     pub apiserver_client_ca: Option<PathBuf>,
+    /// Client-certificate identities the front serves (never empty).
+    pub apiserver_allowed_identities: Vec<AllowedIdentity>,
     pub response_timeout: Duration,
     pub grace: Duration,
     pub handshake_timeout: Duration,
@@ -177,6 +193,14 @@ impl CloudArgs {
         } else {
             self.apiserver_client_ca
         };
+        let apiserver_allowed_identities = self
+            .apiserver_allowed_identity
+            .iter()
+            .map(|s| AllowedIdentity::parse(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        if apiserver_allowed_identities.is_empty() {
+            return Err("--apiserver-allowed-identity: at least one CN=<user> or O=<group>".into());
+        }
         Ok(CloudConfig {
             tunnel_listen: self.tunnel_listen,
             tunnel_cert: self.tunnel_cert,
@@ -186,6 +210,7 @@ impl CloudArgs {
             kubelet_cert: self.kubelet_cert,
             kubelet_key: self.kubelet_key,
             apiserver_client_ca,
+            apiserver_allowed_identities,
             response_timeout: self.response_timeout,
             grace: self.grace,
             handshake_timeout: self.handshake_timeout,

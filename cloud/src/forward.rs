@@ -34,6 +34,7 @@ use tokio::io::{AsyncWriteExt, ReadHalf};
 use tracing::{debug, info, warn, Instrument};
 
 use crate::config::CloudConfig;
+use crate::identity::{is_allowed, ClientIdentity};
 use crate::metrics::{CloudMetrics, OpenStream};
 use crate::registry::{node_from_forwarded_uri, Registry, RouteError};
 use crate::session::OpenError;
@@ -43,7 +44,8 @@ use crate::session::OpenError;
 pub struct ConnInfo {
     pub peer: SocketAddr,
     pub sni: Option<String>,
-    pub client_cert: bool,
+    /// The verified client certificate's identity, if one was presented.
+    pub identity: Option<ClientIdentity>,
 }
 
 /// The response body type of the front.
@@ -62,6 +64,7 @@ struct CloudAnswered;
 
 fn refusal_reason(status: StatusCode) -> &'static str {
     match status {
+        StatusCode::FORBIDDEN => "forbidden",
         StatusCode::NOT_FOUND => "not_found",
         StatusCode::CONFLICT => "ambiguous",
         StatusCode::BAD_GATEWAY => "edge_unavailable",
@@ -128,6 +131,36 @@ impl Forwarder {
         }
     }
 
+    /// 403 unless the connection's client certificate is one of
+    /// `--apiserver-allowed-identity` (skipped only with the insecure opt-out,
+    /// where no certificate is asked for).
+    fn authorise(&self, conn: &ConnInfo, path: &str) -> Option<Response<ResBody>> {
+        self.cfg.apiserver_client_ca.as_ref()?;
+        match &conn.identity {
+            Some(who) if is_allowed(&self.cfg.apiserver_allowed_identities, who) => None,
+            who => {
+                let who = who.as_ref().map_or_else(
+                    || "no readable client certificate".to_string(),
+                    |w| w.to_string(),
+                );
+                warn!(peer = %conn.peer, %path, identity = %who, "request refused: client certificate identity not allowed");
+                let allowed: Vec<String> = self
+                    .cfg
+                    .apiserver_allowed_identities
+                    .iter()
+                    .map(|a| a.to_string())
+                    .collect();
+                Some(error_response(
+                    StatusCode::FORBIDDEN,
+                    format_args!(
+                        "client certificate {who} is not allowed to use the kubelet API (--apiserver-allowed-identity: {})",
+                        allowed.join(",")
+                    ),
+                ))
+            }
+        }
+    }
+
     /// Handles one request; always produces a response.
     pub async fn handle(&self, req: Request<Incoming>, conn: Arc<ConnInfo>) -> Response<ResBody> {
         let started = std::time::Instant::now();
@@ -144,6 +177,9 @@ impl Forwarder {
 
     async fn forward(&self, mut req: Request<Incoming>, conn: Arc<ConnInfo>) -> Response<ResBody> {
         let path = req.uri().path().to_string();
+        if let Some(refusal) = self.authorise(&conn, &path) {
+            return refusal;
+        }
         let Some(route) = classify(&path) else {
             return error_response(
                 StatusCode::NOT_FOUND,

@@ -1,7 +1,9 @@
 //! The HTTPS listener the kube-apiserver dials as if it were the kubelet.
 //!
 //! TLS with a client certificate from the apiserver client CA required (the
-//! kubelet's own rule, `--client-ca-file`), HTTP/2 or HTTP/1.1 by ALPN,
+//! kubelet's own rule, `--client-ca-file`); the certificate's identity (CN/O)
+//! is kept so each request can be authorised ([`crate::identity`]). HTTP/2 or
+//! HTTP/1.1 by ALPN,
 //! upgrades allowed. The SNI of each connection is kept for routing. A slow
 //! or broken client affects its own connection only: the TLS handshake and
 //! request head are bounded in time and size, connections in number.
@@ -19,6 +21,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::CloudConfig;
 use crate::forward::{self, ConnInfo};
+use crate::identity::ClientIdentity;
 use crate::registry::Registry;
 
 /// The bound kubelet-API listener.
@@ -103,10 +106,10 @@ impl Front {
                 let info = Arc::new(ConnInfo {
                     peer,
                     sni: server_conn.server_name().map(str::to_string),
-                    client_cert: server_conn
+                    identity: server_conn
                         .peer_certificates()
-                        .map(|c| !c.is_empty())
-                        .unwrap_or(false),
+                        .and_then(|c| c.first())
+                        .and_then(|c| ClientIdentity::from_der(c.as_ref())),
                 });
                 let service = service_fn(move |req| {
                     let ctx = ctx.clone();

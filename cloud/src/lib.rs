@@ -6,6 +6,8 @@
 //! - [`forward`]: one apiserver request → one logical stream: pick the node,
 //!   send the request head, relay the response (a `101` upgrade becomes a byte
 //!   pipe), map every failure to a clear HTTP status;
+//! - [`identity`]: which client-certificate identities (CN/O) may use the
+//!   front; any other certificate gets 403;
 //! - [`registry`]: which edge sessions exist, the pods and addresses each
 //!   reported, and the routing lookups that never guess;
 //! - [`session`]: one edge's session: its current QUIC connection, resume
@@ -22,6 +24,7 @@
 pub mod config;
 pub mod forward;
 pub mod front;
+pub mod identity;
 pub mod join;
 pub mod metrics;
 pub mod registry;
