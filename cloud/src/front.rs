@@ -31,6 +31,7 @@ pub struct Front {
     cfg: Arc<CloudConfig>,
     registry: Arc<Registry>,
     metrics: crate::metrics::CloudMetrics,
+    reviewer: Option<Arc<crate::authz::Reviewer>>,
 }
 
 impl Front {
@@ -44,6 +45,18 @@ impl Front {
         if cfg.apiserver_client_ca.is_none() {
             warn!("--insecure-skip-client-auth: ANYONE who reaches {} can exec into edge pods; local development only", cfg.kubelet_listen);
         }
+        let reviewer = match &cfg.webhook {
+            Some(w) => {
+                let client = crate::apiserver::client(w.kubeconfig.as_deref())
+                    .await
+                    .context("the apiserver client for --authorization-webhook")?;
+                Some(Arc::new(crate::authz::Reviewer::new(
+                    client,
+                    w.reviews.clone(),
+                )))
+            }
+            None => None,
+        };
         let listener = TcpListener::bind(cfg.kubelet_listen)
             .await
             .with_context(|| format!("binding TCP {}", cfg.kubelet_listen))?;
@@ -53,6 +66,7 @@ impl Front {
             cfg,
             registry,
             metrics,
+            reviewer,
         })
     }
 
@@ -69,6 +83,7 @@ impl Front {
             self.cfg.clone(),
             self.registry.clone(),
             self.metrics.clone(),
+            self.reviewer.clone(),
         ));
         loop {
             let (tcp, peer) = match self.listener.accept().await {

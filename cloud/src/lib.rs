@@ -8,6 +8,9 @@
 //!   pipe), map every failure to a clear HTTP status;
 //! - [`identity`]: which client-certificate identities (CN/O) may use the
 //!   front; any other certificate gets 403;
+//! - [`authz`]: bearer tokens (TokenReview) and per-request
+//!   SubjectAccessReviews for callers other than the apiserver, as a kubelet;
+//!   [`apiserver`] builds the client for those reviews;
 //! - [`registry`]: which edge sessions exist, the pods and addresses each
 //!   reported, and the routing lookups that never guess;
 //! - [`session`]: one edge's session: its current QUIC connection, resume
@@ -21,6 +24,8 @@
 //!   with `/healthz`, `/readyz` and `/status` by [`tether_proto::ops`]);
 //! - [`config`]: the typed configuration `main` parses once.
 
+pub mod apiserver;
+pub mod authz;
 pub mod config;
 pub mod forward;
 pub mod front;
