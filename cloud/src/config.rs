@@ -11,6 +11,8 @@ use tether_proto::quic::QuicSettings;
 use tether_proto::units::{parse_bytes_u32, parse_duration};
 use tether_proto::Limits;
 
+use crate::identity::AllowedIdentity;
+
 /// Command-line flags of `tether-cloud`.
 #[derive(Debug, Parser)]
 #[command(
@@ -48,6 +50,56 @@ pub struct CloudArgs {
         required_unless_present = "insecure_skip_client_auth"
     )]
     pub apiserver_client_ca: Option<PathBuf>,
+    /// Client-certificate identities allowed to use the kubelet-API front:
+    /// `CN=<user>` or `O=<group>`, comma-separated or repeated. Any other
+    /// certificate from `--apiserver-client-ca` (on kubeadm that CA signs every
+    /// user's and node's certificate too) gets 403. The default is kubeadm's
+    /// `--kubelet-client-certificate` identity.
+    #[arg(
+        long,
+        env = "TETHER_APISERVER_ALLOWED_IDENTITY",
+        value_delimiter = ',',
+        default_value = "CN=kube-apiserver-kubelet-client"
+    )]
+    pub apiserver_allowed_identity: Vec<String>,
+    /// Authenticate bearer tokens (metrics-server, Prometheus) with a
+    /// TokenReview against the apiserver, as a kubelet with
+    /// `--authentication-token-webhook`. Needs `--authorization-webhook`.
+    #[arg(
+        long,
+        env = "TETHER_AUTHENTICATION_TOKEN_WEBHOOK",
+        requires = "authorization_webhook"
+    )]
+    pub authentication_token_webhook: bool,
+    /// Authorise every caller that is not one of `--apiserver-allowed-identity`
+    /// with a SubjectAccessReview (resource `nodes`, subresource
+    /// proxy/stats/metrics/log/spec, the node's name), as a kubelet with
+    /// `--authorization-mode=Webhook`. Off: such callers get 403.
+    #[arg(long, env = "TETHER_AUTHORIZATION_WEBHOOK")]
+    pub authorization_webhook: bool,
+    /// Serve requests with neither certificate nor token as `system:anonymous`
+    /// (still authorised by a SubjectAccessReview). Off: 401.
+    #[arg(
+        long,
+        env = "TETHER_ANONYMOUS_AUTH",
+        requires = "authorization_webhook"
+    )]
+    pub anonymous_auth: bool,
+    /// Kubeconfig for the reviews; default: the pod's service account (in-cluster).
+    #[arg(long, env = "TETHER_APISERVER_KUBECONFIG")]
+    pub apiserver_kubeconfig: Option<PathBuf>,
+    /// How long a TokenReview answer is cached (kubelet: 2m).
+    #[arg(long, env = "TETHER_AUTHENTICATION_CACHE_TTL", default_value = "2m", value_parser = parse_duration)]
+    pub authentication_cache_ttl: Duration,
+    /// How long an allowing SubjectAccessReview answer is cached (kubelet: 5m).
+    #[arg(long, env = "TETHER_AUTHORIZATION_CACHE_TTL", default_value = "5m", value_parser = parse_duration)]
+    pub authorization_cache_ttl: Duration,
+    /// How long a denying SubjectAccessReview answer is cached (kubelet: 30s).
+    #[arg(long, env = "TETHER_AUTHORIZATION_DENIED_CACHE_TTL", default_value = "30s", value_parser = parse_duration)]
+    pub authorization_denied_cache_ttl: Duration,
+    /// How long a review may take before the request fails with 503.
+    #[arg(long, env = "TETHER_REVIEW_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub review_timeout: Duration,
     /// Accept apiserver connections without a client certificate. Local development only.
     #[arg(long, env = "TETHER_INSECURE_SKIP_CLIENT_AUTH")]
     pub insecure_skip_client_auth: bool,
@@ -176,6 +228,18 @@ pub struct PeerConfig {
     pub replica_name: String,
 }
 
+/// Webhook authentication and authorisation of callers other than the apiserver.
+#[derive(Debug, Clone)]
+pub struct WebhookConfig {
+    /// Bearer tokens are checked with a TokenReview.
+    pub tokens: bool,
+    /// Requests without credentials are reviewed as `system:anonymous`.
+    pub anonymous: bool,
+    /// `None`: in-cluster service account.
+    pub kubeconfig: Option<PathBuf>,
+    pub reviews: crate::authz::ReviewSettings,
+}
+
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct CloudConfig {
@@ -188,6 +252,10 @@ pub struct CloudConfig {
     pub kubelet_key: PathBuf,
     /// `None` only with the insecure opt-out.
     pub apiserver_client_ca: Option<PathBuf>,
+    /// Client-certificate identities the front serves (never empty).
+    pub apiserver_allowed_identities: Vec<AllowedIdentity>,
+    /// Kubelet-style webhook authentication/authorisation, when enabled.
+    pub webhook: Option<WebhookConfig>,
     pub response_timeout: Duration,
     pub grace: Duration,
     pub handshake_timeout: Duration,
@@ -304,6 +372,33 @@ impl CloudArgs {
         } else {
             self.apiserver_client_ca
         };
+        let apiserver_allowed_identities = self
+            .apiserver_allowed_identity
+            .iter()
+            .map(|s| AllowedIdentity::parse(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        if self.review_timeout.is_zero() {
+            return Err("--review-timeout must be more than 0".into());
+        }
+        let webhook = self.authorization_webhook.then(|| WebhookConfig {
+            tokens: self.authentication_token_webhook,
+            anonymous: self.anonymous_auth,
+            kubeconfig: self.apiserver_kubeconfig.clone(),
+            reviews: crate::authz::ReviewSettings {
+                authn_ttl: self.authentication_cache_ttl,
+                allowed_ttl: self.authorization_cache_ttl,
+                denied_ttl: self.authorization_denied_cache_ttl,
+                timeout: self.review_timeout,
+            },
+        });
+        if webhook.is_some() && self.insecure_skip_client_auth {
+            return Err(
+                "--authorization-webhook and --insecure-skip-client-auth exclude each other".into(),
+            );
+        }
+        if apiserver_allowed_identities.is_empty() {
+            return Err("--apiserver-allowed-identity: at least one CN=<user> or O=<group>".into());
+        }
         Ok(CloudConfig {
             tunnel_listen: self.tunnel_listen,
             tunnel_cert: self.tunnel_cert,
@@ -313,6 +408,8 @@ impl CloudArgs {
             kubelet_cert: self.kubelet_cert,
             kubelet_key: self.kubelet_key,
             apiserver_client_ca,
+            apiserver_allowed_identities,
+            webhook,
             response_timeout: self.response_timeout,
             grace: self.grace,
             handshake_timeout: self.handshake_timeout,

@@ -33,7 +33,9 @@ use tether_proto::route::{classify, Route};
 use tokio::io::{AsyncWriteExt, ReadHalf};
 use tracing::{debug, info, warn, Instrument};
 
+use crate::authz::{attributes, bearer_token, Refusal, Reviewer, User};
 use crate::config::CloudConfig;
+use crate::identity::{is_allowed, ClientIdentity};
 use crate::metrics::{CloudMetrics, OpenStream};
 use crate::registry::{node_from_forwarded_uri, Registry, RouteError};
 use crate::session::OpenError;
@@ -43,7 +45,8 @@ use crate::session::OpenError;
 pub struct ConnInfo {
     pub peer: SocketAddr,
     pub sni: Option<String>,
-    pub client_cert: bool,
+    /// The verified client certificate's identity, if one was presented.
+    pub identity: Option<ClientIdentity>,
 }
 
 /// The response body type of the front.
@@ -54,6 +57,30 @@ pub struct Forwarder {
     cfg: Arc<CloudConfig>,
     registry: Arc<Registry>,
     metrics: CloudMetrics,
+    reviewer: Option<Arc<Reviewer>>,
+}
+
+/// Who is calling, once authenticated.
+enum Caller {
+    /// The apiserver (an allowed identity) or the insecure opt-out: no review.
+    Trusted,
+    /// Anyone else: each request is authorised with a SubjectAccessReview.
+    Reviewed(User),
+}
+
+/// The refusal-metric reason of an authentication/authorisation refusal.
+#[derive(Clone, Copy)]
+struct AuthReason(&'static str);
+
+fn auth_refusal(e: Refusal) -> Response<ResBody> {
+    let (status, reason) = match &e {
+        Refusal::Unauthenticated(_) => (StatusCode::UNAUTHORIZED, "unauthenticated"),
+        Refusal::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
+        Refusal::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "review_unavailable"),
+    };
+    let mut r = error_response(status, e);
+    r.extensions_mut().insert(AuthReason(reason));
+    r
 }
 
 /// Marks a response the cloud answered itself (for the refusal metric).
@@ -120,19 +147,83 @@ fn upgrade_of(req: &Request<Incoming>) -> Option<HeaderValue> {
 }
 
 impl Forwarder {
-    pub fn new(cfg: Arc<CloudConfig>, registry: Arc<Registry>, metrics: CloudMetrics) -> Self {
+    pub fn new(
+        cfg: Arc<CloudConfig>,
+        registry: Arc<Registry>,
+        metrics: CloudMetrics,
+        reviewer: Option<Arc<Reviewer>>,
+    ) -> Self {
         Forwarder {
             cfg,
             registry,
             metrics,
+            reviewer,
         }
+    }
+
+    /// Who is calling: the apiserver (a client certificate with one of
+    /// `--apiserver-allowed-identity`, or the insecure opt-out), or, with
+    /// `--authorization-webhook`, another certificate's user, a bearer token's
+    /// user (TokenReview) or `system:anonymous`. Otherwise 401/403.
+    async fn authenticate(
+        &self,
+        conn: &ConnInfo,
+        req: &Request<Incoming>,
+    ) -> Result<Caller, Refusal> {
+        if self.cfg.apiserver_client_ca.is_none() {
+            return Ok(Caller::Trusted);
+        }
+        let webhook = self.cfg.webhook.as_ref();
+        if let Some(who) = &conn.identity {
+            if is_allowed(&self.cfg.apiserver_allowed_identities, who) {
+                return Ok(Caller::Trusted);
+            }
+            if self.reviewer.is_some() {
+                return Ok(Caller::Reviewed(User {
+                    name: who.user.clone().unwrap_or_default(),
+                    uid: String::new(),
+                    groups: who.groups.clone(),
+                }));
+            }
+            let allowed: Vec<String> = self
+                .cfg
+                .apiserver_allowed_identities
+                .iter()
+                .map(|a| a.to_string())
+                .collect();
+            return Err(Refusal::Forbidden(format!(
+                "client certificate {who} is not allowed to use the kubelet API (--apiserver-allowed-identity: {})",
+                allowed.join(",")
+            )));
+        }
+        if let Some(h) = req.headers().get(http::header::AUTHORIZATION) {
+            let token = bearer_token(h)?;
+            return match (&self.reviewer, webhook.is_some_and(|w| w.tokens)) {
+                (Some(r), true) => r.authenticate(token).await.map(Caller::Reviewed),
+                _ => Err(Refusal::Unauthenticated(
+                    "bearer tokens are not accepted (--authentication-token-webhook is off)".into(),
+                )),
+            };
+        }
+        if webhook.is_some_and(|w| w.anonymous) {
+            return Ok(Caller::Reviewed(User {
+                name: "system:anonymous".into(),
+                uid: String::new(),
+                groups: vec!["system:unauthenticated".into()],
+            }));
+        }
+        Err(Refusal::Unauthenticated(
+            "no client certificate and no bearer token".into(),
+        ))
     }
 
     /// Handles one request; always produces a response.
     pub async fn handle(&self, req: Request<Incoming>, conn: Arc<ConnInfo>) -> Response<ResBody> {
         let started = std::time::Instant::now();
         let resp = self.forward(req, conn).await;
-        if resp.extensions().get::<CloudAnswered>().is_some() {
+        if let Some(AuthReason(reason)) = resp.extensions().get::<AuthReason>() {
+            self.metrics.refuse(reason);
+        } else if resp.extensions().get::<CloudAnswered>().is_some() {
             self.metrics.refuse(refusal_reason(resp.status()));
         } else {
             self.metrics
@@ -144,6 +235,13 @@ impl Forwarder {
 
     async fn forward(&self, mut req: Request<Incoming>, conn: Arc<ConnInfo>) -> Response<ResBody> {
         let path = req.uri().path().to_string();
+        let caller = match self.authenticate(&conn, &req).await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(peer = %conn.peer, %path, error = %e, "request refused");
+                return auth_refusal(e);
+            }
+        };
         let Some(route) = classify(&path) else {
             return error_response(
                 StatusCode::NOT_FOUND,
@@ -176,6 +274,20 @@ impl Forwarder {
                 return error_response(route_status(&e), e);
             }
         };
+        if let (Caller::Reviewed(user), Some(reviewer)) = (&caller, &self.reviewer) {
+            let attrs = attributes(req.method(), &path);
+            match reviewer.authorize(user, &attrs, &session.node).await {
+                Ok(reason) => {
+                    debug!(user = %user.name, node = %session.node, verb = attrs.verb, subresource = attrs.subresource, %reason, "request authorised")
+                }
+                Err(e) => {
+                    warn!(peer = %conn.peer, %path, error = %e, "request refused");
+                    return auth_refusal(e);
+                }
+            }
+        }
+        // A caller's bearer token is for the cloud, never for an edge.
+        req.headers_mut().remove(http::header::AUTHORIZATION);
         let kind = route.kind();
         let upgrade = upgrade_of(&req);
         let head = request_head(&req, upgrade.as_ref());

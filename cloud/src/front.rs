@@ -1,7 +1,9 @@
 //! The HTTPS listener the kube-apiserver dials as if it were the kubelet.
 //!
 //! TLS with a client certificate from the apiserver client CA required (the
-//! kubelet's own rule, `--client-ca-file`), HTTP/2 or HTTP/1.1 by ALPN,
+//! kubelet's own rule, `--client-ca-file`); the certificate's identity (CN/O)
+//! is kept so each request can be authorised ([`crate::identity`]). HTTP/2 or
+//! HTTP/1.1 by ALPN,
 //! upgrades allowed. The SNI of each connection is kept for routing. A slow
 //! or broken client affects its own connection only: the TLS handshake and
 //! request head are bounded in time and size, connections in number.
@@ -19,6 +21,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::CloudConfig;
 use crate::forward::{self, ConnInfo};
+use crate::identity::ClientIdentity;
 use crate::registry::Registry;
 
 /// The bound kubelet-API listener.
@@ -28,6 +31,7 @@ pub struct Front {
     cfg: Arc<CloudConfig>,
     registry: Arc<Registry>,
     metrics: crate::metrics::CloudMetrics,
+    reviewer: Option<Arc<crate::authz::Reviewer>>,
 }
 
 impl Front {
@@ -41,6 +45,18 @@ impl Front {
         if cfg.apiserver_client_ca.is_none() {
             warn!("--insecure-skip-client-auth: ANYONE who reaches {} can exec into edge pods; local development only", cfg.kubelet_listen);
         }
+        let reviewer = match &cfg.webhook {
+            Some(w) => {
+                let client = crate::apiserver::client(w.kubeconfig.as_deref())
+                    .await
+                    .context("the apiserver client for --authorization-webhook")?;
+                Some(Arc::new(crate::authz::Reviewer::new(
+                    client,
+                    w.reviews.clone(),
+                )))
+            }
+            None => None,
+        };
         let listener = TcpListener::bind(cfg.kubelet_listen)
             .await
             .with_context(|| format!("binding TCP {}", cfg.kubelet_listen))?;
@@ -50,6 +66,7 @@ impl Front {
             cfg,
             registry,
             metrics,
+            reviewer,
         })
     }
 
@@ -66,6 +83,7 @@ impl Front {
             self.cfg.clone(),
             self.registry.clone(),
             self.metrics.clone(),
+            self.reviewer.clone(),
         ));
         loop {
             let (tcp, peer) = match self.listener.accept().await {
@@ -103,10 +121,10 @@ impl Front {
                 let info = Arc::new(ConnInfo {
                     peer,
                     sni: server_conn.server_name().map(str::to_string),
-                    client_cert: server_conn
+                    identity: server_conn
                         .peer_certificates()
-                        .map(|c| !c.is_empty())
-                        .unwrap_or(false),
+                        .and_then(|c| c.first())
+                        .and_then(|c| ClientIdentity::from_der(c.as_ref())),
                 });
                 let service = service_fn(move |req| {
                     let ctx = ctx.clone();

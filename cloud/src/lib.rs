@@ -6,6 +6,11 @@
 //! - [`forward`]: one apiserver request → one logical stream: pick the node,
 //!   send the request head, relay the response (a `101` upgrade becomes a byte
 //!   pipe), map every failure to a clear HTTP status;
+//! - [`identity`]: which client-certificate identities (CN/O) may use the
+//!   front; any other certificate gets 403;
+//! - [`authz`]: bearer tokens (TokenReview) and per-request
+//!   SubjectAccessReviews for callers other than the apiserver, as a kubelet;
+//!   [`apiserver`] builds the client for those reviews;
 //! - [`registry`]: which edge sessions exist, the pods and addresses each
 //!   reported, and the routing lookups that never guess;
 //! - [`session`]: one edge's session: its current QUIC connection, its
@@ -28,10 +33,13 @@
 //! - [`config`]: the typed configuration `main` parses once.
 
 pub mod admission;
+pub mod apiserver;
+pub mod authz;
 pub mod config;
 pub mod forward;
 pub mod front;
 pub mod gate;
+pub mod identity;
 pub mod join;
 pub mod members;
 pub mod metrics;

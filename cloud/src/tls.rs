@@ -78,7 +78,19 @@ pub fn front_server_config(cfg: &CloudConfig) -> anyhow::Result<rustls::ServerCo
     let builder = match &cfg.apiserver_client_ca {
         Some(ca) => {
             let roots = load_roots(ca).context("loading --apiserver-client-ca")?;
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+            let mut verifier =
+                WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider());
+            if cfg
+                .webhook
+                .as_ref()
+                .is_some_and(|w| w.tokens || w.anonymous)
+            {
+                // Bearer-token callers (metrics-server, Prometheus) have no
+                // certificate; each of their requests is authenticated and
+                // authorised by `authz`. A certificate, if sent, must verify.
+                verifier = verifier.allow_unauthenticated();
+            }
+            let verifier = verifier
                 .build()
                 .context("building the apiserver certificate verifier")?;
             builder.with_client_cert_verifier(verifier)

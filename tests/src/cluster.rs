@@ -586,7 +586,8 @@ impl Cluster {
 }
 
 /// Waits for apiserver-sim's kubeconfig and returns its server URL.
-async fn wait_kubeconfig(path: &Path, apiserver: &mut Proc) -> Result<String> {
+/// Waits (bounded) for `apiserver-sim --write-kubeconfig path` to write it; returns its server URL.
+pub async fn wait_kubeconfig(path: &Path, apiserver: &mut Proc) -> Result<String> {
     let start = Instant::now();
     loop {
         if let Ok(text) = std::fs::read_to_string(path) {

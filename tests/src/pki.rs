@@ -80,8 +80,37 @@ fn write_pair(dir: &Path, name: &str, ck: CertKey) -> Result<Pair> {
     })
 }
 
-/// Mints the certificates for `nodes` into `dir` (created if needed).
+/// Where [`mint`] keeps the apiserver client CA's key (for [`issue_client`]).
+const CLIENT_CA_KEY: &str = "apiserver-client-ca.key";
+
+/// Issues another client certificate from the apiserver client CA of a set
+/// [`mint`]ed into `dir` — on kubeadm that CA signs every user's and node's
+/// certificate too, so tests use this for callers that are not the apiserver.
+/// Written as `dir/<file_name>.crt` and `.key`.
+pub fn issue_client(dir: &Path, file_name: &str, common_name: &str, orgs: &[&str]) -> Result<Pair> {
+    let read =
+        |p: &Path| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
+    let ca = Ca::from_pem(
+        &read(&dir.join("apiserver-client-ca.crt"))?,
+        &read(&dir.join(CLIENT_CA_KEY))?,
+    )
+    .context("loading the apiserver client CA")?;
+    let ck = ca
+        .issue_client(common_name, orgs, VALIDITY)
+        .with_context(|| format!("minting a client certificate for {common_name}"))?;
+    write_pair(dir, file_name, ck)
+}
+
 impl Pki {
+    /// This set with `client` as the apiserver's client certificate (a
+    /// [`crate`] client built from it presents `client` instead).
+    pub fn with_apiserver_client(&self, client: Pair) -> Pki {
+        Pki {
+            apiserver_client: client,
+            ..self.clone()
+        }
+    }
+
     /// The certificate flags of `tether-cloud` for this set.
     pub fn cloud_flags(&self) -> Vec<std::ffi::OsString> {
         let mut v: Vec<std::ffi::OsString> = Vec::new();
@@ -100,6 +129,7 @@ impl Pki {
     }
 }
 
+/// Mints the certificates for `nodes` into `dir` (created if needed).
 pub fn mint(dir: &Path, nodes: &[&str]) -> Result<Pki> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let loopback = [
@@ -114,6 +144,7 @@ pub fn mint(dir: &Path, nodes: &[&str]) -> Result<Pki> {
     write_file(&tether_ca, &ca.cert_pem, 0o644)?;
     let apiserver_client_ca = dir.join("apiserver-client-ca.crt");
     write_file(&apiserver_client_ca, &client_ca.cert_pem, 0o644)?;
+    write_file(&dir.join(CLIENT_CA_KEY), &client_ca.key_pem(), 0o600)?;
 
     let cloud_tunnel = write_pair(
         dir,

@@ -392,6 +392,92 @@ async fn routing_never_guesses() {
     }
 }
 
+/// Issue 14 item 7: any certificate from the apiserver client CA (on kubeadm
+/// it also signs every user and node) proves only cluster membership. Only
+/// `--apiserver-allowed-identity` (default: kubeadm's apiserver kubelet-client
+/// CN) is served; every other identity gets 403, for node- and pod-scoped
+/// paths alike, and is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_allowed_apiserver_identities_are_served() {
+    let env = Env::start(ONE, &[]).await.unwrap();
+    let dir = env.dir.path();
+    let admin = tether_tests::pki::issue_client(
+        dir,
+        "admin",
+        "kubernetes-admin",
+        &["kubeadm:cluster-admins"],
+    )
+    .unwrap();
+    let node =
+        tether_tests::pki::issue_client(dir, "node-user", "system:node:edge-1", &["system:nodes"])
+            .unwrap();
+    for (who, pair) in [("kubernetes-admin", &admin), ("system:node:edge-1", &node)] {
+        let client = support::Client::new(
+            &env.pki.with_apiserver_client(pair.clone()),
+            env.kubelet_api,
+        )
+        .unwrap();
+        for path in ["/metrics", "/containerLogs/default/p1/c"] {
+            let r = client.get(path, "edge-1", None, &[]).await.unwrap();
+            assert_eq!(r.status, StatusCode::FORBIDDEN, "{who} {path}: {}", r.body);
+            assert!(
+                r.body.contains(who) && r.body.contains("--apiserver-allowed-identity"),
+                "{}",
+                r.body
+            );
+        }
+    }
+    // The apiserver's own certificate is still served.
+    let r = env
+        .client
+        .get("/metrics", "edge-1", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let (_, m) = support::plain_get(env.metrics, "/metrics").await.unwrap();
+    assert_eq!(
+        support::sample(
+            &m,
+            "tether_cloud_refused_requests_total{reason=\"forbidden\"}"
+        ),
+        Some(4.0),
+        "{m}"
+    );
+    drop(env);
+
+    // A list with a group: kubeadm's cluster admins are served too, a node is not.
+    let env = Env::start(
+        ONE,
+        &[
+            "--apiserver-allowed-identity",
+            "CN=kube-apiserver-kubelet-client,O=kubeadm:cluster-admins",
+        ],
+    )
+    .await
+    .unwrap();
+    let dir = env.dir.path();
+    let admin = tether_tests::pki::issue_client(
+        dir,
+        "admin",
+        "kubernetes-admin",
+        &["kubeadm:cluster-admins"],
+    )
+    .unwrap();
+    let node =
+        tether_tests::pki::issue_client(dir, "node-user", "system:node:edge-1", &["system:nodes"])
+            .unwrap();
+    let get = |pair: tether_tests::pki::Pair| {
+        let client =
+            support::Client::new(&env.pki.with_apiserver_client(pair), env.kubelet_api).unwrap();
+        async move { client.get("/metrics", "edge-1", None, &[]).await.unwrap() }
+    };
+    let r = get(admin).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = get(node).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
+    assert!(r.body.contains("O=kubeadm:cluster-admins"), "{}", r.body);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_inputs_get_clear_errors_and_spare_healthy_streams() {
     let env = Env::start(ONE, &[]).await.unwrap();

@@ -1,7 +1,8 @@
 //! apiserver-sim: a small, faithful kube-apiserver stand-in for Tether's tests. Real
 //! kubectl talks to it over HTTPS; it serves discovery, pods and nodes from flags, and
 //! proxies pods/exec|attach|portforward|log and nodes/proxy to kubelets the way
-//! kube-apiserver does (same kubelet URLs, `Host` headers, SNI and client certificate).
+//! kube-apiserver does (same kubelet URLs, `Host` headers, SNI and client certificate),
+//! and answers TokenReview / SubjectAccessReview from a tokens-and-rules file.
 //! This file owns the command line, start-up and the accept loop.
 
 mod body;
@@ -17,6 +18,7 @@ mod nodeproxy;
 mod pods;
 mod query;
 mod reverse;
+mod reviews;
 mod router;
 mod status;
 mod table;
@@ -98,6 +100,15 @@ struct Cli {
     /// JSON array of pods: [{"namespace","name","node","containers":["c1"]}].
     #[arg(long)]
     pods_file: Option<PathBuf>,
+    /// Tokens and rules for TokenReview / SubjectAccessReview:
+    /// {"tokens":[{"token","username","uid","groups"}],
+    ///  "rules":[{"name","user"|"group","verbs":[..],"resources":["nodes/metrics",..]}]}.
+    #[arg(long)]
+    auth_file: Option<PathBuf>,
+    /// Answer every TokenReview and SubjectAccessReview only after this many
+    /// milliseconds (a stalled apiserver).
+    #[arg(long, default_value_t = 0)]
+    review_delay_ms: u64,
 }
 
 fn build_cluster(cli: &Cli) -> Result<Cluster> {
@@ -213,7 +224,12 @@ async fn run(cli: Cli) -> Result<()> {
         cluster.pods.len()
     );
 
+    let auth = match &cli.auth_file {
+        Some(f) => reviews::AuthConfig::read(f)?,
+        None => reviews::AuthConfig::default(),
+    };
     let state = Arc::new(State {
+        reviews: reviews::Reviews::new(auth, Duration::from_millis(cli.review_delay_ms)),
         cluster,
         kubelets,
         server_address: adv.to_string(),

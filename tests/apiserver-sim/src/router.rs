@@ -1,5 +1,6 @@
 //! Request routing: maps each kubectl request path to discovery, pod/node reads, the
-//! connect subresources, logs, or nodes/proxy; everything else is a 404 Status.
+//! connect subresources, logs, nodes/proxy, or the TokenReview/SubjectAccessReview
+//! endpoints ([`crate::reviews`]); everything else is a 404 Status.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -22,6 +23,8 @@ pub struct State {
     pub kubelets: Kubelets,
     /// `host:port` clients use to reach us.
     pub server_address: String,
+    /// TokenReview and SubjectAccessReview.
+    pub reviews: crate::reviews::Reviews,
 }
 
 /// Entry point for every request.
@@ -165,6 +168,18 @@ async fn route(
                 .ok_or_else(|| ApiError::not_found("nodes", name))?;
             let rest = rest.join("/");
             Ok(nodeproxy::serve(req, node, &rest, peer, &state.kubelets).await)
+        }
+        ["apis", "authentication.k8s.io", "v1", "tokenreviews"] => {
+            let (parts, body) = req.into_parts();
+            state.reviews.token_review(&parts.method, body).await
+        }
+        ["apis", "authorization.k8s.io", "v1", "subjectaccessreviews"] => {
+            let (parts, body) = req.into_parts();
+            state.reviews.access_review(&parts.method, body).await
+        }
+        ["sim", "reviews"] => {
+            get_only(&method)?;
+            ok_json(&state.reviews.counts())
         }
         _ => Err(ApiError::no_route()),
     }

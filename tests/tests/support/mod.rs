@@ -210,6 +210,17 @@ impl Client {
         })
     }
 
+    /// A client presenting no certificate (a bearer-token caller such as
+    /// metrics-server or Prometheus).
+    pub fn without_cert(pki: &Pki, addr: SocketAddr) -> Result<Client> {
+        Ok(Client {
+            addr,
+            dial: None,
+            tls: Arc::new(client_config(pki, false, b"http/1.1")?),
+            tls_h2: Arc::new(client_config(pki, false, b"h2")?),
+        })
+    }
+
     /// The same client, dialling with `dial`.
     pub fn with_dial(mut self, dial: Arc<Dial>) -> Client {
         self.dial = Some(dial);
