@@ -6,6 +6,8 @@
 //! - [`forward`]: one apiserver request → one logical stream: pick the node,
 //!   send the request head, relay the response (a `101` upgrade becomes a byte
 //!   pipe), map every failure to a clear HTTP status;
+//! - [`authority`]: the apiserver's pods and nodes, watched, which routing
+//!   trusts over what edges claim;
 //! - [`registry`]: which edge sessions exist, the pods and addresses each
 //!   reported, and the routing lookups that never guess;
 //! - [`session`]: one edge's session: its current QUIC connection, resume
@@ -19,6 +21,7 @@
 //!   with `/healthz`, `/readyz` and `/status` by [`tether_proto::ops`]);
 //! - [`config`]: the typed configuration `main` parses once.
 
+pub mod authority;
 pub mod config;
 pub mod forward;
 pub mod front;
@@ -54,9 +57,33 @@ impl Cloud {
     /// Binds all listeners and starts serving.
     pub async fn start(cfg: config::CloudConfig) -> anyhow::Result<Cloud> {
         let cfg = Arc::new(cfg);
-        let registry = Arc::new(registry::Registry::new(cfg.grace));
         let mut prom = prometheus_client::registry::Registry::default();
         let metrics = metrics::CloudMetrics::register(&mut prom);
+        let authority = match &cfg.authority {
+            config::AuthoritySource::Apiserver {
+                kubeconfig,
+                sync_timeout,
+            } => {
+                let client = authority::client(kubeconfig.as_deref()).await?;
+                let a = authority::watch(client, *sync_timeout)
+                    .await
+                    .context("watching pods and nodes on the apiserver")?;
+                info!("routing by the apiserver's pods and nodes");
+                Some(a)
+            }
+            config::AuthoritySource::EdgeReports => {
+                tracing::warn!(
+                    "--insecure-trust-edge-reports: routing by what edges report; an edge can \
+                     claim another node's pods and addresses. Development only"
+                );
+                None
+            }
+        };
+        let registry = Arc::new(registry::Registry::with_authority(
+            cfg.grace,
+            authority,
+            metrics.claims_refused.clone(),
+        ));
         let shutting_down = Arc::new(AtomicBool::new(false));
         let endpoint = tunnel::bind(&cfg).context("starting the QUIC listener for edges")?;
         let tunnel_addr = endpoint

@@ -39,6 +39,8 @@ pub struct CloudMetrics {
     pub stream_open_seconds: Histogram,
     pub edge_rtt_seconds: Histogram,
     pub edge_lost_packets: Counter,
+    /// Edge pod/address claims refused because the apiserver disagrees.
+    pub claims_refused: Family<KindLabel, Counter>,
 }
 
 impl CloudMetrics {
@@ -57,6 +59,7 @@ impl CloudMetrics {
             stream_open_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             edge_rtt_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             edge_lost_packets: Counter::default(),
+            claims_refused: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("tether_cloud");
         r.register(
@@ -128,6 +131,11 @@ impl CloudMetrics {
             "edge_lost_packets",
             "QUIC packets lost on edge connections",
             m.edge_lost_packets.clone(),
+        );
+        r.register(
+            "claims_refused",
+            "Edge claims of a pod (pod report) or address (hello) the apiserver gives to another node, by kind",
+            m.claims_refused.clone(),
         );
         m
     }

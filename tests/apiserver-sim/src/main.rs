@@ -22,6 +22,7 @@ mod status;
 mod table;
 mod tls;
 mod upgrade;
+mod watch;
 mod wsportforward;
 
 use std::net::{IpAddr, SocketAddr};
@@ -98,6 +99,13 @@ struct Cli {
     /// JSON array of pods: [{"namespace","name","node","containers":["c1"]}].
     #[arg(long)]
     pods_file: Option<PathBuf>,
+    /// Longest watch, in seconds (a client's smaller `timeoutSeconds` wins).
+    #[arg(long, default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
+    watch_timeout_secs: u64,
+    /// After this many seconds the cluster's resourceVersion moves from 1 to 2 and the
+    /// old one is compacted: open watches end, and resuming from 1 gets 410 Gone.
+    #[arg(long)]
+    compact_after_secs: Option<f64>,
 }
 
 fn build_cluster(cli: &Cli) -> Result<Cluster> {
@@ -217,6 +225,10 @@ async fn run(cli: Cli) -> Result<()> {
         cluster,
         kubelets,
         server_address: adv.to_string(),
+        versions: watch::Versions::new(
+            cli.compact_after_secs.map(Duration::from_secs_f64),
+            Duration::from_secs(cli.watch_timeout_secs),
+        ),
     });
     let acceptor = TlsAcceptor::from(server_tls);
     let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
