@@ -189,8 +189,15 @@ def one(docs, kind, name=None):
         return {}
     return found[0]
 
-rbac = [d["kind"] for d in cloud_docs + dnat_docs if d["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")]
-check(not rbac, "no RBAC objects (nothing calls the Kubernetes API)")
+rbac = [d for d in cloud_docs + dnat_docs if d["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")]
+role = one(cloud_docs, "ClusterRole", "tether-cloud")
+check(role.get("rules") == [{"apiGroups": [""], "resources": ["pods", "nodes"], "verbs": ["get", "list", "watch"]}],
+      "the only RBAC rule: get/list/watch pods and nodes (the routing authority)")
+binding = one(cloud_docs, "ClusterRoleBinding", "tether-cloud")
+check(binding.get("roleRef", {}).get("name") == "tether-cloud"
+      and binding.get("subjects") == [{"kind": "ServiceAccount", "name": "tether-cloud", "namespace": "tether-system"}],
+      "the ClusterRole is bound to the tether-cloud service account only")
+check(sorted(d["kind"] for d in rbac) == ["ClusterRole", "ClusterRoleBinding"], "no other RBAC objects")
 
 # kustomization lists every manifest file of deploy/kubernetes
 kust = yaml.safe_load(open("deploy/kubernetes/kustomization.yaml"))
@@ -209,7 +216,7 @@ labels = dep["spec"]["template"]["metadata"]["labels"]
 psc = pod.get("securityContext", {})
 check(psc.get("runAsNonRoot") is True and psc.get("runAsUser", 0) != 0, "pod runs as non-root")
 check(psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", "pod seccomp RuntimeDefault")
-check(pod.get("automountServiceAccountToken") is False, "no service account token mounted")
+check(pod.get("automountServiceAccountToken") is True, "the service account token is mounted (to watch pods and nodes)")
 check(dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate", "one replica, Recreate")
 [c] = pod["containers"]
 sc = c.get("securityContext", {})
@@ -260,7 +267,11 @@ rules = {(p["protocol"], p["port"]): r for r in np["spec"]["ingress"] for p in r
 check(("TCP", 10003) in rules and all("ipBlock" in f for f in rules[("TCP", 10003)].get("from", [None])), "10003/TCP only from ipBlocks (control-plane hosts)")
 check(("UDP", 10004) in rules and not rules[("UDP", 10004)].get("from"), "10004/UDP from anywhere")
 check(("TCP", 9090) in rules and all("namespaceSelector" in f for f in rules[("TCP", 9090)].get("from", [None])), "9090/TCP only from the monitoring namespace")
-check(np["spec"].get("egress") == [] and "Egress" in np["spec"]["policyTypes"], "no egress")
+egress = np["spec"].get("egress") or []
+check("Egress" in np["spec"]["policyTypes"] and len(egress) == 1
+      and egress[0].get("ports") == [{"protocol": "TCP", "port": 6443}]
+      and all("ipBlock" in t for t in egress[0].get("to", [None])),
+      "egress only to the apiserver (6443/TCP, ipBlocks)")
 
 # DNAT DaemonSet
 ds = one(dnat_docs, "DaemonSet", "tether-dnat")
@@ -788,7 +799,8 @@ step_dnat-e2e() {
 	spawn cloud "$WORK/cloud.out" "$bin/tether-cloud" \
 		--tunnel-cert "$PKI/tunnel.crt" --tunnel-key "$PKI/tunnel.key" --edge-ca "$PKI/ca.crt" \
 		--kubelet-cert "$PKI/kubelet.crt" --kubelet-key "$PKI/kubelet.key" \
-		--apiserver-client-ca "$PKI/ca.crt" --metrics-listen 127.0.0.1:9090
+		--apiserver-client-ca "$PKI/ca.crt" --metrics-listen 127.0.0.1:9090 \
+		--insecure-trust-edge-reports
 	wait_for "$WORK/cloud.out" "tether-cloud ready" "tether-cloud"
 	local i
 	for i in 1 2; do

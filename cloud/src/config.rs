@@ -85,9 +85,6 @@ pub struct CloudArgs {
         requires = "authorization_webhook"
     )]
     pub anonymous_auth: bool,
-    /// Kubeconfig for the reviews; default: the pod's service account (in-cluster).
-    #[arg(long, env = "TETHER_APISERVER_KUBECONFIG")]
-    pub apiserver_kubeconfig: Option<PathBuf>,
     /// How long a TokenReview answer is cached (kubelet: 2m).
     #[arg(long, env = "TETHER_AUTHENTICATION_CACHE_TTL", default_value = "2m", value_parser = parse_duration)]
     pub authentication_cache_ttl: Duration,
@@ -103,6 +100,22 @@ pub struct CloudArgs {
     /// Accept apiserver connections without a client certificate. Local development only.
     #[arg(long, env = "TETHER_INSECURE_SKIP_CLIENT_AUTH")]
     pub insecure_skip_client_auth: bool,
+    /// Kubeconfig for the apiserver whose pods and nodes decide routing, and for
+    /// the TokenReviews and SubjectAccessReviews of the webhook checks (default:
+    /// the in-cluster service account). Needs get/list/watch on pods and nodes.
+    #[arg(long, env = "TETHER_APISERVER_KUBECONFIG")]
+    pub apiserver_kubeconfig: Option<PathBuf>,
+    /// Route by the pods and addresses edges report, without an apiserver. Unsafe:
+    /// an edge can then claim another node's pods and addresses. Development only.
+    #[arg(
+        long,
+        env = "TETHER_INSECURE_TRUST_EDGE_REPORTS",
+        conflicts_with = "apiserver_kubeconfig"
+    )]
+    pub insecure_trust_edge_reports: bool,
+    /// How long the first list of pods and nodes from the apiserver may take at start.
+    #[arg(long, env = "TETHER_APISERVER_SYNC_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub apiserver_sync_timeout: Duration,
     /// How long to wait for the kubelet's response head before answering 504.
     #[arg(long, env = "TETHER_RESPONSE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub response_timeout: Duration,
@@ -240,6 +253,18 @@ pub struct WebhookConfig {
     pub reviews: crate::authz::ReviewSettings,
 }
 
+/// Where the pods and addresses routing trusts come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuthoritySource {
+    /// The apiserver, through this kubeconfig (`None`: in-cluster).
+    Apiserver {
+        kubeconfig: Option<PathBuf>,
+        sync_timeout: Duration,
+    },
+    /// The edges' own reports (`--insecure-trust-edge-reports`).
+    EdgeReports,
+}
+
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct CloudConfig {
@@ -256,6 +281,8 @@ pub struct CloudConfig {
     pub apiserver_allowed_identities: Vec<AllowedIdentity>,
     /// Kubelet-style webhook authentication/authorisation, when enabled.
     pub webhook: Option<WebhookConfig>,
+    /// Where routing's truth comes from.
+    pub authority: AuthoritySource,
     pub response_timeout: Duration,
     pub grace: Duration,
     pub handshake_timeout: Duration,
@@ -410,6 +437,17 @@ impl CloudArgs {
             apiserver_client_ca,
             apiserver_allowed_identities,
             webhook,
+            authority: if self.insecure_trust_edge_reports {
+                AuthoritySource::EdgeReports
+            } else {
+                if self.apiserver_sync_timeout.is_zero() {
+                    return Err("--apiserver-sync-timeout must be more than 0".into());
+                }
+                AuthoritySource::Apiserver {
+                    kubeconfig: self.apiserver_kubeconfig,
+                    sync_timeout: self.apiserver_sync_timeout,
+                }
+            },
             response_timeout: self.response_timeout,
             grace: self.grace,
             handshake_timeout: self.handshake_timeout,

@@ -117,9 +117,10 @@ fn error_response(status: StatusCode, message: impl std::fmt::Display) -> Respon
 
 fn route_status(e: &RouteError) -> StatusCode {
     match e {
-        RouteError::UnknownPod { .. } | RouteError::UnknownNode { .. } | RouteError::NoHint => {
-            StatusCode::NOT_FOUND
-        }
+        RouteError::UnknownPod { .. }
+        | RouteError::UnknownNode { .. }
+        | RouteError::NoHint
+        | RouteError::PodUnscheduled { .. } => StatusCode::NOT_FOUND,
         RouteError::AmbiguousPod { .. } | RouteError::AmbiguousAddress { .. } => {
             StatusCode::CONFLICT
         }

@@ -11,6 +11,8 @@
 //! - [`authz`]: bearer tokens (TokenReview) and per-request
 //!   SubjectAccessReviews for callers other than the apiserver, as a kubelet;
 //!   [`apiserver`] builds the client for those reviews;
+//! - [`authority`]: the apiserver's pods and nodes, watched, which routing
+//!   trusts over what edges claim;
 //! - [`registry`]: which edge sessions exist, the pods and addresses each
 //!   reported, and the routing lookups that never guess;
 //! - [`session`]: one edge's session: its current QUIC connection, its
@@ -34,6 +36,7 @@
 
 pub mod admission;
 pub mod apiserver;
+pub mod authority;
 pub mod authz;
 pub mod config;
 pub mod forward;
@@ -78,9 +81,33 @@ impl Cloud {
     /// Binds all listeners and starts serving.
     pub async fn start(cfg: config::CloudConfig) -> anyhow::Result<Cloud> {
         let cfg = Arc::new(cfg);
-        let registry = Arc::new(registry::Registry::new(cfg.grace));
         let mut prom = prometheus_client::registry::Registry::default();
         let metrics = metrics::CloudMetrics::register(&mut prom);
+        let authority = match &cfg.authority {
+            config::AuthoritySource::Apiserver {
+                kubeconfig,
+                sync_timeout,
+            } => {
+                let client = authority::client(kubeconfig.as_deref()).await?;
+                let a = authority::watch(client, *sync_timeout)
+                    .await
+                    .context("watching pods and nodes on the apiserver")?;
+                info!("routing by the apiserver's pods and nodes");
+                Some(a)
+            }
+            config::AuthoritySource::EdgeReports => {
+                tracing::warn!(
+                    "--insecure-trust-edge-reports: routing by what edges report; an edge can \
+                     claim another node's pods and addresses. Development only"
+                );
+                None
+            }
+        };
+        let registry = Arc::new(registry::Registry::with_authority(
+            cfg.grace,
+            authority,
+            metrics.claims_refused.clone(),
+        ));
         let shutting_down = Arc::new(AtomicBool::new(false));
         let endpoint = tunnel::bind(&cfg).context("starting the QUIC listener for edges")?;
         let tunnel_addr = endpoint

@@ -43,6 +43,8 @@ pub struct CloudMetrics {
     pub peers_up: Gauge,
     /// Peer connections refused (either direction), by reason.
     pub peers_refused: Family<ReasonLabel, Counter>,
+    /// Edge pod/address claims refused because the apiserver disagrees.
+    pub claims_refused: Family<KindLabel, Counter>,
 }
 
 impl CloudMetrics {
@@ -63,6 +65,7 @@ impl CloudMetrics {
             edge_lost_packets: Counter::default(),
             peers_up: Gauge::default(),
             peers_refused: Family::default(),
+            claims_refused: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("tether_cloud");
         r.register(
@@ -144,6 +147,11 @@ impl CloudMetrics {
             "peers_refused",
             "Peer connections refused, by reason (tls, not_a_peer, bad_hello)",
             m.peers_refused.clone(),
+        );
+        r.register(
+            "claims_refused",
+            "Edge claims of a pod (pod report) or address (hello) the apiserver gives to another node, by kind",
+            m.claims_refused.clone(),
         );
         m
     }

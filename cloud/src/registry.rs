@@ -7,14 +7,29 @@
 //! two nodes is refused, never resolved to either. Pods of a node whose
 //! session ended are remembered so that a request for them gets "edge not
 //! connected" (502) rather than "no such pod".
+//!
+//! With an [`Authority`] (the apiserver's pods and nodes; the default), the
+//! edges' reports and hello addresses are hints: pods route by the node the
+//! apiserver binds them to and addresses by the nodes' status, and a hint that
+//! names another node's pod or address is refused, logged with both nodes and
+//! counted in `tether_cloud_claims_refused`. Without one (the insecure opt-in)
+//! the edges' reports are all there is. Either way an address in `Host`/SNI is
+//! looked up as an address before as a node name, so a node named like an IP
+//! cannot take that IP's requests.
 
 use std::collections::{BTreeSet, HashMap};
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tether_proto::handshake::PodRef;
+use tracing::warn;
 
 use crate::admission::{Claim, Verdict};
+use crate::authority::{Authority, PodPlacement};
+use crate::metrics::KindLabel;
 use crate::session::Session;
 
 /// Which session a hello joins ([`Registry::admit`]).
@@ -58,6 +73,8 @@ pub enum RouteError {
     },
     #[error("no node named in the request (no X-Forwarded-Uri node, SNI or Host)")]
     NoHint,
+    #[error("the apiserver has pod {namespace}/{pod} bound to no node")]
+    PodUnscheduled { namespace: String, pod: String },
 }
 
 #[derive(Default)]
@@ -76,12 +93,20 @@ struct Tables {
     departed: HashMap<(String, String), String>,
     /// node → its pods in `departed`.
     node_departed: HashMap<String, Vec<(String, String)>>,
+    /// node → the pod claims of its last report the apiserver contradicted
+    /// (a claim repeated in every report is logged and counted once).
+    node_refused: HashMap<String, BTreeSet<String>>,
 }
 
 /// The cloud's table of edge sessions.
 pub struct Registry {
     tables: Mutex<Tables>,
     pub grace: Duration,
+    /// The apiserver's word on pods and addresses; `None` only with the
+    /// insecure opt-in (routing by edge reports).
+    authority: Option<Arc<Authority>>,
+    /// Edge claims refused because the apiserver disagrees, by kind (pod, address).
+    claims_refused: Family<KindLabel, Counter>,
 }
 
 /// Normalizes a `Host` or SNI value: lowercase, without port or IPv6 brackets.
@@ -102,7 +127,55 @@ impl Registry {
         Registry {
             tables: Mutex::new(Tables::default()),
             grace,
+            authority: None,
+            claims_refused: Family::default(),
         }
+    }
+
+    /// A registry that routes by `authority` and counts refused claims in
+    /// `claims_refused`.
+    pub fn with_authority(
+        grace: Duration,
+        authority: Option<Arc<Authority>>,
+        claims_refused: Family<KindLabel, Counter>,
+    ) -> Self {
+        Registry {
+            authority,
+            claims_refused,
+            ..Registry::new(grace)
+        }
+    }
+
+    /// Counts and logs an edge's claim the apiserver contradicts.
+    fn refuse_claim(&self, kind: &'static str, claimant: &str, what: &str, owners: &str) {
+        warn!(
+            node = %claimant.escape_debug(),
+            owner = %owners.escape_debug(),
+            claim = %what.escape_debug(),
+            "refusing an edge's {kind} claim: the apiserver has it on another node"
+        );
+        self.claims_refused.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    /// The announced addresses of `node` the apiserver does not give to another
+    /// node (the others are refused and counted).
+    fn vet_addresses(&self, node: &str, addresses: Vec<String>) -> Vec<String> {
+        let Some(auth) = &self.authority else {
+            return addresses;
+        };
+        addresses
+            .into_iter()
+            .filter(|a| {
+                let owners = auth.address_nodes(a);
+                if owners.is_empty() || owners.contains(node) {
+                    true
+                } else {
+                    let owners = owners.into_iter().collect::<Vec<_>>().join(", ");
+                    self.refuse_claim("address", node, a, &owners);
+                    false
+                }
+            })
+            .collect()
     }
 
     fn tables(&self) -> std::sync::MutexGuard<'_, Tables> {
@@ -134,7 +207,7 @@ impl Registry {
     /// Installs `session` as its node's session, returning the one it
     /// replaces (which the caller ends).
     pub fn insert(&self, session: Arc<Session>) -> Option<Arc<Session>> {
-        Self::insert_locked(&mut self.tables(), session)
+        self.insert_locked(&mut self.tables(), session)
     }
 
     /// Decides, atomically with any other hello of the node, which session a
@@ -157,16 +230,17 @@ impl Registry {
             (Verdict::Superseded, _) => Admitted::Superseded,
             _ => {
                 let session = create()?;
-                let replaced = Self::insert_locked(&mut t, session.clone());
+                let replaced = self.insert_locked(&mut t, session.clone());
                 Admitted::New { session, replaced }
             }
         })
     }
 
-    fn insert_locked(t: &mut Tables, session: Arc<Session>) -> Option<Arc<Session>> {
+    fn insert_locked(&self, t: &mut Tables, session: Arc<Session>) -> Option<Arc<Session>> {
         let node = session.node.clone();
         let old = t.sessions.insert(node.clone(), session.clone());
-        Self::index_addresses(t, &node, session.addresses());
+        let addresses = self.vet_addresses(&node, session.addresses());
+        Self::index_addresses(t, &node, addresses);
         for key in t.node_departed.remove(&node).unwrap_or_default() {
             if t.departed.get(&key) == Some(&node) {
                 t.departed.remove(&key);
@@ -187,6 +261,7 @@ impl Registry {
         if !current {
             return;
         }
+        let addresses = self.vet_addresses(&session.node, addresses);
         Self::index_addresses(&mut t, &session.node, addresses);
     }
 
@@ -243,6 +318,31 @@ impl Registry {
         }
         let node = session.node.clone();
         Self::unindex_pods(&mut t, &node);
+        let pods: Vec<PodRef> = match &self.authority {
+            None => pods,
+            Some(auth) => {
+                let before = t.node_refused.remove(&node).unwrap_or_default();
+                let mut refused = BTreeSet::new();
+                let pods = pods
+                    .into_iter()
+                    .filter(|p| match auth.pod(&p.namespace, &p.name) {
+                        PodPlacement::On(owner) if owner != node => {
+                            let what = format!("{}/{}", p.namespace, p.name);
+                            if !before.contains(&what) {
+                                self.refuse_claim("pod", &node, &what, &owner);
+                            }
+                            refused.insert(what);
+                            false
+                        }
+                        _ => true,
+                    })
+                    .collect();
+                if !refused.is_empty() {
+                    t.node_refused.insert(node.clone(), refused);
+                }
+                pods
+            }
+        };
         for p in &pods {
             t.pods
                 .entry((p.namespace.clone(), p.name.clone()))
@@ -266,6 +366,7 @@ impl Registry {
         }
         let node = session.node.clone();
         t.sessions.remove(&node);
+        t.node_refused.remove(&node);
         Self::unindex_addresses(&mut t, &node);
         for p in Self::unindex_pods(&mut t, &node) {
             let key = (p.namespace, p.name);
@@ -278,6 +379,28 @@ impl Registry {
     /// The session of the node running pod `namespace/pod`.
     pub fn route_pod(&self, namespace: &str, pod: &str) -> Result<Arc<Session>, RouteError> {
         let t = self.tables();
+        if let Some(auth) = &self.authority {
+            return match auth.pod(namespace, pod) {
+                PodPlacement::On(node) => {
+                    t.sessions
+                        .get(&node)
+                        .cloned()
+                        .ok_or(RouteError::PodNodeGone {
+                            namespace: namespace.into(),
+                            pod: pod.into(),
+                            node,
+                        })
+                }
+                PodPlacement::Unscheduled => Err(RouteError::PodUnscheduled {
+                    namespace: namespace.into(),
+                    pod: pod.into(),
+                }),
+                PodPlacement::Unknown => Err(RouteError::UnknownPod {
+                    namespace: namespace.into(),
+                    pod: pod.into(),
+                }),
+            };
+        }
         let key = (namespace.to_string(), pod.to_string());
         match t.pods.get(&key) {
             Some(nodes) if nodes.len() == 1 => {
@@ -310,9 +433,12 @@ impl Registry {
         }
     }
 
-    /// Resolves one name-or-address: a node name, else an announced address.
-    /// `Ok(None)`: nothing matches.
+    /// Resolves one name-or-address. An IP is looked up as an address first
+    /// (a node named like an IP never outranks the node that has it), a name
+    /// as a node name first. Addresses are the apiserver's node addresses with
+    /// an authority, else the edges' announced ones. `Ok(None)`: nothing matches.
     fn resolve(
+        &self,
         t: &Tables,
         what: &'static str,
         value: &str,
@@ -321,20 +447,41 @@ impl Registry {
         if v.is_empty() {
             return Ok(None);
         }
-        if let Some(s) = t.sessions.get(&v) {
-            return Ok(Some(s.clone()));
-        }
-        match t.addresses.get(&v) {
-            Some(nodes) if nodes.len() == 1 => {
-                Ok(nodes.iter().next().and_then(|n| t.sessions.get(n)).cloned())
+        let by_name = || t.sessions.get(&v).cloned();
+        let by_address = || -> Result<Option<Arc<Session>>, RouteError> {
+            let nodes = match &self.authority {
+                Some(auth) => auth.address_nodes(&v),
+                None => t.addresses.get(&v).cloned().unwrap_or_default(),
+            };
+            match nodes.len() {
+                0 => Ok(None),
+                1 => {
+                    let node = nodes.into_iter().next().unwrap_or_default();
+                    match t.sessions.get(&node) {
+                        Some(s) => Ok(Some(s.clone())),
+                        // The address is that node's: never fall through to another.
+                        None => Err(RouteError::UnknownNode {
+                            looked_up: format!("{what} {v:?} (node {node}, not connected)"),
+                        }),
+                    }
+                }
+                _ => Err(RouteError::AmbiguousAddress {
+                    what,
+                    value: v.clone(),
+                    nodes: nodes.into_iter().collect::<Vec<_>>().join(", "),
+                }),
             }
-            Some(nodes) if nodes.len() > 1 => Err(RouteError::AmbiguousAddress {
-                what,
-                value: v,
-                nodes: nodes.iter().cloned().collect::<Vec<_>>().join(", "),
-            }),
-            _ => Ok(None),
+        };
+        if v.parse::<IpAddr>().is_ok() {
+            if let Some(s) = by_address()? {
+                return Ok(Some(s));
+            }
+            return Ok(by_name());
         }
+        if let Some(s) = by_name() {
+            return Ok(Some(s));
+        }
+        by_address()
     }
 
     /// The session for a node-scoped request: the node named by the
@@ -359,7 +506,7 @@ impl Registry {
         let mut looked = Vec::new();
         for (what, value) in [("SNI", sni), ("Host", host)] {
             if let Some(v) = value {
-                if let Some(s) = Self::resolve(&t, what, v)? {
+                if let Some(s) = self.resolve(&t, what, v)? {
                     return Ok(s);
                 }
                 looked.push(format!("{what} {v:?}"));
@@ -525,6 +672,113 @@ mod tests {
         ));
         let t = r.tables();
         assert!(t.departed.is_empty() && t.node_departed.is_empty());
+    }
+
+    fn refused(r: &Registry, kind: &'static str) -> u64 {
+        r.claims_refused.get_or_create(&KindLabel { kind }).get()
+    }
+
+    #[test]
+    fn the_apiserver_decides_pods_and_addresses_and_claims_are_refused() {
+        let auth = Arc::new(Authority::new());
+        auth.set_pod("default", "p1", Some(Some("edge-a".into())));
+        auth.set_pod("default", "pending", Some(None));
+        auth.set_node("edge-a", Some(vec!["10.0.0.1".into()]));
+        auth.set_node("edge-b", Some(vec!["10.0.0.2".into()]));
+        let r = Registry::with_authority(
+            Duration::from_secs(1),
+            Some(auth.clone()),
+            Family::default(),
+        );
+        let a = session("edge-a", &["10.0.0.1"]);
+        r.insert(a.clone());
+        r.report_pods(&a, vec![pod("default", "p1")]);
+        // edge-b claims edge-a's pod and address (and one of its own).
+        let b = session("edge-b", &["10.0.0.1", "10.0.0.2"]);
+        r.insert(b.clone());
+        r.report_pods(&b, vec![pod("default", "p1")]);
+        // The same claim in the next report is not counted again.
+        r.report_pods(&b, vec![pod("default", "p1")]);
+        assert_eq!(refused(&r, "pod"), 1);
+        assert_eq!(refused(&r, "address"), 1);
+        // The real owner still routes; nothing is ambiguous.
+        assert_eq!(r.route_pod("default", "p1").unwrap().node, "edge-a");
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.1")).unwrap().node,
+            "edge-a"
+        );
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.2")).unwrap().node,
+            "edge-b"
+        );
+        // A resume that re-announces the stolen address is refused again.
+        r.set_addresses(&b, vec!["10.0.0.1".into()]);
+        assert_eq!(refused(&r, "address"), 2);
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.1")).unwrap().node,
+            "edge-a"
+        );
+        // The owner gone: its pod and address are "not connected", never the claimant's.
+        assert!(r.remove(&a));
+        assert!(matches!(
+            r.route_pod("default", "p1"),
+            Err(RouteError::PodNodeGone { ref node, .. }) if node == "edge-a"
+        ));
+        assert!(matches!(
+            r.route_node(None, None, Some("10.0.0.1")),
+            Err(RouteError::UnknownNode { .. })
+        ));
+        // Pods the apiserver does not have (or has on no node) do not route.
+        r.report_pods(&b, vec![pod("default", "made-up")]);
+        assert!(matches!(
+            r.route_pod("default", "made-up"),
+            Err(RouteError::UnknownPod { .. })
+        ));
+        assert!(matches!(
+            r.route_pod("default", "pending"),
+            Err(RouteError::PodUnscheduled { .. })
+        ));
+        // The apiserver moves the pod: it follows.
+        auth.set_pod("default", "p1", Some(Some("edge-b".into())));
+        assert_eq!(r.route_pod("default", "p1").unwrap().node, "edge-b");
+    }
+
+    #[test]
+    fn a_node_named_like_an_ip_does_not_outrank_that_ip() {
+        // Without an authority: the announced address wins over the name.
+        let r = Registry::new(Duration::from_secs(1));
+        r.insert(session("10.0.0.5", &[]));
+        r.insert(session("edge-c", &["10.0.0.5"]));
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.5:10250"))
+                .unwrap()
+                .node,
+            "edge-c"
+        );
+        assert_eq!(
+            r.route_node(None, Some("10.0.0.5"), None).unwrap().node,
+            "edge-c"
+        );
+        // Nobody announces it: the name still reaches its node.
+        r.insert(session("edge-c", &["10.0.0.6"]));
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.5")).unwrap().node,
+            "10.0.0.5"
+        );
+        // With an authority: the apiserver's address owner, connected or not.
+        let auth = Arc::new(Authority::new());
+        auth.set_node("edge-c", Some(vec!["10.0.0.5".into()]));
+        let r = Registry::with_authority(Duration::from_secs(1), Some(auth), Family::default());
+        r.insert(session("10.0.0.5", &[]));
+        assert!(matches!(
+            r.route_node(None, None, Some("10.0.0.5")),
+            Err(RouteError::UnknownNode { .. })
+        ));
+        r.insert(session("edge-c", &[]));
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.5")).unwrap().node,
+            "edge-c"
+        );
     }
 
     #[test]

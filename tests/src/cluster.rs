@@ -303,7 +303,10 @@ impl Cluster {
                 .arg("--kubelet-key")
                 .arg(&pki.cloud_kubelet.key)
                 .arg("--apiserver-client-ca")
-                .arg(&pki.apiserver_client_ca);
+                .arg(&pki.apiserver_client_ca)
+                // apiserver-sim starts after the cloud (it dials the cloud's kubelet
+                // API): this cloud routes by edge reports.
+                .arg("--insecure-trust-edge-reports");
             let mut proc = Proc::spawn("tether-cloud", cmd, &logs, opts)?;
             let line = proc
                 .wait_line("`tether-cloud ready …`", READY_TIMEOUT, |l| {

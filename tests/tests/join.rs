@@ -122,6 +122,7 @@ async fn edge_joins_with_a_token_then_serves() {
     .arg(pki.join("kubelet.key"))
     .arg("--apiserver-client-ca")
     .arg(pki.join("ca.crt"))
+    .arg("--insecure-trust-edge-reports")
     .arg("--join-store")
     .arg(pki.join("join-tokens.json"))
     .arg("--join-ca-cert")

@@ -286,3 +286,96 @@ fn configuration_file_env_and_flags_with_precedence_and_rejection() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("keep-alive"));
 }
+
+/// Without an apiserver to watch, the cloud refuses to start unless told to
+/// route by edge reports (`--insecure-trust-edge-reports`, warned about);
+/// with a kubeconfig whose apiserver does not answer, it gives up after
+/// `--apiserver-sync-timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloud_without_an_apiserver_refuses_to_start_unless_opted_in() {
+    use tether_tests::process::{Proc, SpawnOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let pki = tether_tests::pki::mint(dir.path(), &["edge-1"]).unwrap();
+    let cloud = tether_tests::bins::binary("tether-cloud").unwrap();
+    // pki.cloud_flags() carries the opt-in: drop it.
+    let flags: Vec<std::ffi::OsString> = pki
+        .cloud_flags()
+        .into_iter()
+        .filter(|f| f != "--insecure-trust-edge-reports")
+        .collect();
+    let common = |cmd: &mut std::process::Command| {
+        cmd.args(&flags)
+            .args([
+                "--tunnel-listen",
+                "127.0.0.1:0",
+                "--kubelet-listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ])
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("KUBERNETES_SERVICE_PORT")
+            .env_remove("TETHER_INSECURE_TRUST_EDGE_REPORTS")
+            .env_remove("TETHER_APISERVER_KUBECONFIG")
+            .env("NO_COLOR", "1");
+    };
+    let mut cmd = std::process::Command::new(&cloud);
+    common(&mut cmd);
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started without an apiserver: {err}");
+    assert!(err.contains("--insecure-trust-edge-reports"), "{err}");
+    assert!(err.contains("--apiserver-kubeconfig"), "{err}");
+
+    // An apiserver that never answers: a bound port nobody accepts on.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://{}\n    insecure-skip-tls-verify: true\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
+            silent.local_addr().unwrap()
+        ),
+    )
+    .unwrap();
+    let mut cmd = std::process::Command::new(&cloud);
+    common(&mut cmd);
+    cmd.arg("--apiserver-kubeconfig")
+        .arg(&kubeconfig)
+        .args(["--apiserver-sync-timeout", "2s"]);
+    let started = std::time::Instant::now();
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "started without pods and nodes: {err}"
+    );
+    assert!(err.contains("within 2s"), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+
+    // The opt-in: it starts, and says what it gave up.
+    let mut cmd = tokio::process::Command::new(&cloud);
+    cmd.args(&flags)
+        .args([
+            "--tunnel-listen",
+            "127.0.0.1:0",
+            "--kubelet-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--insecure-trust-edge-reports",
+        ])
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env("NO_COLOR", "1");
+    let mut proc = Proc::spawn("tether-cloud", cmd, dir.path(), SpawnOptions::default()).unwrap();
+    proc.wait_line("ready line", std::time::Duration::from_secs(20), |l| {
+        l.starts_with("tether-cloud ready")
+    })
+    .await
+    .unwrap();
+    let log = std::fs::read_to_string(proc.log_path()).unwrap();
+    assert!(
+        log.contains("--insecure-trust-edge-reports: routing by what edges report"),
+        "{log}"
+    );
+}

@@ -24,6 +24,7 @@ mod status;
 mod table;
 mod tls;
 mod upgrade;
+mod watch;
 mod wsportforward;
 
 use std::net::{IpAddr, SocketAddr};
@@ -109,6 +110,13 @@ struct Cli {
     /// milliseconds (a stalled apiserver).
     #[arg(long, default_value_t = 0)]
     review_delay_ms: u64,
+    /// Longest watch, in seconds (a client's smaller `timeoutSeconds` wins).
+    #[arg(long, default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
+    watch_timeout_secs: u64,
+    /// After this many seconds the cluster's resourceVersion moves from 1 to 2 and the
+    /// old one is compacted: open watches end, and resuming from 1 gets 410 Gone.
+    #[arg(long)]
+    compact_after_secs: Option<f64>,
 }
 
 fn build_cluster(cli: &Cli) -> Result<Cluster> {
@@ -233,6 +241,10 @@ async fn run(cli: Cli) -> Result<()> {
         cluster,
         kubelets,
         server_address: adv.to_string(),
+        versions: watch::Versions::new(
+            cli.compact_after_secs.map(Duration::from_secs_f64),
+            Duration::from_secs(cli.watch_timeout_secs),
+        ),
     });
     let acceptor = TlsAcceptor::from(server_tls);
     let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));

@@ -15,7 +15,9 @@ use crate::connect::{self, ConnectKind};
 use crate::kubelet::Kubelets;
 use crate::query::Query;
 use crate::status::ApiError;
-use crate::{discovery, headers, logs, nodeproxy, pods, reverse, table, upgrade, wsportforward};
+use crate::{
+    discovery, headers, logs, nodeproxy, pods, reverse, table, upgrade, watch, wsportforward,
+};
 
 /// Everything a request handler needs.
 pub struct State {
@@ -25,6 +27,8 @@ pub struct State {
     pub server_address: String,
     /// TokenReview and SubjectAccessReview.
     pub reviews: crate::reviews::Reviews,
+    /// The cluster's resourceVersion and watch limits.
+    pub versions: watch::Versions,
 }
 
 /// Entry point for every request.
@@ -68,7 +72,30 @@ async fn route(
     let method = req.method().clone();
     let c = &state.cluster;
     let as_table = table::wants_table(req.headers());
+    let q = Query::parse(req.uri().query());
+    let watching = q.flag("watch");
     match segs.as_slice() {
+        ["api", "v1", "pods"] if watching => {
+            get_only(&method)?;
+            let objects = c
+                .pods_in(None)
+                .map(|p| pods::pod_json(p, c.node(&p.node)))
+                .collect();
+            watch::serve("Pod", objects, &q, &state.versions)
+        }
+        ["api", "v1", "namespaces", ns, "pods"] if watching => {
+            get_only(&method)?;
+            let objects = c
+                .pods_in(Some(ns))
+                .map(|p| pods::pod_json(p, c.node(&p.node)))
+                .collect();
+            watch::serve("Pod", objects, &q, &state.versions)
+        }
+        ["api", "v1", "nodes"] if watching => {
+            get_only(&method)?;
+            let objects = c.nodes.values().map(pods::node_json).collect();
+            watch::serve("Node", objects, &q, &state.versions)
+        }
         ["api"] | ["api", ""] => {
             get_only(&method)?;
             ok_json(&discovery::api_versions(&state.server_address))
@@ -99,14 +126,20 @@ async fn route(
             if as_table {
                 return ok_json(&table::pods(c.pods_in(None)));
             }
-            ok_json(&pods::pod_list_json(c, None))
+            ok_json(&watch::stamp_list(
+                pods::pod_list_json(c, None),
+                &state.versions,
+            ))
         }
         ["api", "v1", "namespaces", ns, "pods"] => {
             get_only(&method)?;
             if as_table {
                 return ok_json(&table::pods(c.pods_in(Some(ns))));
             }
-            ok_json(&pods::pod_list_json(c, Some(ns)))
+            ok_json(&watch::stamp_list(
+                pods::pod_list_json(c, Some(ns)),
+                &state.versions,
+            ))
         }
         ["api", "v1", "namespaces", ns, "pods", name] => {
             get_only(&method)?;
@@ -125,7 +158,6 @@ async fn route(
             let node = c
                 .node(&pod.node)
                 .ok_or_else(|| ApiError::bad_request(format!("pod {name} has no node")))?;
-            let q = Query::parse(req.uri().query());
             if *sub == "log" {
                 get_only(&method)?;
                 let loc = logs::location(pod, node, &q)?;
@@ -150,7 +182,7 @@ async fn route(
             if as_table {
                 return ok_json(&table::nodes(c.nodes.values()));
             }
-            ok_json(&pods::node_list_json(c))
+            ok_json(&watch::stamp_list(pods::node_list_json(c), &state.versions))
         }
         ["api", "v1", "nodes", name] => {
             get_only(&method)?;

@@ -395,7 +395,11 @@ impl Env {
             "--metrics-listen",
             "127.0.0.1:0",
         ])
-        .args(pki.cloud_flags())
+        // With an apiserver to watch, drop the opt-in to route by edge reports.
+        .args(pki.cloud_flags().into_iter().filter(|f| {
+            !(f == "--insecure-trust-edge-reports"
+                && cloud_args.contains(&"--apiserver-kubeconfig"))
+        }))
         .args(cloud_args)
         .env("TETHER_LOG", "info,tether_cloud=debug")
         .env("RUST_BACKTRACE", "0");

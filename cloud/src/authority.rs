@@ -1,0 +1,312 @@
+//! The apiserver as the routing authority: which node runs each pod and which
+//! addresses each node has, as the kube-apiserver says — never as an edge says.
+//!
+//! [`Authority`] is the table routing consults: namespace/pod → `spec.nodeName`
+//! and node → `status.addresses` (and the reverse, address → nodes). It is fed
+//! by [`watch`], which lists and watches pods and nodes with `kube`'s watcher
+//! (a list, then a watch from its `resourceVersion`; on `410 Gone` or any
+//! failure it backs off and lists again, and the new list replaces the table
+//! atomically). Edge pod reports and hello addresses are only hints checked
+//! against this table by the [`crate::registry`]: a hint naming another node's
+//! pod or address is refused, logged with both nodes and counted.
+//!
+//! Running without an apiserver (routing by what edges report) needs
+//! `--insecure-trust-edge-reports`; without it, a cloud that cannot reach the
+//! apiserver and finish its first list does not start.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Client, ResourceExt};
+use tokio::sync::watch as tokio_watch;
+use tracing::{info, warn};
+
+use crate::registry::host_only;
+
+#[derive(Default)]
+struct Tables {
+    /// (namespace, pod) → the node it is bound to (`None`: not scheduled yet).
+    pods: HashMap<(String, String), Option<String>>,
+    /// node → its status addresses (normalized as [`host_only`]).
+    node_addresses: HashMap<String, Vec<String>>,
+    /// address → nodes that have it.
+    addresses: HashMap<String, BTreeSet<String>>,
+}
+
+/// What the apiserver says about pods and nodes (see the module doc).
+#[derive(Default)]
+pub struct Authority {
+    tables: Mutex<Tables>,
+}
+
+/// What the authority knows about a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodPlacement {
+    /// The apiserver has no such pod.
+    Unknown,
+    /// The pod exists but is not bound to a node.
+    Unscheduled,
+    /// The pod is bound to this node.
+    On(String),
+}
+
+impl Authority {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn tables(&self) -> std::sync::MutexGuard<'_, Tables> {
+        self.tables.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Where the apiserver says `namespace/pod` runs.
+    pub fn pod(&self, namespace: &str, pod: &str) -> PodPlacement {
+        match self
+            .tables()
+            .pods
+            .get(&(namespace.to_string(), pod.to_string()))
+        {
+            None => PodPlacement::Unknown,
+            Some(None) => PodPlacement::Unscheduled,
+            Some(Some(n)) => PodPlacement::On(n.clone()),
+        }
+    }
+
+    /// The nodes whose status lists `address` (a host, normalized).
+    pub fn address_nodes(&self, address: &str) -> BTreeSet<String> {
+        self.tables()
+            .addresses
+            .get(&host_only(address))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Sets (or, with `node: None` after a delete, removes) a pod.
+    pub fn set_pod(&self, namespace: &str, name: &str, node: Option<Option<String>>) {
+        let key = (namespace.to_string(), name.to_string());
+        let mut t = self.tables();
+        match node {
+            Some(n) => t.pods.insert(key, n),
+            None => t.pods.remove(&key),
+        };
+    }
+
+    /// Replaces every pod (after a list).
+    pub fn replace_pods(&self, pods: impl IntoIterator<Item = ((String, String), Option<String>)>) {
+        let pods = pods.into_iter().collect();
+        self.tables().pods = pods;
+    }
+
+    /// Sets a node's addresses (`None`: the node was deleted).
+    pub fn set_node(&self, node: &str, addresses: Option<Vec<String>>) {
+        let mut t = self.tables();
+        Self::unindex_node(&mut t, node);
+        if let Some(addrs) = addresses {
+            Self::index_node(&mut t, node, addrs);
+        }
+    }
+
+    /// Replaces every node (after a list).
+    pub fn replace_nodes(&self, nodes: impl IntoIterator<Item = (String, Vec<String>)>) {
+        let mut t = self.tables();
+        t.node_addresses.clear();
+        t.addresses.clear();
+        for (n, a) in nodes {
+            Self::index_node(&mut t, &n, a);
+        }
+    }
+
+    fn unindex_node(t: &mut Tables, node: &str) {
+        for a in t.node_addresses.remove(node).unwrap_or_default() {
+            if let Some(nodes) = t.addresses.get_mut(&a) {
+                nodes.remove(node);
+                if nodes.is_empty() {
+                    t.addresses.remove(&a);
+                }
+            }
+        }
+    }
+
+    fn index_node(t: &mut Tables, node: &str, addresses: Vec<String>) {
+        let addrs: Vec<String> = addresses
+            .iter()
+            .map(|a| host_only(a))
+            .filter(|a| !a.is_empty())
+            .collect();
+        for a in &addrs {
+            t.addresses
+                .entry(a.clone())
+                .or_default()
+                .insert(node.to_string());
+        }
+        t.node_addresses.insert(node.to_string(), addrs);
+    }
+}
+
+/// A pod's key and placement as the apiserver reports it.
+fn pod_entry(p: &Pod) -> ((String, String), Option<String>) {
+    (
+        (p.namespace().unwrap_or_default(), p.name_any()),
+        p.spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .filter(|n| !n.is_empty()),
+    )
+}
+
+/// A node's name and status addresses.
+fn node_entry(n: &Node) -> (String, Vec<String>) {
+    (
+        n.name_any(),
+        n.status
+            .as_ref()
+            .and_then(|s| s.addresses.as_ref())
+            .map(|a| a.iter().map(|a| a.address.clone()).collect())
+            .unwrap_or_default(),
+    )
+}
+
+/// A client for the apiserver: from `kubeconfig` if given, else the in-cluster
+/// service account (never a guess from `~/.kube/config`).
+pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading the kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("using the kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::incluster().context(
+            "no apiserver: not running in a pod (no in-cluster service account) and no \
+             --apiserver-kubeconfig; the cloud routes by what the apiserver says. To route \
+             by what edges report instead (unsafe: an edge can claim another node's pods), \
+             pass --insecure-trust-edge-reports",
+        )?,
+    };
+    Client::try_from(config).context("building the apiserver client")
+}
+
+/// Starts watching pods and nodes into a new [`Authority`]; returns once both
+/// first lists are in, or fails after `sync_timeout`. The watches run (and
+/// re-list after errors, `410 Gone` included) until the process ends.
+pub async fn watch(client: Client, sync_timeout: Duration) -> anyhow::Result<Arc<Authority>> {
+    let authority = Arc::new(Authority::new());
+    let (pods_tx, mut pods_rx) = tokio_watch::channel(false);
+    let (nodes_tx, mut nodes_rx) = tokio_watch::channel(false);
+    let a = authority.clone();
+    let pods: Api<Pod> = Api::all(client.clone());
+    tokio::spawn(async move {
+        let mut buffer = Vec::new();
+        let mut events = watcher::watcher(pods, watcher::Config::default())
+            .default_backoff()
+            .boxed();
+        while let Some(ev) = events.next().await {
+            match ev {
+                Ok(Event::Init) => buffer.clear(),
+                Ok(Event::InitApply(p)) => buffer.push(pod_entry(&p)),
+                Ok(Event::InitDone) => {
+                    info!(pods = buffer.len(), "listed pods from the apiserver");
+                    a.replace_pods(std::mem::take(&mut buffer));
+                    let _ = pods_tx.send(true);
+                }
+                Ok(Event::Apply(p)) => {
+                    let (k, n) = pod_entry(&p);
+                    a.set_pod(&k.0, &k.1, Some(n));
+                }
+                Ok(Event::Delete(p)) => {
+                    let (k, _) = pod_entry(&p);
+                    a.set_pod(&k.0, &k.1, None);
+                }
+                Err(e) => warn!(error = %e, "watching pods on the apiserver failed; listing again"),
+            }
+        }
+    });
+    let a = authority.clone();
+    let nodes: Api<Node> = Api::all(client);
+    tokio::spawn(async move {
+        let mut buffer = Vec::new();
+        let mut events = watcher::watcher(nodes, watcher::Config::default())
+            .default_backoff()
+            .boxed();
+        while let Some(ev) = events.next().await {
+            match ev {
+                Ok(Event::Init) => buffer.clear(),
+                Ok(Event::InitApply(n)) => buffer.push(node_entry(&n)),
+                Ok(Event::InitDone) => {
+                    info!(nodes = buffer.len(), "listed nodes from the apiserver");
+                    a.replace_nodes(std::mem::take(&mut buffer));
+                    let _ = nodes_tx.send(true);
+                }
+                Ok(Event::Apply(n)) => {
+                    let (name, addrs) = node_entry(&n);
+                    a.set_node(&name, Some(addrs));
+                }
+                Ok(Event::Delete(n)) => a.set_node(&n.name_any(), None),
+                Err(e) => {
+                    warn!(error = %e, "watching nodes on the apiserver failed; listing again")
+                }
+            }
+        }
+    });
+    let synced = async {
+        pods_rx.wait_for(|s| *s).await.ok();
+        nodes_rx.wait_for(|s| *s).await.ok();
+    };
+    tokio::time::timeout(sync_timeout, synced)
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "no complete list of pods and nodes from the apiserver within {sync_timeout:?} \
+                 (see the warnings above); the cloud routes by what the apiserver says"
+            )
+        })?;
+    Ok(authority)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pods_and_addresses_follow_updates_and_lists() {
+        let a = Authority::new();
+        a.set_pod("default", "p1", Some(Some("edge-a".into())));
+        a.set_pod("default", "p2", Some(None));
+        assert_eq!(a.pod("default", "p1"), PodPlacement::On("edge-a".into()));
+        assert_eq!(a.pod("default", "p2"), PodPlacement::Unscheduled);
+        assert_eq!(a.pod("default", "p3"), PodPlacement::Unknown);
+        a.set_pod("default", "p1", None);
+        assert_eq!(a.pod("default", "p1"), PodPlacement::Unknown);
+        a.replace_pods([(("ns".to_string(), "x".to_string()), Some("edge-b".into()))]);
+        assert_eq!(a.pod("default", "p2"), PodPlacement::Unknown);
+        assert_eq!(a.pod("ns", "x"), PodPlacement::On("edge-b".into()));
+
+        a.set_node("edge-a", Some(vec!["10.0.0.1".into(), "Edge-A.".into()]));
+        a.set_node("edge-b", Some(vec!["10.0.0.1".into()]));
+        assert_eq!(a.address_nodes("10.0.0.1").len(), 2);
+        assert_eq!(
+            a.address_nodes("edge-a:10250")
+                .into_iter()
+                .collect::<Vec<_>>(),
+            vec!["edge-a"]
+        );
+        a.set_node("edge-a", Some(vec!["10.0.0.2".into()]));
+        assert_eq!(
+            a.address_nodes("10.0.0.1").into_iter().collect::<Vec<_>>(),
+            vec!["edge-b"]
+        );
+        a.set_node("edge-b", None);
+        assert!(a.address_nodes("10.0.0.1").is_empty());
+        a.replace_nodes([("edge-c".to_string(), vec!["10.0.0.3".to_string()])]);
+        assert!(a.address_nodes("10.0.0.2").is_empty());
+        assert_eq!(a.address_nodes("10.0.0.3").len(), 1);
+    }
+}
