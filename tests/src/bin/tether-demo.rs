@@ -78,6 +78,7 @@ fn spec() -> ClusterSpec {
         phantom_pods: Vec::new(),
         own_process_groups: true,
         certs_via_cli: true,
+        cri_runtime: None,
     }
 }
 
