@@ -203,6 +203,12 @@ pub async fn build_images(work: &Path) -> Result<PathBuf> {
 impl Containerd {
     /// Starts a private containerd under `dir` (created) with the images imported.
     pub async fn start(dir: &Path, log_dir: &Path) -> Result<Containerd> {
+        Self::start_with(dir, log_dir, SpawnOptions::default()).await
+    }
+
+    /// [`Containerd::start`] with the process spawned per `opts` (the demo puts it in its
+    /// own process group so that a terminal's Ctrl-C does not stop it before its pods).
+    pub async fn start_with(dir: &Path, log_dir: &Path, opts: SpawnOptions) -> Result<Containerd> {
         let dir = std::path::absolute(dir).context("absolute containerd dir")?;
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         for tool in ["containerd", "ctr", "runc"] {
@@ -216,7 +222,7 @@ impl Containerd {
         let socket = dir.join("containerd.sock");
         let mut cmd = Command::new("containerd");
         cmd.arg("--config").arg(&cfg);
-        let proc = Proc::spawn("containerd", cmd, log_dir, SpawnOptions::default())?;
+        let proc = Proc::spawn("containerd", cmd, log_dir, opts)?;
         let mut me = Containerd {
             dir: dir.clone(),
             socket: socket.clone(),
