@@ -71,6 +71,7 @@ async fn run_all(dir: &Path, ctd: &Containerd) -> Result<()> {
 }
 
 async fn cases(cluster: &Cluster, dir: &Path) -> Result<()> {
+    let mut earlier = 0;
     for bin in kubectl::under_test().await? {
         let version = bin.version.clone();
         let k = Kubectl::new(
@@ -90,14 +91,22 @@ async fn cases(cluster: &Cluster, dir: &Path) -> Result<()> {
             r.with_context(|| format!("kubectl {version}: {name}"))?;
             println!("kubectl {version}: {name}: ok");
         }
-        for l in negotiated(cluster)? {
-            println!("kubectl {version}: containerd negotiated: {l}");
+        // Only this version's upgrades (the log holds every version's).
+        let all = negotiated(cluster)?;
+        let mut shown: Vec<&String> = Vec::new();
+        for l in all.iter().skip(earlier) {
+            if !shown.contains(&l) {
+                println!("kubectl {version}: containerd negotiated: {l}");
+                shown.push(l);
+            }
         }
+        earlier = all.len();
     }
     Ok(())
 }
 
-/// The upgrade lines cri-kubelet logged (what containerd's streaming server answered).
+/// Every upgrade cri-kubelet logged (what containerd's streaming server answered), in
+/// order, shortened to `METHOD /verb -> status headers`.
 fn negotiated(cluster: &Cluster) -> Result<Vec<String>> {
     let log = cluster
         .dir
@@ -105,26 +114,19 @@ fn negotiated(cluster: &Cluster) -> Result<Vec<String>> {
         .join("cri-kubelet-edge-1.log");
     let text =
         std::fs::read_to_string(&log).with_context(|| format!("reading {}", log.display()))?;
-    let mut seen: Vec<String> = Vec::new();
-    for l in text
+    Ok(text
         .lines()
         .filter_map(|l| l.split("cri-kubelet: upgrade ").nth(1))
-    {
-        let words: Vec<&str> = l.split_whitespace().collect();
-        let verb = words
-            .get(1)
-            .and_then(|p| p.split('/').nth(1))
-            .unwrap_or("?");
-        let short = format!(
-            "{} /{verb} {}",
-            words.first().unwrap_or(&"?"),
-            words[2..].join(" ")
-        );
-        if !seen.contains(&short) {
-            seen.push(short);
-        }
-    }
-    Ok(seen)
+        .map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            let verb = words
+                .get(1)
+                .and_then(|p| p.split('/').nth(1))
+                .unwrap_or("?");
+            let rest = words.get(2..).map(|w| w.join(" ")).unwrap_or_default();
+            format!("{} /{verb} {rest}", words.first().unwrap_or(&"?"))
+        })
+        .collect())
 }
 
 async fn exec(k: &Kubectl) -> Result<()> {
