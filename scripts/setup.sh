@@ -10,6 +10,12 @@ command -v iptables >/dev/null 2>&1 || need_apt+=(iptables)
 command -v script >/dev/null 2>&1 || need_apt+=(bsdutils)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 command -v tar >/dev/null 2>&1 || need_apt+=(tar)
+# The CRI-backed kubelet stand-in: containerd (CRI plugin) and runc run the pods; the
+# image is built from the static busybox; k8s-cri's build compiles the CRI protos.
+command -v containerd >/dev/null 2>&1 || need_apt+=(containerd)
+command -v runc >/dev/null 2>&1 || need_apt+=(runc)
+dpkg -s busybox-static >/dev/null 2>&1 || need_apt+=(busybox-static)
+command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
 
 KUBECTL_DIR=/usr/lib/google-cloud-sdk/bin
 have_kubectl=0
@@ -35,7 +41,7 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
   apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-for tool in ip nft iptables script cargo; do
+for tool in ip nft iptables script cargo containerd ctr runc protoc busybox; do
   command -v "$tool" >/dev/null 2>&1 || { echo "setup: required tool '$tool' is still missing" >&2; exit 1; }
 done
 # AFL++ for stable Rust (the fuzz pass in scripts/test.sh, scripts/fuzz.sh).

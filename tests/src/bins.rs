@@ -17,6 +17,8 @@ pub const CLOUD: &str = "tether-cloud";
 pub const EDGE: &str = "tether-edge";
 /// The kubelet simulator.
 pub const KUBELET_SIM: &str = "kubelet-sim";
+/// The CRI-backed kubelet stand-in (containerd).
+pub const CRI_KUBELET: &str = "cri-kubelet";
 /// The apiserver stand-in.
 pub const APISERVER_SIM: &str = "apiserver-sim";
 

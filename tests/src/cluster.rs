@@ -105,6 +105,9 @@ pub struct ClusterSpec {
     /// Mint the certificates with the `tether-certs` tool (as an operator
     /// would) instead of the library.
     pub certs_via_cli: bool,
+    /// Run the pods as containers of this containerd (its CRI socket) with the
+    /// CRI-backed kubelet stand-in (`cri-kubelet`) instead of kubelet-sim.
+    pub cri_runtime: Option<PathBuf>,
 }
 
 /// A node of a running cluster.
@@ -192,7 +195,10 @@ impl Cluster {
     /// Starts everything in `spec` under `dir` (created; certificates, logs, kubeconfig
     /// and kubectl homes go there).
     pub async fn start(spec: &ClusterSpec, dir: &Path) -> Result<Cluster> {
-        let kubelet_bin = bins::binary(bins::KUBELET_SIM)?;
+        let kubelet_bin = match spec.cri_runtime {
+            Some(_) => bins::binary(bins::CRI_KUBELET)?,
+            None => bins::binary(bins::KUBELET_SIM)?,
+        };
         let apiserver_bin = bins::binary(bins::APISERVER_SIM)?;
         let (cloud_bin, edge_bin) = match spec.mode {
             Mode::Tunnel => (
@@ -235,6 +241,26 @@ impl Cluster {
                     }
                 }
             }
+            if let Some(sock) = &spec.cri_runtime {
+                if spec.mode == Mode::Direct {
+                    bail!("the CRI-backed kubelet serves plain HTTP: tunnel mode only");
+                }
+                let mut cmd = command(&kubelet_bin);
+                cmd.arg("--listen")
+                    .arg("127.0.0.1:0")
+                    .arg("--node-name")
+                    .arg(&node.name)
+                    .arg("--runtime-endpoint")
+                    .arg(sock)
+                    .arg("--log-root")
+                    .arg(&log_dir);
+                for p in &node.pods {
+                    cmd.arg("--pod").arg(pod_arg(p));
+                }
+                let proc = Proc::spawn(&format!("cri-kubelet-{}", node.name), cmd, &logs, opts)?;
+                starting.push((node, log_dir, proc));
+                continue;
+            }
             let mut cmd = command(&kubelet_bin);
             cmd.arg("--listen")
                 .arg("127.0.0.1:0")
@@ -264,6 +290,7 @@ impl Cluster {
             let line = proc
                 .wait_line("its listening line", READY_TIMEOUT, |l| {
                     l.starts_with("kubelet-sim listening on ")
+                        || l.starts_with("cri-kubelet listening on ")
                 })
                 .await?;
             let url = line

@@ -30,6 +30,7 @@
 
 pub mod bins;
 pub mod cluster;
+pub mod containerd;
 pub mod kubectl;
 pub mod netns;
 pub mod pki;

@@ -100,6 +100,7 @@ fn spec(mode: Mode) -> ClusterSpec {
         phantom_pods: vec![(NODE2.into(), PodSpec::new(NS, "ghost", &["c1"]))],
         own_process_groups: false,
         certs_via_cli: false,
+        cri_runtime: None,
     }
 }
 

@@ -1,7 +1,9 @@
 //! `tether-demo`: Tether end to end on loopback with a real kubectl, in one command
 //! (`scripts/demo.sh` builds the workspace and runs this).
 //!
-//! It mints every certificate, starts a kubelet simulator running pod `default/hello`
+//! It mints every certificate, starts a private containerd and the CRI-backed kubelet
+//! stand-in (`cri-kubelet`) when containerd can run here (else, saying why, the kubelet
+//! simulator) running pod `default/hello`
 //! on node `edge-1`, `tether-cloud`, a `tether-edge` for `edge-1`, and the apiserver
 //! stand-in whose kubelet connections all go to the cloud; writes a kubeconfig; runs
 //! `kubectl exec` and `kubectl logs` through the tunnel and prints what they printed;
@@ -17,7 +19,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use tether_tests::cluster::{Cluster, ClusterSpec, Mode, NodeSpec, PodSpec};
+use tether_tests::containerd::Containerd;
 use tether_tests::kubectl::{self, Kubectl, KubectlBin};
+use tether_tests::process::SpawnOptions;
 use tokio::signal::unix::{signal, SignalKind};
 
 const NODE: &str = "edge-1";
@@ -68,7 +72,7 @@ async fn find_kubectl() -> Result<KubectlBin> {
     Ok(KubectlBin { path, version })
 }
 
-fn spec() -> ClusterSpec {
+fn spec(cri_runtime: Option<PathBuf>) -> ClusterSpec {
     ClusterSpec {
         mode: Mode::Tunnel,
         nodes: vec![NodeSpec {
@@ -78,7 +82,21 @@ fn spec() -> ClusterSpec {
         phantom_pods: Vec::new(),
         own_process_groups: true,
         certs_via_cli: true,
+        cri_runtime,
     }
+}
+
+/// A private containerd when it can run here; else why not.
+async fn try_containerd(dir: &Path) -> std::result::Result<Containerd, String> {
+    let logs = dir.join("process-logs-containerd");
+    std::fs::create_dir_all(&logs).map_err(|e| format!("creating {}: {e}", logs.display()))?;
+    let opts = SpawnOptions {
+        stdin: false,
+        own_process_group: true,
+    };
+    Containerd::start_with(&dir.join("containerd"), &logs, opts)
+        .await
+        .map_err(|e| format!("{e:#}"))
 }
 
 /// Runs `kubectl args` and prints it like a terminal session would.
@@ -110,23 +128,47 @@ async fn demo() -> Result<ExitCode> {
         "Tether demo: everything on loopback; certificates, kubeconfig and logs in {}",
         dir.display()
     );
-    let mut cluster = match Cluster::start(&spec(), &dir).await {
-        Ok(c) => c,
-        Err(e) => {
-            let kept = root.keep();
-            bail!(
-                "{e:#}\n(run directory kept for inspection: {})",
-                kept.display()
+    let ctd = match try_containerd(&dir).await {
+        Ok(c) => {
+            println!(
+                "  containerd      private instance, socket {}",
+                c.socket.display()
             );
+            Some(c)
+        }
+        Err(why) => {
+            println!("  containerd cannot run here, so the pods are kubelet-sim's: {why}");
+            None
         }
     };
+    let kubelet_name = if ctd.is_some() {
+        "cri-kubelet"
+    } else {
+        "kubelet-sim"
+    };
+    let mut cluster =
+        match Cluster::start(&spec(ctd.as_ref().map(|c| c.socket.clone())), &dir).await {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(c) = ctd {
+                    let _ = c.stop().await;
+                }
+                let kept = root.keep();
+                bail!(
+                    "{e:#}\n(run directory kept for inspection: {})",
+                    kept.display()
+                );
+            }
+        };
     let log = cluster.log_path(NODE, "default", POD, CONTAINER)?;
-    std::fs::write(
-        &log,
-        "hello from the container's log\nthis line travelled through tether-cloud and tether-edge\n\
-         the kubelet here is kubelet-sim, the apiserver apiserver-sim\n",
-    )
-    .with_context(|| format!("writing {}", log.display()))?;
+    if ctd.is_none() {
+        std::fs::write(
+            &log,
+            "hello from the container's log\nthis line travelled through tether-cloud and tether-edge\n\
+             the kubelet here is kubelet-sim, the apiserver apiserver-sim\n",
+        )
+        .with_context(|| format!("writing {}", log.display()))?;
+    }
 
     let node = cluster.node(NODE)?;
     if let Some(cloud) = &cluster.cloud {
@@ -140,7 +182,7 @@ async fn demo() -> Result<ExitCode> {
         node.kubelet_addr
     );
     println!(
-        "  kubelet-sim     node {NODE} at {}, pod default/{POD} (container {CONTAINER})",
+        "  {kubelet_name:<15} node {NODE} at {}, pod default/{POD} (container {CONTAINER})",
         node.kubelet_addr
     );
     println!(
@@ -173,6 +215,11 @@ async fn demo() -> Result<ExitCode> {
         for line in cluster.shutdown().await {
             eprintln!("  {line}");
         }
+        if let Some(c) = ctd {
+            if let Err(e) = c.stop().await {
+                eprintln!("  containerd: {e:#}");
+            }
+        }
         let kept = root.keep();
         eprintln!("(run directory kept for inspection: {})", kept.display());
         return Ok(ExitCode::FAILURE);
@@ -183,11 +230,15 @@ async fn demo() -> Result<ExitCode> {
     println!("Tether demo is running. From another terminal:");
     println!("  export KUBECONFIG={}", cluster.kubeconfig.display());
     println!("  {kc} exec -it {POD} -- sh");
-    println!(
-        "  {kc} logs -f {POD}        # then: echo more >> {}",
-        log.display()
-    );
-    println!("  {kc} get --raw /api/v1/nodes/{NODE}/proxy/stats/summary");
+    if ctd.is_some() {
+        println!("  {kc} logs -f {POD}        # then, elsewhere: {kc} attach -i {POD}  (the container runs cat)");
+    } else {
+        println!(
+            "  {kc} logs -f {POD}        # then: echo more >> {}",
+            log.display()
+        );
+        println!("  {kc} get --raw /api/v1/nodes/{NODE}/proxy/stats/summary");
+    }
     println!(
         "Process logs: {}. Press Ctrl-C to stop everything.",
         dir.join("process-logs").display()
@@ -214,6 +265,13 @@ async fn demo() -> Result<ExitCode> {
     println!("Stopping…");
     for line in cluster.shutdown().await {
         println!("  {line}");
+    }
+    if let Some(c) = ctd {
+        match c.stop().await {
+            Ok(left) if left.is_empty() => println!("  containerd: stopped"),
+            Ok(left) => println!("  containerd: stopped; removed what was left: {left:?}"),
+            Err(e) => println!("  containerd: {e:#}"),
+        }
     }
     if code == ExitCode::SUCCESS {
         drop(root);
