@@ -85,6 +85,10 @@ pub struct CloudArgs {
         requires = "authorization_webhook"
     )]
     pub anonymous_auth: bool,
+    /// Kubeconfig for the TokenReviews and SubjectAccessReviews only (default:
+    /// `--apiserver-kubeconfig`, else the in-cluster service account).
+    #[arg(long, env = "TETHER_REVIEW_KUBECONFIG")]
+    pub review_kubeconfig: Option<PathBuf>,
     /// How long a TokenReview answer is cached (kubelet: 2m).
     #[arg(long, env = "TETHER_AUTHENTICATION_CACHE_TTL", default_value = "2m", value_parser = parse_duration)]
     pub authentication_cache_ttl: Duration,
@@ -410,7 +414,10 @@ impl CloudArgs {
         let webhook = self.authorization_webhook.then(|| WebhookConfig {
             tokens: self.authentication_token_webhook,
             anonymous: self.anonymous_auth,
-            kubeconfig: self.apiserver_kubeconfig.clone(),
+            kubeconfig: self
+                .review_kubeconfig
+                .clone()
+                .or_else(|| self.apiserver_kubeconfig.clone()),
             reviews: crate::authz::ReviewSettings {
                 authn_ttl: self.authentication_cache_ttl,
                 allowed_ttl: self.authorization_cache_ttl,

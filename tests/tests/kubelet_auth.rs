@@ -91,7 +91,7 @@ async fn start(sim_extra: &[&str], cloud_extra: &[&str]) -> (Env, Proc, PathBuf)
     let mut args = vec![
         "--authorization-webhook",
         "--authentication-token-webhook",
-        "--apiserver-kubeconfig",
+        "--review-kubeconfig",
         kc.as_str(),
     ];
     args.extend_from_slice(cloud_extra);
