@@ -279,13 +279,14 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         versions: vec![PROTOCOL_VERSION],
         node: "edge-1".into(),
         addresses: vec!["10.0.0.5".into(), "edge-1.example".into()],
-        resume: Some(ResumeToken([7; 16])),
+        resume: ResumeToken([7; 16]),
+        instance: 11,
+        attempt: 3,
         limits: Limits::default(),
     };
     let welcome = Welcome {
         version: PROTOCOL_VERSION,
         session: SessionId(42),
-        resume_token: ResumeToken([9; 16]),
         resumed: true,
         streams: vec![1, 3, 5],
         grace_ms: 300_000,
