@@ -156,6 +156,32 @@ pub struct Reviewer {
 }
 
 impl Reviewer {
+    /// Creates one review object (`what` names it in errors), bounded by
+    /// `--review-timeout`.
+    async fn create<K>(&self, what: &str, review: &K) -> Result<K, Refusal>
+    where
+        K: kube::Resource<Scope = k8s_openapi::ClusterResourceScope>
+            + Clone
+            + std::fmt::Debug
+            + k8s_openapi::serde::de::DeserializeOwned
+            + k8s_openapi::serde::Serialize,
+        K::DynamicType: Default,
+    {
+        let api: Api<K> = Api::all(self.client.clone());
+        tokio::time::timeout(
+            self.settings.timeout,
+            api.create(&PostParams::default(), review),
+        )
+        .await
+        .map_err(|_| {
+            Refusal::Unavailable(format!(
+                "{what}: no answer from the apiserver within {:?} (--review-timeout)",
+                self.settings.timeout
+            ))
+        })?
+        .map_err(|e| Refusal::Unavailable(format!("{what} failed: {e}")))
+    }
+
     pub fn new(client: kube::Client, settings: ReviewSettings) -> Reviewer {
         Reviewer {
             client,
@@ -179,19 +205,7 @@ impl Reviewer {
                     },
                     ..Default::default()
                 };
-                let api: Api<TokenReview> = Api::all(self.client.clone());
-                let answer = tokio::time::timeout(
-                    self.settings.timeout,
-                    api.create(&PostParams::default(), &review),
-                )
-                .await
-                .map_err(|_| {
-                    Refusal::Unavailable(format!(
-                        "TokenReview: no answer from the apiserver within {:?} (--review-timeout)",
-                        self.settings.timeout
-                    ))
-                })?
-                .map_err(|e| Refusal::Unavailable(format!("TokenReview failed: {e}")))?;
+                let answer = self.create("TokenReview", &review).await?;
                 let status = answer.status.unwrap_or_default();
                 let user = match (status.authenticated, status.user) {
                     (Some(true), Some(u)) => Some(User {
@@ -238,19 +252,7 @@ impl Reviewer {
                     },
                     ..Default::default()
                 };
-                let api: Api<SubjectAccessReview> = Api::all(self.client.clone());
-                let answer = tokio::time::timeout(
-                    self.settings.timeout,
-                    api.create(&PostParams::default(), &review),
-                )
-                .await
-                .map_err(|_| {
-                    Refusal::Unavailable(format!(
-                        "SubjectAccessReview: no answer from the apiserver within {:?} (--review-timeout)",
-                        self.settings.timeout
-                    ))
-                })?
-                .map_err(|e| Refusal::Unavailable(format!("SubjectAccessReview failed: {e}")))?;
+                let answer = self.create("SubjectAccessReview", &review).await?;
                 let status = answer.status.unwrap_or_default();
                 let d = if status.allowed {
                     Ok(status.reason.unwrap_or_default())
