@@ -45,6 +45,8 @@ pub struct CloudMetrics {
     pub peers_refused: Family<ReasonLabel, Counter>,
     /// Edge pod/address claims refused because the apiserver disagrees.
     pub claims_refused: Family<KindLabel, Counter>,
+    /// Edges told to move to another replica while draining (SIGTERM).
+    pub edges_moved: Counter,
 }
 
 impl CloudMetrics {
@@ -66,12 +68,18 @@ impl CloudMetrics {
             peers_up: Gauge::default(),
             peers_refused: Family::default(),
             claims_refused: Family::default(),
+            edges_moved: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("tether_cloud");
         r.register(
             "edges_connected",
             "Edges with a live QUIC connection",
             m.edges_connected.clone(),
+        );
+        r.register(
+            "edges_moved",
+            "Edges told to move to another replica while this one drained (SIGTERM)",
+            m.edges_moved.clone(),
         );
         r.register(
             "sessions",
