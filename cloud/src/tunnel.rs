@@ -39,6 +39,15 @@ const MAX_ADDRESS_LEN: usize = 253;
 /// Bound on pods in one report.
 const MAX_PODS: usize = 100_000;
 
+/// The key of the connection-ID generator every replica shares, derived from
+/// the reset key (a different HMAC input, so neither reveals the other).
+pub fn cid_key(reset_key: &ring::hmac::Key) -> u64 {
+    let tag = ring::hmac::sign(reset_key, b"tether connection-id generator key");
+    let mut k = [0u8; 8];
+    k.copy_from_slice(&tag.as_ref()[..8]);
+    u64::from_le_bytes(k)
+}
+
 /// Binds the QUIC endpoint, with the shared stateless-reset key when
 /// `--reset-key-file` is set (see [`reset_key`]).
 pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
@@ -46,8 +55,13 @@ pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
     let endpoint_config = match &cfg.reset_key_file {
         Some(path) => {
             let key = reset_key(path)?;
+            let cids = cid_key(&key);
             info!(file = %path.display(), "stateless resets with the shared key: any replica resets an edge connection it does not know");
-            quinn::EndpointConfig::new(key)
+            let mut c = quinn::EndpointConfig::new(key);
+            c.cid_generator(move || {
+                Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cids))
+            });
+            c
         }
         None => {
             info!("no --reset-key-file: stateless resets only come from this process; after a crash, edges notice only at their idle timeout");
@@ -85,6 +99,14 @@ pub const MIN_RESET_KEY_BYTES: usize = 32;
 /// `ConnectionError::Reset`. A replica with another key sends a reset too,
 /// but with a token the edge does not know: it is ignored, and the edge
 /// notices only at its idle timeout. Hence one key for all replicas.
+///
+/// One more condition decides it, and it is easy to miss: before resetting,
+/// the endpoint asks its connection-ID generator to `validate` the CID, and
+/// quinn's default generator (`HashedConnectionIdGenerator`) signs its CIDs
+/// with a random key per endpoint, so a replica drops the CIDs another replica
+/// issued ("dropping packet with invalid CID") and sends no reset at all. The
+/// replicas therefore also share the generator's key, derived from the same
+/// file by [`cid_key`].
 ///
 /// The file's bytes, with surrounding white space removed, are the key; fewer
 /// than [`MIN_RESET_KEY_BYTES`] are refused.
@@ -722,6 +744,19 @@ mod renewal_tests {
         a.sign(b"cid-1234", &mut ta);
         b.sign(b"cid-1234", &mut tb);
         assert_eq!(ta, tb);
+        // And the same connection-ID generator: B validates A's CIDs.
+        use quinn::ConnectionIdGenerator;
+        let mut gen_a = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(&a));
+        let gen_b = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(&b));
+        let cid = gen_a.generate_cid();
+        assert!(gen_b.validate(&cid).is_ok());
+        let other = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(
+            &ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &[7u8; 32]),
+        ));
+        assert!(
+            other.validate(&cid).is_err(),
+            "another key's replica drops it"
+        );
     }
 
     #[test]

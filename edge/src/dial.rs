@@ -388,11 +388,14 @@ impl Dialer {
             self.metrics.resumes.inc();
             // Streams the cloud dropped meanwhile will never be re-attached.
             self.streams.retain_only(&welcome.streams);
-        } else if !self.streams.is_empty() {
-            self.metrics.sessions_lost.inc();
-            self.streams.end_all(
-                "the cloud did not resume the session (it restarted or the grace period ran out)",
-            );
+        } else {
+            if !self.streams.is_empty() {
+                self.metrics.sessions_lost.inc();
+                self.streams.end_all(
+                    "the cloud did not resume the session (it restarted, the edge moved to another replica, or the grace period ran out)",
+                );
+            }
+            self.streams.new_session();
         }
         self.session = Some(welcome.session);
         self.disconnected_since = None;
