@@ -853,9 +853,10 @@ mod link_tests {
             "edge-1 alone claims it now"
         );
         r.apply_remote(&a, Update::Remove(vec!["edge-1".into()]));
+        // Held nowhere now: its pods are "edge not connected" (502), not unknown.
         assert!(matches!(
             r.route_pod("default", "dup"),
-            Err(crate::registry::RouteError::UnknownPod { .. })
+            Err(crate::registry::RouteError::PodNodeGone { .. })
         ));
         assert_eq!(r.remote_len(), 1);
     }
