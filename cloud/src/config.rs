@@ -214,6 +214,15 @@ pub struct CloudArgs {
     /// link silent for this long is down.
     #[arg(long, env = "TETHER_PEER_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub peer_timeout: Duration,
+    /// Largest route update a peer may send (and this replica sends); a
+    /// larger one ends that peer's subscription (logged).
+    #[arg(long, env = "TETHER_PEER_MAX_MESSAGE_BYTES", default_value = "1MiB", value_parser = parse_bytes_u32)]
+    pub peer_max_message_bytes: u32,
+    /// With peers: how long a request for an edge that is known but
+    /// connected to no replica (moving between replicas) waits for it before
+    /// the 502; also bounds re-routing after a stale route.
+    #[arg(long, env = "TETHER_ROUTE_WAIT", default_value = "10s", value_parser = parse_duration)]
+    pub route_wait: Duration,
     /// This replica's name as its peers and `/status` show it (in
     /// Kubernetes, the pod name). Default: the host name.
     #[arg(long, env = "TETHER_REPLICA_NAME")]
@@ -256,6 +265,8 @@ pub struct PeerConfig {
     pub resolve_interval: Duration,
     pub timeout: Duration,
     pub replica_name: String,
+    /// Largest route update on the peer link.
+    pub max_message_bytes: usize,
 }
 
 /// Webhook authentication and authorisation of callers other than the apiserver.
@@ -301,6 +312,8 @@ pub struct CloudConfig {
     /// Where routing's truth comes from.
     pub authority: AuthoritySource,
     pub response_timeout: Duration,
+    /// With peers: how long a request waits for an edge between replicas.
+    pub route_wait: Duration,
     pub grace: Duration,
     pub handshake_timeout: Duration,
     pub http_header_timeout: Duration,
@@ -359,6 +372,9 @@ impl CloudArgs {
         if self.peer_timeout.is_zero() || self.peer_resolve_interval.is_zero() {
             return Err("--peer-timeout and --peer-resolve-interval must be positive".into());
         }
+        if self.peer_max_message_bytes < 4096 {
+            return Err("--peer-max-message-bytes must be at least 4KiB".into());
+        }
         let replica_name = match &self.replica_name {
             Some(n) if !n.is_empty() => n.clone(),
             _ => std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -375,6 +391,7 @@ impl CloudArgs {
             resolve_interval: self.peer_resolve_interval,
             timeout: self.peer_timeout,
             replica_name,
+            max_message_bytes: self.peer_max_message_bytes as usize,
         }))
     }
 
@@ -472,6 +489,7 @@ impl CloudArgs {
                 }
             },
             response_timeout: self.response_timeout,
+            route_wait: self.route_wait,
             grace: self.grace,
             handshake_timeout: self.handshake_timeout,
             http_header_timeout: self.http_header_timeout,

@@ -5,8 +5,14 @@
 //! 2. Pick the node: pod-scoped paths by the pod, node-scoped paths by
 //!    `X-Forwarded-Uri`, SNI or `Host` ([`crate::registry`]). Failures name
 //!    what was looked up (404 unknown, 409 ambiguous, 502 edge not connected).
-//! 3. Open a logical stream and write the [`RequestHead`]; stream the request
-//!    body after it (none for upgrades).
+//!    With peer replicas, an edge that is known but connected nowhere (it is
+//!    moving between replicas) is waited for up to `--route-wait` first.
+//! 3. Decide **local or relayed** ([`Forwarder::open`], the one place that
+//!    does): a session held here opens a logical stream; an edge a peer
+//!    holds is reached with one relay over the peer link ([`crate::relay`]);
+//!    a holder that answers "not here" (a stale route) sends the request back
+//!    to step 2 within the same `--route-wait`. Then write the
+//!    [`RequestHead`] and stream the request body after it (none for upgrades).
 //! 4. Wait for the [`ResponseHead`] (504 after `--response-timeout`; 502 if
 //!    the edge cannot reach its kubelet or goes away).
 //! 5. `101`: answer 101 with the kubelet's headers and pipe the upgraded
@@ -28,10 +34,14 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming};
 use tether_proto::frame::ResetCode;
 use tether_proto::head::{encode_head, is_hop_by_hop, read_head, RequestHead, ResponseHead};
-use tether_proto::io::{ResumableIo, SharedStream, StreamReset};
+use tether_proto::io::StreamReset;
 use tether_proto::route::{classify, Route};
 use tokio::io::{AsyncWriteExt, ReadHalf};
 use tracing::{debug, info, warn, Instrument};
+
+use crate::metrics::{ResultLabel, RoleLabel};
+use crate::registry::{Holder, Target};
+use crate::relay::{self, Answer, EdgeIo, RelayHeader, Resetter};
 
 use crate::authz::{attributes, bearer_token, Refusal, Reviewer, User};
 use crate::config::CloudConfig;
@@ -234,6 +244,7 @@ impl Forwarder {
         resp
     }
 
+    /// The steps of the module doc, in order.
     async fn forward(&self, mut req: Request<Incoming>, conn: Arc<ConnInfo>) -> Response<ResBody> {
         let path = req.uri().path().to_string();
         let caller = match self.authenticate(&conn, &req).await {
@@ -249,44 +260,6 @@ impl Forwarder {
                 format_args!("{path} is not a kubelet API path Tether forwards"),
             );
         };
-        let session = match &route {
-            Route::Pod { namespace, pod, .. } => self.registry.route_pod(namespace, pod),
-            Route::Node { .. } => {
-                let fwd = req
-                    .headers()
-                    .get("x-forwarded-uri")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(node_from_forwarded_uri)
-                    .map(str::to_string);
-                let host = req
-                    .headers()
-                    .get(http::header::HOST)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_string)
-                    .or_else(|| req.uri().authority().map(|a| a.to_string()));
-                self.registry
-                    .route_node(fwd.as_deref(), conn.sni.as_deref(), host.as_deref())
-            }
-        };
-        let session = match session {
-            Ok(s) => s,
-            Err(e) => {
-                info!(peer = %conn.peer, %path, error = %e, "request not routed");
-                return error_response(route_status(&e), e);
-            }
-        };
-        if let (Caller::Reviewed(user), Some(reviewer)) = (&caller, &self.reviewer) {
-            let attrs = attributes(req.method(), &path);
-            match reviewer.authorize(user, &attrs, &session.node).await {
-                Ok(reason) => {
-                    debug!(user = %user.name, node = %session.node, verb = attrs.verb, subresource = attrs.subresource, %reason, "request authorised")
-                }
-                Err(e) => {
-                    warn!(peer = %conn.peer, %path, error = %e, "request refused");
-                    return auth_refusal(e);
-                }
-            }
-        }
         // A caller's bearer token is for the cloud, never for an edge.
         req.headers_mut().remove(http::header::AUTHORIZATION);
         let kind = route.kind();
@@ -301,128 +274,428 @@ impl Forwarder {
                 )
             }
         };
-        let (id, io) = match session.open_stream(kind) {
+        let (target, io) = match self.reach(&route, &req, &conn, &caller, &path, kind).await {
             Ok(x) => x,
-            Err(e @ OpenError::TooManyStreams { .. }) => {
-                return error_response(StatusCode::SERVICE_UNAVAILABLE, e)
-            }
-            Err(e @ OpenError::Ended { .. }) => return error_response(StatusCode::BAD_GATEWAY, e),
+            Err(resp) => return resp,
         };
-        let io = io.with_counters(self.metrics.bytes.clone());
         let open_guard = self.metrics.stream_opened(kind);
+        let via = match &target.holder {
+            Holder::Local(_) => "local".to_string(),
+            Holder::Remote { replica, .. } => replica.name.clone(),
+        };
         let span =
-            tracing::info_span!("request", node = %session.node, stream = id, kind = kind.as_str());
-        async move {
-            debug!(method = %req.method(), path = %head.path_and_query, upgrade = upgrade.is_some(), "forwarding");
-            let shared = io.shared().clone();
-            let (mut rd, mut wr) = tokio::io::split(io);
-            if let Err(e) = wr.write_all(&head_bytes).await {
-                return error_response(StatusCode::BAD_GATEWAY, format_args!("edge {}: {e}", session.node));
-            }
-            let on_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
-            let mut wr = Some(wr);
-            if upgrade.is_none() {
-                // Stream the request body after the head, then end our direction.
-                if let Some(wr) = wr.take() {
-                    tokio::spawn(pump_request_body(req.into_body(), wr, shared.clone()).in_current_span());
-                }
-            }
-            let resp = tokio::time::timeout(
-                self.cfg.response_timeout,
-                read_head::<ResponseHead, _>(&mut rd, self.cfg.limits.max_head_bytes as usize),
-            )
-            .await;
-            let resp = match resp {
-                Err(_) => {
-                    shared.reset(ResetCode::Cancelled, "no response head in time");
-                    warn!(timeout = ?self.cfg.response_timeout, "edge silent: no response head");
-                    return error_response(
-                        StatusCode::GATEWAY_TIMEOUT,
-                        format_args!(
-                            "edge {} sent no response within {:?} (--response-timeout)",
-                            session.node, self.cfg.response_timeout
-                        ),
-                    );
-                }
-                Ok(Err(e)) => {
-                    let msg = match &e {
-                        tether_proto::head::HeadError::Io(io) => match StreamReset::from_io(io) {
-                            Some(r) => reset_message(&session.node, r),
-                            None => format!("edge {}: {e}", session.node),
-                        },
-                        other => format!("edge {} sent a bad response head: {other}", session.node),
-                    };
-                    shared.reset(ResetCode::ProtocolError, "bad response head");
-                    info!(error = %msg, "no response from the edge");
-                    return error_response(StatusCode::BAD_GATEWAY, msg);
-                }
-                Ok(Ok(h)) => h,
-            };
-            let status = match StatusCode::from_u16(resp.status) {
-                Ok(s) => s,
-                Err(_) => {
-                    shared.reset(ResetCode::ProtocolError, "bad status");
-                    return error_response(StatusCode::BAD_GATEWAY, format_args!("edge {} sent status {}", session.node, resp.status));
+            tracing::info_span!("request", node = %target.node, via = %via, kind = kind.as_str());
+        self.exchange(req, target.node, io, head, head_bytes, upgrade, open_guard)
+            .instrument(span)
+            .await
+    }
+
+    /// Steps 2 and 3: routes the request (waiting, with peers, a bounded
+    /// `--route-wait` for an edge that is between replicas), authorises it
+    /// for the node, and opens the stream — local, or relayed once to the
+    /// replica that holds the edge. A relay the holder answers "not here" (a
+    /// stale route) is routed again from this replica's table, never passed on.
+    async fn reach(
+        &self,
+        route: &Route<'_>,
+        req: &Request<Incoming>,
+        conn: &ConnInfo,
+        caller: &Caller,
+        path: &str,
+        kind: tether_proto::route::StreamKind,
+    ) -> Result<(Target, EdgeIo), Response<ResBody>> {
+        let deadline = tokio::time::Instant::now() + self.cfg.route_wait;
+        let mut changes = self.registry.any_changes();
+        let mut authorised: Option<String> = None;
+        loop {
+            let target = match self.pick(route, req, conn, deadline, &mut changes).await {
+                Ok(t) => t,
+                Err(e) => {
+                    self.metrics.lookup("unroutable");
+                    info!(peer = %conn.peer, %path, error = %e, "request not routed");
+                    return Err(error_response(route_status(&e), e));
                 }
             };
-            let mut builder = Response::builder().status(status);
-            for (name, value) in &resp.headers {
-                let keep = !is_hop_by_hop(name) || (status == StatusCode::SWITCHING_PROTOCOLS && (name == "connection" || name == "upgrade"));
-                if !keep {
-                    continue;
-                }
-                match (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(value)) {
-                    (Ok(n), Ok(v)) => {
-                        builder = builder.header(n, v);
+            if authorised.as_deref() != Some(target.node.as_str()) {
+                self.authorise(caller, req, conn, path, &target.node)
+                    .await?;
+                authorised = Some(target.node.clone());
+            }
+            match self.open(&target, kind).await {
+                Ok(io) => return Ok((target, io)),
+                Err(Opened::Refused(resp)) => return Err(resp),
+                Err(Opened::Stale(msg)) => {
+                    self.metrics.stale_routes.inc();
+                    info!(node = %target.node, %msg, "stale route: the replica no longer holds the edge; routing again");
+                    changes.borrow_and_update();
+                    if tokio::time::timeout_at(deadline, changes.changed())
+                        .await
+                        .is_err()
+                    {
+                        return Err(error_response(
+                            StatusCode::BAD_GATEWAY,
+                            format_args!(
+                                "edge {} is between replicas: {msg}; not back within {:?} (--route-wait)",
+                                target.node, self.cfg.route_wait
+                            ),
+                        ));
                     }
-                    _ => warn!(header = %name, "dropping an invalid response header from the edge"),
                 }
             }
-            if status == StatusCode::SWITCHING_PROTOCOLS {
-                let (Some(on_upgrade), Some(wr)) = (on_upgrade, wr) else {
-                    shared.reset(ResetCode::ProtocolError, "101 to a request that did not ask to upgrade");
-                    return error_response(StatusCode::BAD_GATEWAY, format_args!("edge {} answered 101 to a plain request", session.node));
-                };
-                let io = rd.unsplit(wr);
-                tokio::spawn(
-                    async move {
-                        let _open = open_guard;
-                        let upgraded = match on_upgrade.await {
-                            Ok(u) => u,
-                            Err(e) => {
-                                shared.reset(ResetCode::Cancelled, format!("apiserver upgrade failed: {e}"));
-                                return;
-                            }
-                        };
-                        let mut client = hyper_util::rt::TokioIo::new(upgraded);
-                        let mut io = io;
-                        match tokio::io::copy_bidirectional(&mut client, &mut io).await {
-                            Ok((up, down)) => debug!(bytes_to_edge = up, bytes_to_apiserver = down, "upgraded stream ended"),
-                            Err(e) => {
-                                debug!(error = %e, "upgraded stream failed");
-                                shared.reset(ResetCode::Cancelled, format!("apiserver side: {e}"));
-                            }
-                        }
-                    }
-                    .in_current_span(),
-                );
-                return builder
-                    .body(Full::new(Bytes::new()).map_err(|never| match never {}).boxed())
-                    .unwrap_or_else(|e| error_response(StatusCode::BAD_GATEWAY, e));
-            }
-            drop(wr);
-            let body = StreamBody {
-                rd,
-                shared,
-                done: false,
-                buf: BytesMut::new(),
-                node: session.node.clone(),
-                _open: open_guard,
-            };
-            builder.body(body.boxed()).unwrap_or_else(|e| error_response(StatusCode::BAD_GATEWAY, e))
         }
-        .instrument(span)
-        .await
+    }
+
+    /// Routes once; with peers, an edge that is known but has no live
+    /// connection anywhere is waited for until `deadline`.
+    async fn pick(
+        &self,
+        route: &Route<'_>,
+        req: &Request<Incoming>,
+        conn: &ConnInfo,
+        deadline: tokio::time::Instant,
+        changes: &mut tokio::sync::watch::Receiver<u64>,
+    ) -> Result<Target, RouteError> {
+        let mut waited = false;
+        loop {
+            changes.borrow_and_update();
+            let r = self.lookup(route, req, conn);
+            let between = self.cfg.peer.is_some()
+                && match &r {
+                    Ok(t) => !t.attached(),
+                    Err(e) => matches!(e, RouteError::PodNodeGone { .. }),
+                };
+            if !between || tokio::time::Instant::now() >= deadline {
+                if waited {
+                    let outcome = if r.as_ref().is_ok_and(Target::attached) {
+                        "found"
+                    } else {
+                        "timed_out"
+                    };
+                    self.metrics
+                        .route_waits
+                        .get_or_create(&ResultLabel { result: outcome })
+                        .inc();
+                }
+                return r;
+            }
+            waited = true;
+            let _ = tokio::time::timeout_at(deadline, changes.changed()).await;
+        }
+    }
+
+    /// Step 2: the node of a request, from the registry.
+    fn lookup(
+        &self,
+        route: &Route<'_>,
+        req: &Request<Incoming>,
+        conn: &ConnInfo,
+    ) -> Result<Target, RouteError> {
+        match route {
+            Route::Pod { namespace, pod, .. } => self.registry.route_pod(namespace, pod),
+            Route::Node { .. } => {
+                let fwd = req
+                    .headers()
+                    .get("x-forwarded-uri")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(node_from_forwarded_uri);
+                let host = req
+                    .headers()
+                    .get(http::header::HOST)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string)
+                    .or_else(|| req.uri().authority().map(|a| a.to_string()));
+                self.registry
+                    .route_node(fwd, conn.sni.as_deref(), host.as_deref())
+            }
+        }
+    }
+
+    /// A reviewed caller must be allowed this request on `node` (SubjectAccessReview).
+    async fn authorise(
+        &self,
+        caller: &Caller,
+        req: &Request<Incoming>,
+        conn: &ConnInfo,
+        path: &str,
+        node: &str,
+    ) -> Result<(), Response<ResBody>> {
+        let (Caller::Reviewed(user), Some(reviewer)) = (caller, &self.reviewer) else {
+            return Ok(());
+        };
+        let attrs = attributes(req.method(), path);
+        match reviewer.authorize(user, &attrs, node).await {
+            Ok(reason) => {
+                debug!(user = %user.name, %node, verb = attrs.verb, subresource = attrs.subresource, %reason, "request authorised");
+                Ok(())
+            }
+            Err(e) => {
+                warn!(peer = %conn.peer, %path, error = %e, "request refused");
+                Err(auth_refusal(e))
+            }
+        }
+    }
+
+    /// Step 3: "local or relayed" — the one place that decides. A local
+    /// session opens a logical stream; a peer's edge is reached over the
+    /// peer link ([`crate::relay`]), one hop.
+    async fn open(
+        &self,
+        target: &Target,
+        kind: tether_proto::route::StreamKind,
+    ) -> Result<EdgeIo, Opened> {
+        let refused = |status, msg: String| Opened::Refused(error_response(status, msg));
+        match &target.holder {
+            Holder::Local(session) => {
+                self.metrics.lookup("local");
+                match session.open_stream(kind) {
+                    Ok((_, io)) => Ok(EdgeIo::Local(io.with_counters(self.metrics.bytes.clone()))),
+                    Err(e @ OpenError::TooManyStreams { .. }) => {
+                        Err(refused(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))
+                    }
+                    Err(e @ OpenError::Ended { .. }) => {
+                        Err(refused(StatusCode::BAD_GATEWAY, e.to_string()))
+                    }
+                }
+            }
+            Holder::Remote { replica, conn, .. } => {
+                self.metrics.lookup("relayed");
+                let timeout = self
+                    .cfg
+                    .peer
+                    .as_ref()
+                    .map(|p| p.timeout)
+                    .unwrap_or(self.cfg.response_timeout);
+                let header = RelayHeader {
+                    kind,
+                    node: target.node.clone(),
+                };
+                match relay::open(
+                    conn,
+                    &replica.name,
+                    &header,
+                    timeout,
+                    self.metrics.relayed_bytes.clone(),
+                )
+                .await
+                {
+                    Ok(Ok(io)) => {
+                        self.metrics
+                            .relayed_streams
+                            .get_or_create(&RoleLabel { role: "entry" })
+                            .inc();
+                        Ok(EdgeIo::Relayed(io))
+                    }
+                    Ok(Err(Answer::NotHere(m))) => {
+                        Err(Opened::Stale(format!("replica {}: {m}", replica.name)))
+                    }
+                    Ok(Err(Answer::TooManyStreams(m))) => Err(refused(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("replica {}: {m}", replica.name),
+                    )),
+                    Ok(Err(Answer::Ended(m))) => Err(refused(
+                        StatusCode::BAD_GATEWAY,
+                        format!("replica {}: {m}", replica.name),
+                    )),
+                    Ok(Err(Answer::Open)) => {
+                        Err(refused(StatusCode::BAD_GATEWAY, "unreachable".into()))
+                    }
+                    Err(e) => {
+                        warn!(node = %target.node, replica = %replica.name, error = %e, "relay to the holding replica failed");
+                        Err(refused(
+                            StatusCode::BAD_GATEWAY,
+                            format!(
+                                "edge {} is held by replica {}, which cannot be reached: {e}",
+                                target.node, replica.name
+                            ),
+                        ))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Steps 3–5 on an open stream: send the head and body, wait for the
+    /// response head, then pipe an upgrade or stream the body.
+    #[allow(clippy::too_many_arguments)]
+    async fn exchange(
+        &self,
+        mut req: Request<Incoming>,
+        node: String,
+        io: EdgeIo,
+        head: RequestHead,
+        head_bytes: Vec<u8>,
+        upgrade: Option<HeaderValue>,
+        open_guard: OpenStream,
+    ) -> Response<ResBody> {
+        debug!(method = %req.method(), path = %head.path_and_query, upgrade = upgrade.is_some(), "forwarding");
+        let shared = io.resetter();
+        let (mut rd, mut wr) = tokio::io::split(io);
+        if let Err(e) = wr.write_all(&head_bytes).await {
+            return error_response(StatusCode::BAD_GATEWAY, format_args!("edge {node}: {e}"));
+        }
+        let on_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
+        let mut wr = Some(wr);
+        if upgrade.is_none() {
+            // Stream the request body after the head, then end our direction.
+            if let Some(wr) = wr.take() {
+                tokio::spawn(
+                    pump_request_body(req.into_body(), wr, shared.clone()).in_current_span(),
+                );
+            }
+        }
+        let resp = match self.response_head(&mut rd, &shared, &node).await {
+            Ok(h) => h,
+            Err(r) => return r,
+        };
+        let status = match StatusCode::from_u16(resp.status) {
+            Ok(s) => s,
+            Err(_) => {
+                shared.reset(ResetCode::ProtocolError, "bad status");
+                return error_response(
+                    StatusCode::BAD_GATEWAY,
+                    format_args!("edge {node} sent status {}", resp.status),
+                );
+            }
+        };
+        let builder = response_builder(status, &resp);
+        if status == StatusCode::SWITCHING_PROTOCOLS {
+            let (Some(on_upgrade), Some(wr)) = (on_upgrade, wr) else {
+                shared.reset(
+                    ResetCode::ProtocolError,
+                    "101 to a request that did not ask to upgrade",
+                );
+                return error_response(
+                    StatusCode::BAD_GATEWAY,
+                    format_args!("edge {node} answered 101 to a plain request"),
+                );
+            };
+            tokio::spawn(
+                pipe_upgraded(on_upgrade, rd.unsplit(wr), shared, open_guard).in_current_span(),
+            );
+            return builder
+                .body(
+                    Full::new(Bytes::new())
+                        .map_err(|never| match never {})
+                        .boxed(),
+                )
+                .unwrap_or_else(|e| error_response(StatusCode::BAD_GATEWAY, e));
+        }
+        drop(wr);
+        let body = StreamBody {
+            rd,
+            shared,
+            done: false,
+            buf: BytesMut::new(),
+            node,
+            _open: open_guard,
+        };
+        builder
+            .body(body.boxed())
+            .unwrap_or_else(|e| error_response(StatusCode::BAD_GATEWAY, e))
+    }
+
+    /// Step 4: the kubelet's response head, within `--response-timeout`.
+    async fn response_head(
+        &self,
+        rd: &mut ReadHalf<EdgeIo>,
+        shared: &Resetter,
+        node: &str,
+    ) -> Result<ResponseHead, Response<ResBody>> {
+        let resp = tokio::time::timeout(
+            self.cfg.response_timeout,
+            read_head::<ResponseHead, _>(rd, self.cfg.limits.max_head_bytes as usize),
+        )
+        .await;
+        match resp {
+            Err(_) => {
+                shared.reset(ResetCode::Cancelled, "no response head in time");
+                warn!(timeout = ?self.cfg.response_timeout, "edge silent: no response head");
+                Err(error_response(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format_args!(
+                        "edge {node} sent no response within {:?} (--response-timeout)",
+                        self.cfg.response_timeout
+                    ),
+                ))
+            }
+            Ok(Err(e)) => {
+                let msg = match &e {
+                    tether_proto::head::HeadError::Io(io) => match StreamReset::from_io(io) {
+                        Some(r) => reset_message(node, r),
+                        None => format!("edge {node}: {e}"),
+                    },
+                    other => format!("edge {node} sent a bad response head: {other}"),
+                };
+                shared.reset(ResetCode::ProtocolError, "bad response head");
+                info!(error = %msg, "no response from the edge");
+                Err(error_response(StatusCode::BAD_GATEWAY, msg))
+            }
+            Ok(Ok(h)) => Ok(h),
+        }
+    }
+}
+
+/// Why [`Forwarder::open`] opened no stream.
+enum Opened {
+    /// Answer the apiserver with this.
+    Refused(Response<ResBody>),
+    /// The replica the route named does not hold the edge (any more).
+    Stale(String),
+}
+
+/// Status and headers of the kubelet's response: end-to-end headers, plus
+/// `connection`/`upgrade` on a 101.
+fn response_builder(status: StatusCode, resp: &ResponseHead) -> http::response::Builder {
+    let mut builder = Response::builder().status(status);
+    for (name, value) in &resp.headers {
+        let keep = !is_hop_by_hop(name)
+            || (status == StatusCode::SWITCHING_PROTOCOLS
+                && (name == "connection" || name == "upgrade"));
+        if !keep {
+            continue;
+        }
+        match (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(value),
+        ) {
+            (Ok(n), Ok(v)) => {
+                builder = builder.header(n, v);
+            }
+            _ => warn!(header = %name, "dropping an invalid response header from the edge"),
+        }
+    }
+    builder
+}
+
+/// Step 5 for a `101`: once hyper hands over the apiserver's connection,
+/// copy bytes both ways until either side ends.
+async fn pipe_upgraded(
+    on_upgrade: hyper::upgrade::OnUpgrade,
+    mut io: EdgeIo,
+    shared: Resetter,
+    _open: OpenStream,
+) {
+    let upgraded = match on_upgrade.await {
+        Ok(u) => u,
+        Err(e) => {
+            shared.reset(
+                ResetCode::Cancelled,
+                format!("apiserver upgrade failed: {e}"),
+            );
+            return;
+        }
+    };
+    let mut client = hyper_util::rt::TokioIo::new(upgraded);
+    match tokio::io::copy_bidirectional(&mut client, &mut io).await {
+        Ok((up, down)) => debug!(
+            bytes_to_edge = up,
+            bytes_to_apiserver = down,
+            "upgraded stream ended"
+        ),
+        Err(e) => {
+            debug!(error = %e, "upgraded stream failed");
+            shared.reset(ResetCode::Cancelled, format!("apiserver side: {e}"));
+        }
     }
 }
 
@@ -464,8 +737,8 @@ fn request_head(req: &Request<Incoming>, upgrade: Option<&HeaderValue>) -> Reque
 
 async fn pump_request_body(
     mut body: Incoming,
-    mut wr: tokio::io::WriteHalf<ResumableIo>,
-    shared: Arc<SharedStream>,
+    mut wr: tokio::io::WriteHalf<EdgeIo>,
+    shared: Resetter,
 ) {
     while let Some(frame) = body.frame().await {
         match frame {
@@ -490,8 +763,8 @@ async fn pump_request_body(
 /// clean end; a reset becomes a body error (aborted response). Dropped early
 /// (the apiserver went away), it resets the stream so the edge stops too.
 struct StreamBody {
-    rd: ReadHalf<ResumableIo>,
-    shared: Arc<SharedStream>,
+    rd: ReadHalf<EdgeIo>,
+    shared: Resetter,
     done: bool,
     buf: BytesMut,
     node: String,

@@ -30,7 +30,10 @@
 //! - [`members`]: which other replicas exist (static list, DNS) and which
 //!   have a live peer link;
 //! - [`peer`]: the peer listener between replicas: mutual TLS with peer
-//!   certificates, the hello;
+//!   certificates, the hello, and which stream a peer opened;
+//! - [`routes`]: which edges each replica holds, pushed to its peers;
+//! - [`relay`]: a request carried over the peer link to the replica that
+//!   holds its edge, one hop, bytes untouched;
 //! - [`tls`]: rustls configurations for both listeners;
 //! - [`metrics`]: the Prometheus metrics, registered in one place (served
 //!   with `/healthz`, `/readyz` and `/status` by [`tether_proto::ops`]);
@@ -51,6 +54,8 @@ pub mod members;
 pub mod metrics;
 pub mod peer;
 pub mod registry;
+pub mod relay;
+pub mod routes;
 pub mod session;
 pub mod tls;
 pub mod tunnel;
@@ -137,9 +142,20 @@ impl Cloud {
                     .context("reading the peer listener's address")?;
                 let mut pc = pc.clone();
                 pc.listen = addr;
-                let members =
-                    members::Members::new(me.clone(), pc.clone(), ep.clone(), metrics.clone());
-                tasks.spawn(peer::serve(ep, me, pc.timeout, metrics.clone()));
+                let members = members::Members::new(
+                    me.clone(),
+                    pc.clone(),
+                    ep.clone(),
+                    metrics.clone(),
+                    registry.clone(),
+                );
+                tasks.spawn(peer::serve(
+                    ep,
+                    me,
+                    pc.clone(),
+                    registry.clone(),
+                    metrics.clone(),
+                ));
                 tasks.spawn(members.clone().run());
                 (Some(addr), Some(members))
             }
@@ -273,6 +289,15 @@ fn status_json(
             "replica": m.me().name,
             "nodes": nodes,
             "peers": m.status().iter().map(|p| p.json()).collect::<Vec<_>>(),
+            "remote_nodes": registry
+                .remote_status()
+                .into_iter()
+                .map(|(node, replica, connected)| serde_json::json!({
+                    "node": node,
+                    "replica": replica,
+                    "connected": connected,
+                }))
+                .collect::<Vec<_>>(),
         }),
         None => serde_json::json!({ "nodes": nodes }),
     }

@@ -14,6 +14,8 @@
 //! for a clean exit, within `--peer-timeout` (QUIC idle timeout) for a crash
 //! or a cut link — or when it drops out of DNS, whichever is first. The
 //! gauge `tether_cloud_peers_up` counts live links; `/status` lists them.
+//! Over each link it dialled, this replica subscribes to the peer's routes
+//! ([`crate::routes`]) for as long as the link lives.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -25,6 +27,8 @@ use tracing::{debug, info, warn};
 use crate::config::PeerConfig;
 use crate::metrics::CloudMetrics;
 use crate::peer::{self, PeerError, PeerLink, ReplicaId};
+use crate::registry::Registry;
+use crate::routes;
 
 /// What this replica knows about one candidate address.
 #[derive(Debug, Clone)]
@@ -68,6 +72,7 @@ pub struct Members {
     cfg: PeerConfig,
     endpoint: quinn::Endpoint,
     metrics: CloudMetrics,
+    registry: Arc<Registry>,
     table: Mutex<HashMap<SocketAddr, Candidate>>,
 }
 
@@ -78,12 +83,14 @@ impl Members {
         cfg: PeerConfig,
         endpoint: quinn::Endpoint,
         metrics: CloudMetrics,
+        registry: Arc<Registry>,
     ) -> Arc<Members> {
         Arc::new(Members {
             me,
             cfg,
             endpoint,
             metrics,
+            registry,
             table: Mutex::new(HashMap::new()),
         })
     }
@@ -257,6 +264,13 @@ impl Members {
             link
         };
         let Some(link) = link else { return };
+        // Learn the peer's edges over this link for as long as it lives.
+        tokio::spawn(routes::subscribe(
+            link.clone(),
+            self.registry.clone(),
+            self.metrics.clone(),
+            self.cfg.max_message_bytes,
+        ));
         let why = link.conn.closed().await;
         let mut table = self.table();
         if let Some(Candidate::Up { link: cur, .. }) = table.get(&addr) {

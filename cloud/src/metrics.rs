@@ -19,6 +19,16 @@ pub struct KindLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RoleLabel {
+    pub role: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: &'static str,
 }
@@ -47,6 +57,21 @@ pub struct CloudMetrics {
     pub claims_refused: Family<KindLabel, Counter>,
     /// Edges told to move to another replica while draining (SIGTERM).
     pub edges_moved: Counter,
+    /// Relayed streams, by this replica's role (entry: the request landed
+    /// here; holder: the edge is held here).
+    pub relayed_streams: Family<RoleLabel, Counter>,
+    /// Bytes this replica sent to / received from holders over relays.
+    pub relayed_bytes: ByteCounters,
+    /// Relays this replica refused as holder, by reason.
+    pub relays_refused: Family<ReasonLabel, Counter>,
+    /// Routing lookups, by result (local, relayed, unroutable).
+    pub route_lookups: Family<ResultLabel, Counter>,
+    /// Relays a peer answered "not here" (the route was stale).
+    pub stale_routes: Counter,
+    /// Requests that waited for an edge between replicas, by outcome.
+    pub route_waits: Family<ResultLabel, Counter>,
+    /// (node, peer) pairs learnt from peers.
+    pub remote_edges: Gauge,
 }
 
 impl CloudMetrics {
@@ -69,6 +94,13 @@ impl CloudMetrics {
             peers_refused: Family::default(),
             claims_refused: Family::default(),
             edges_moved: Counter::default(),
+            relayed_streams: Family::default(),
+            relayed_bytes: ByteCounters::default(),
+            relays_refused: Family::default(),
+            route_lookups: Family::default(),
+            stale_routes: Counter::default(),
+            route_waits: Family::default(),
+            remote_edges: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("tether_cloud");
         r.register(
@@ -161,7 +193,61 @@ impl CloudMetrics {
             "Edge claims of a pod (pod report) or address (hello) the apiserver gives to another node, by kind",
             m.claims_refused.clone(),
         );
+        r.register(
+            "relayed_streams",
+            "Streams relayed over the peer link, by role (entry: landed here; holder: edge held here)",
+            m.relayed_streams.clone(),
+        );
+        r.register(
+            "relayed_bytes_to_holder",
+            "Bytes this replica sent over relays to the replicas holding the edges",
+            m.relayed_bytes.sent.clone(),
+        );
+        r.register(
+            "relayed_bytes_from_holder",
+            "Bytes this replica received over relays from the replicas holding the edges",
+            m.relayed_bytes.received.clone(),
+        );
+        r.register(
+            "relays_refused",
+            "Relays refused as holder, by reason (not_here, too_many_streams, ended)",
+            m.relays_refused.clone(),
+        );
+        r.register(
+            "route_lookups",
+            "Routing decisions, by result (local, relayed, unroutable)",
+            m.route_lookups.clone(),
+        );
+        r.register(
+            "stale_routes",
+            "Relays the peer answered not-here: the route had gone stale",
+            m.stale_routes.clone(),
+        );
+        r.register(
+            "route_waits",
+            "Requests that waited for an edge between replicas, by outcome (found, timed_out)",
+            m.route_waits.clone(),
+        );
+        r.register(
+            "remote_edges",
+            "Edges held by peer replicas, as known here",
+            m.remote_edges.clone(),
+        );
         m
+    }
+
+    /// Counts a relay refused as holder.
+    pub fn relay_refused(&self, reason: &'static str) {
+        self.relays_refused
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// Counts a routing decision.
+    pub fn lookup(&self, result: &'static str) {
+        self.route_lookups
+            .get_or_create(&ResultLabel { result })
+            .inc();
     }
 
     /// Counts a new stream and returns the guard that keeps it in `streams_open`.

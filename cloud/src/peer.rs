@@ -20,6 +20,12 @@
 //! Every wait here is bounded by `--peer-timeout`; a link silent for that long
 //! is closed by QUIC's idle timeout (keep-alives go out three times as often).
 //!
+//! After the hello, the side that was dialled serves the streams the dialler
+//! opens on the link, each starting with a magic: a route subscription
+//! ([`crate::routes`]) or a relayed request ([`crate::relay`]). So each
+//! replica learns a peer's edges and relays to it over the link it dialled
+//! itself, and a link's loss drops exactly what was learnt over it.
+//!
 //! Which peers to dial and what is known about them is [`crate::members`]'s job.
 
 use std::net::SocketAddr;
@@ -36,6 +42,9 @@ use tracing::{debug, info, warn};
 
 use crate::config::PeerConfig;
 use crate::metrics::CloudMetrics;
+use crate::registry::Registry;
+use crate::relay::{self, RELAY_MAGIC};
+use crate::routes::{self, SUBSCRIBE_MAGIC};
 
 /// ALPN of the peer link.
 pub const ALPN_PEER: &[u8] = b"tether-peer/1";
@@ -251,16 +260,21 @@ pub async fn dial(
 }
 
 /// Accepts peer connections until the endpoint closes. A connection that is
-/// not a peer's is refused and logged; a peer's is held until it closes.
+/// not a peer's is refused and logged; a peer's streams are served until it
+/// closes.
 pub async fn serve(
     endpoint: quinn::Endpoint,
     me: ReplicaId,
-    timeout: Duration,
+    cfg: PeerConfig,
+    registry: Arc<Registry>,
     metrics: CloudMetrics,
 ) -> anyhow::Result<()> {
+    let timeout = cfg.timeout;
     while let Some(incoming) = endpoint.accept().await {
         let me = me.clone();
         let metrics = metrics.clone();
+        let registry = registry.clone();
+        let max = cfg.max_message_bytes;
         tokio::spawn(async move {
             let remote = incoming.remote_address();
             match tokio::time::timeout(timeout, accept(incoming, &me, &metrics)).await {
@@ -268,6 +282,7 @@ pub async fn serve(
                     if replica.instance != me.instance {
                         info!(%remote, peer = %replica.name, "peer connected");
                     }
+                    serve_streams(&conn, &replica.name, registry, metrics, max, timeout).await;
                     let why = conn.closed().await;
                     debug!(%remote, peer = %replica.name, reason = %why, "peer connection closed");
                 }
@@ -280,6 +295,44 @@ pub async fn serve(
         });
     }
     Ok(())
+}
+
+/// Serves the streams a peer opens on the link it dialled: route
+/// subscriptions and relays, told apart by their magic.
+async fn serve_streams(
+    conn: &quinn::Connection,
+    peer: &str,
+    registry: Arc<Registry>,
+    metrics: CloudMetrics,
+    max: usize,
+    timeout: Duration,
+) {
+    while let Ok((send, mut recv)) = conn.accept_bi().await {
+        let registry = registry.clone();
+        let metrics = metrics.clone();
+        let peer = peer.to_string();
+        tokio::spawn(async move {
+            let mut magic = [0u8; 4];
+            match tokio::time::timeout(timeout, recv.read_exact(&mut magic)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    return debug!(%peer, error = %e, "peer stream ended before its magic")
+                }
+                Err(_) => return info!(%peer, ?timeout, "peer stream sent no magic in time"),
+            }
+            if &magic == SUBSCRIBE_MAGIC {
+                if let Err(e) = routes::publish(send, registry, max, timeout, peer.clone()).await {
+                    info!(%peer, error = %e, "route subscription of a peer ended");
+                }
+            } else if &magic == RELAY_MAGIC {
+                relay::serve(send, recv, registry, metrics, peer, timeout).await;
+            } else {
+                warn!(%peer, magic = ?magic, "refusing a peer stream of unknown kind");
+                let mut send = send;
+                let _ = send.reset(quinn::VarInt::from_u32(close_code::BAD_HELLO));
+            }
+        });
+    }
 }
 
 /// One incoming peer connection up to its hello.

@@ -16,11 +16,22 @@
 //! the edges' reports are all there is. Either way an address in `Host`/SNI is
 //! looked up as an address before as a node name, so a node named like an IP
 //! cannot take that IP's requests.
+//!
+//! With peer replicas, the registry also keeps the edges the peers hold
+//! (learnt by [`crate::routes`]), in the same indices: a lookup resolves to a
+//! [`Target`] that is either a local session or a peer replica to relay to,
+//! and a pod or address two edges claim is ambiguous wherever they are held.
+//! A node held in several places (it moved and the old holder has not let go
+//! yet) goes to the holder with a live connection, the newest if several.
+//! [`Registry::local_session`] never looks at the peers' edges: it is what a
+//! relayed request is served from, so a relay never goes a second hop.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tokio::sync::watch;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -30,7 +41,47 @@ use tracing::warn;
 use crate::admission::{Claim, Verdict};
 use crate::authority::{Authority, PodPlacement};
 use crate::metrics::KindLabel;
+use crate::peer::{PeerLink, ReplicaId};
+use crate::routes::{EdgeRecord, Update};
 use crate::session::Session;
+
+/// Where a request for one node goes.
+#[derive(Clone)]
+pub struct Target {
+    pub node: String,
+    pub holder: Holder,
+}
+
+/// Who holds a node's edge.
+#[derive(Clone)]
+pub enum Holder {
+    /// This replica: its session (connected, or within its grace period).
+    Local(Arc<Session>),
+    /// A peer replica, reached over the peer link this replica dialled.
+    Remote {
+        replica: ReplicaId,
+        conn: quinn::Connection,
+        attached: bool,
+    },
+}
+
+impl Target {
+    /// Whether the holder has a live connection to the edge.
+    pub fn attached(&self) -> bool {
+        match &self.holder {
+            Holder::Local(s) => s.connection().is_some(),
+            Holder::Remote { attached, .. } => *attached,
+        }
+    }
+}
+
+/// One edge a peer holds.
+#[derive(Clone)]
+struct RemoteEdge {
+    replica: ReplicaId,
+    conn: quinn::Connection,
+    record: EdgeRecord,
+}
 
 /// Which session a hello joins ([`Registry::admit`]).
 pub enum Admitted {
@@ -96,6 +147,133 @@ struct Tables {
     /// node → the pod claims of its last report the apiserver contradicted
     /// (a claim repeated in every report is logged and counted once).
     node_refused: HashMap<String, BTreeSet<String>>,
+    /// node → the peers holding it (usually one; two while it moves).
+    remote: HashMap<String, Vec<RemoteEdge>>,
+    /// (namespace, pod) → node → how many peers report it there.
+    remote_pods: HashMap<(String, String), BTreeMap<String, usize>>,
+    /// address → node → how many peers announce it there.
+    remote_addresses: HashMap<String, BTreeMap<String, usize>>,
+    /// peer instance → the nodes it holds.
+    remote_by_replica: HashMap<u64, BTreeSet<String>>,
+}
+
+impl Tables {
+    /// Who should serve `node`: a holder with a live connection (local
+    /// first, then the peer that attached it last), else one within its
+    /// grace period (local first).
+    fn holder(&self, node: &str) -> Option<Target> {
+        let local = self.sessions.get(node);
+        let remote = self.remote.get(node).map(Vec::as_slice).unwrap_or(&[]);
+        let newest = |attached: bool| {
+            remote
+                .iter()
+                .filter(|r| r.record.attached == attached)
+                .max_by_key(|r| r.record.since_ms)
+        };
+        let remote_target = |r: &RemoteEdge| Target {
+            node: node.to_string(),
+            holder: Holder::Remote {
+                replica: r.replica.clone(),
+                conn: r.conn.clone(),
+                attached: r.record.attached,
+            },
+        };
+        let local_target = |s: &Arc<Session>| Target {
+            node: node.to_string(),
+            holder: Holder::Local(s.clone()),
+        };
+        if let Some(s) = local.filter(|s| s.connection().is_some()) {
+            return Some(local_target(s));
+        }
+        if let Some(r) = newest(true) {
+            return Some(remote_target(r));
+        }
+        if let Some(s) = local {
+            return Some(local_target(s));
+        }
+        newest(false).map(remote_target)
+    }
+
+    /// Nodes claiming pod `key`, here and on peers.
+    fn pod_nodes(&self, key: &(String, String)) -> BTreeSet<String> {
+        let mut nodes = self.pods.get(key).cloned().unwrap_or_default();
+        if let Some(r) = self.remote_pods.get(key) {
+            nodes.extend(r.keys().cloned());
+        }
+        nodes
+    }
+
+    /// Nodes announcing `address`, here and on peers.
+    fn address_nodes(&self, address: &str) -> BTreeSet<String> {
+        let mut nodes = self.addresses.get(address).cloned().unwrap_or_default();
+        if let Some(r) = self.remote_addresses.get(address) {
+            nodes.extend(r.keys().cloned());
+        }
+        nodes
+    }
+
+    fn count<K: Ord + Clone>(map: &mut BTreeMap<K, usize>, k: &K, add: bool) {
+        if add {
+            *map.entry(k.clone()).or_default() += 1;
+        } else if let Some(n) = map.get_mut(k) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(k);
+            }
+        }
+    }
+
+    /// Adds or removes the index entries of one peer's record.
+    fn index_remote(&mut self, r: &EdgeRecord, add: bool) {
+        for p in &r.pods {
+            let m = self.remote_pods.entry(p.clone()).or_default();
+            Self::count(m, &r.node, add);
+            if m.is_empty() {
+                self.remote_pods.remove(p);
+            }
+        }
+        for a in &r.addresses {
+            let k = host_only(a);
+            let m = self.remote_addresses.entry(k.clone()).or_default();
+            Self::count(m, &r.node, add);
+            if m.is_empty() {
+                self.remote_addresses.remove(&k);
+            }
+        }
+    }
+
+    /// Forgets what peer `instance` said about `node`.
+    fn remove_remote(&mut self, instance: u64, node: &str) {
+        let Some(list) = self.remote.get_mut(node) else {
+            return;
+        };
+        let Some(i) = list.iter().position(|r| r.replica.instance == instance) else {
+            return;
+        };
+        let old = list.swap_remove(i);
+        if list.is_empty() {
+            self.remote.remove(node);
+        }
+        self.index_remote(&old.record, false);
+        // Held nowhere now: its pods are remembered as departed, so a request
+        // for them is "edge not connected" (502), as for a local edge.
+        if !self.remote.contains_key(node) && !self.sessions.contains_key(node) {
+            for (ns, pod) in &old.record.pods {
+                let key = (ns.clone(), pod.clone());
+                self.departed.insert(key.clone(), node.to_string());
+                self.node_departed
+                    .entry(node.to_string())
+                    .or_default()
+                    .push(key);
+            }
+        }
+        if let Some(set) = self.remote_by_replica.get_mut(&instance) {
+            set.remove(node);
+            if set.is_empty() {
+                self.remote_by_replica.remove(&instance);
+            }
+        }
+    }
 }
 
 /// The cloud's table of edge sessions.
@@ -107,6 +285,10 @@ pub struct Registry {
     authority: Option<Arc<Authority>>,
     /// Edge claims refused because the apiserver disagrees, by kind (pod, address).
     claims_refused: Family<KindLabel, Counter>,
+    /// Bumped on every change of a local session (what peers are told).
+    local_changes: watch::Sender<u64>,
+    /// Bumped on every change at all (what a waiting request watches).
+    any_changes: watch::Sender<u64>,
 }
 
 /// Normalizes a `Host` or SNI value: lowercase, without port or IPv6 brackets.
@@ -129,6 +311,8 @@ impl Registry {
             grace,
             authority: None,
             claims_refused: Family::default(),
+            local_changes: watch::channel(0).0,
+            any_changes: watch::channel(0).0,
         }
     }
 
@@ -237,6 +421,7 @@ impl Registry {
     }
 
     fn insert_locked(&self, t: &mut Tables, session: Arc<Session>) -> Option<Arc<Session>> {
+        self.touch();
         let node = session.node.clone();
         let old = t.sessions.insert(node.clone(), session.clone());
         let addresses = self.vet_addresses(&node, session.addresses());
@@ -263,6 +448,7 @@ impl Registry {
         }
         let addresses = self.vet_addresses(&session.node, addresses);
         Self::index_addresses(&mut t, &session.node, addresses);
+        self.touch();
     }
 
     /// Indexes `node` under `addresses` (replacing its previous ones).
@@ -350,6 +536,7 @@ impl Registry {
                 .insert(node.clone());
         }
         t.node_pods.insert(node, pods);
+        self.touch();
     }
 
     /// Removes a node's session if it is still `session`; its pods are
@@ -373,24 +560,143 @@ impl Registry {
             t.departed.insert(key.clone(), node.clone());
             t.node_departed.entry(node.clone()).or_default().push(key);
         }
+        self.touch();
         true
     }
 
+    /// Tells the peers and waiting requests that a local session changed
+    /// (also called by the tunnel when a connection attaches or is lost).
+    pub fn touch(&self) {
+        self.local_changes.send_modify(|v| *v = v.wrapping_add(1));
+        self.any_changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// Changes of local sessions ([`crate::routes::publish`] watches these).
+    pub fn local_changes(&self) -> watch::Receiver<u64> {
+        self.local_changes.subscribe()
+    }
+
+    /// Any change, local or learnt from a peer.
+    pub fn any_changes(&self) -> watch::Receiver<u64> {
+        self.any_changes.subscribe()
+    }
+
+    /// The session of `node` on this replica — never a peer's edge. A relayed
+    /// request is served from this only, so it never takes a second hop.
+    pub fn local_session(&self, node: &str) -> Option<Arc<Session>> {
+        self.tables().sessions.get(node).cloned()
+    }
+
+    /// This replica's edges as its peers are told of them.
+    pub fn local_records(&self) -> HashMap<String, EdgeRecord> {
+        let t = self.tables();
+        t.sessions
+            .values()
+            .map(|s| {
+                let since_ms = s
+                    .connected_since()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0);
+                let pods = t
+                    .node_pods
+                    .get(&s.node)
+                    .map(|v| {
+                        v.iter()
+                            .map(|p| (p.namespace.clone(), p.name.clone()))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let addresses = t.node_addresses.get(&s.node).cloned().unwrap_or_default();
+                let r = EdgeRecord {
+                    node: s.node.clone(),
+                    session: s.id.to_string(),
+                    attached: s.connection().is_some(),
+                    since_ms,
+                    pods,
+                    addresses,
+                };
+                (s.node.clone(), r)
+            })
+            .collect()
+    }
+
+    /// Applies one update from the peer behind `link`.
+    pub fn apply_remote(&self, link: &PeerLink, update: Update) {
+        let mut t = self.tables();
+        let instance = link.replica.instance;
+        match update {
+            Update::Upsert(records) => {
+                for record in records {
+                    let node = record.node.clone();
+                    t.remove_remote(instance, &node);
+                    t.index_remote(&record, true);
+                    for key in t.node_departed.remove(&node).unwrap_or_default() {
+                        if t.departed.get(&key) == Some(&node) {
+                            t.departed.remove(&key);
+                        }
+                    }
+                    t.remote.entry(node.clone()).or_default().push(RemoteEdge {
+                        replica: link.replica.clone(),
+                        conn: link.conn.clone(),
+                        record,
+                    });
+                    t.remote_by_replica
+                        .entry(instance)
+                        .or_default()
+                        .insert(node);
+                }
+            }
+            Update::Remove(nodes) => {
+                for node in nodes {
+                    t.remove_remote(instance, &node);
+                }
+            }
+        }
+        drop(t);
+        self.any_changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// Forgets everything peer `instance` said (its link or subscription ended).
+    pub fn drop_remote(&self, instance: u64) {
+        let mut t = self.tables();
+        for node in t.remote_by_replica.remove(&instance).unwrap_or_default() {
+            t.remove_remote(instance, &node);
+        }
+        drop(t);
+        self.any_changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// How many (node, peer) pairs are known from peers.
+    pub fn remote_len(&self) -> usize {
+        self.tables().remote.values().map(Vec::len).sum()
+    }
+
+    /// The edges peers hold, as `/status` shows them: (node, replica, attached).
+    pub fn remote_status(&self) -> Vec<(String, String, bool)> {
+        let t = self.tables();
+        let mut v: Vec<_> = t
+            .remote
+            .iter()
+            .flat_map(|(n, list)| {
+                list.iter()
+                    .map(|r| (n.clone(), r.replica.name.clone(), r.record.attached))
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
     /// The session of the node running pod `namespace/pod`.
-    pub fn route_pod(&self, namespace: &str, pod: &str) -> Result<Arc<Session>, RouteError> {
+    pub fn route_pod(&self, namespace: &str, pod: &str) -> Result<Target, RouteError> {
         let t = self.tables();
         if let Some(auth) = &self.authority {
             return match auth.pod(namespace, pod) {
-                PodPlacement::On(node) => {
-                    t.sessions
-                        .get(&node)
-                        .cloned()
-                        .ok_or(RouteError::PodNodeGone {
-                            namespace: namespace.into(),
-                            pod: pod.into(),
-                            node,
-                        })
-                }
+                PodPlacement::On(node) => t.holder(&node).ok_or(RouteError::PodNodeGone {
+                    namespace: namespace.into(),
+                    pod: pod.into(),
+                    node,
+                }),
                 PodPlacement::Unscheduled => Err(RouteError::PodUnscheduled {
                     namespace: namespace.into(),
                     pod: pod.into(),
@@ -402,19 +708,17 @@ impl Registry {
             };
         }
         let key = (namespace.to_string(), pod.to_string());
-        match t.pods.get(&key) {
-            Some(nodes) if nodes.len() == 1 => {
+        let nodes = t.pod_nodes(&key);
+        match nodes.len() {
+            1 => {
                 let node = nodes.iter().next().cloned().unwrap_or_default();
-                t.sessions
-                    .get(&node)
-                    .cloned()
-                    .ok_or(RouteError::PodNodeGone {
-                        namespace: namespace.into(),
-                        pod: pod.into(),
-                        node,
-                    })
+                t.holder(&node).ok_or(RouteError::PodNodeGone {
+                    namespace: namespace.into(),
+                    pod: pod.into(),
+                    node,
+                })
             }
-            Some(nodes) if nodes.len() > 1 => Err(RouteError::AmbiguousPod {
+            n if n > 1 => Err(RouteError::AmbiguousPod {
                 namespace: namespace.into(),
                 pod: pod.into(),
                 nodes: nodes.iter().cloned().collect::<Vec<_>>().join(", "),
@@ -442,23 +746,23 @@ impl Registry {
         t: &Tables,
         what: &'static str,
         value: &str,
-    ) -> Result<Option<Arc<Session>>, RouteError> {
+    ) -> Result<Option<Target>, RouteError> {
         let v = host_only(value);
         if v.is_empty() {
             return Ok(None);
         }
-        let by_name = || t.sessions.get(&v).cloned();
-        let by_address = || -> Result<Option<Arc<Session>>, RouteError> {
+        let by_name = || t.holder(&v);
+        let by_address = || -> Result<Option<Target>, RouteError> {
             let nodes = match &self.authority {
                 Some(auth) => auth.address_nodes(&v),
-                None => t.addresses.get(&v).cloned().unwrap_or_default(),
+                None => t.address_nodes(&v),
             };
             match nodes.len() {
                 0 => Ok(None),
                 1 => {
                     let node = nodes.into_iter().next().unwrap_or_default();
-                    match t.sessions.get(&node) {
-                        Some(s) => Ok(Some(s.clone())),
+                    match t.holder(&node) {
+                        Some(s) => Ok(Some(s)),
                         // The address is that node's: never fall through to another.
                         None => Err(RouteError::UnknownNode {
                             looked_up: format!("{what} {v:?} (node {node}, not connected)"),
@@ -492,16 +796,12 @@ impl Registry {
         forwarded_node: Option<&str>,
         sni: Option<&str>,
         host: Option<&str>,
-    ) -> Result<Arc<Session>, RouteError> {
+    ) -> Result<Target, RouteError> {
         let t = self.tables();
         if let Some(n) = forwarded_node {
-            return t
-                .sessions
-                .get(n)
-                .cloned()
-                .ok_or_else(|| RouteError::UnknownNode {
-                    looked_up: format!("node {n:?} (from X-Forwarded-Uri)"),
-                });
+            return t.holder(n).ok_or_else(|| RouteError::UnknownNode {
+                looked_up: format!("node {n:?} (from X-Forwarded-Uri)"),
+            });
         }
         let mut looked = Vec::new();
         for (what, value) in [("SNI", sni), ("Host", host)] {

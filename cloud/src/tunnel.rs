@@ -543,6 +543,8 @@ async fn handle(
         metrics.resumes.inc();
     }
     metrics.sessions.set(registry.len() as i64);
+    // Peers learn the edge is attached here (and requests waiting for it go on).
+    registry.touch();
     let control = control_loop(
         registry.clone(),
         session.clone(),
@@ -580,6 +582,7 @@ async fn handle(
         session.end(ResetCode::Shutdown, &format!("edge {node} shut down"));
         metrics.sessions.set(registry.len() as i64);
     } else if session.connection_lost(gen) {
+        registry.touch();
         info!(node = %node, session = %session.id, reason = %conn.close_reason().map(|r| r.to_string()).unwrap_or_default(), grace = ?cfg.grace, streams = session.open_streams(), "edge disconnected; keeping its streams for a resume");
         expire_unless_resumed(registry.clone(), session, gen, cfg.grace);
     }

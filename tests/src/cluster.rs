@@ -11,6 +11,12 @@
 //!   baseline that tells fixture problems from tunnel problems;
 //! - `apiserver-sim`, with the pods and nodes above, writing the kubeconfig kubectl uses.
 //!
+//! With [`ClusterSpec::replicas`] above one, the cloud is that many `tether-cloud`
+//! replicas linked over the peer listener (a static `--peers` list on loopback); node
+//! *i*'s edge dials replica *i* mod N, and apiserver-sim dials the replicas' kubelet
+//! APIs in turn, one per connection (`--kubelet-dial A,B,C`, like kube-proxy's DNAT),
+//! so every request lands on each replica in turn: served locally or relayed.
+//!
 //! [`Cluster::start`] returns once every process announced itself and every pod answers
 //! through the kubelet API the apiserver dials (from the node that runs it), all
 //! bounded in time. Processes die with the [`Cluster`]; [`Cluster::shutdown`] stops them
@@ -108,6 +114,19 @@ pub struct ClusterSpec {
     /// Run the pods as containers of this containerd (its CRI socket) with the
     /// CRI-backed kubelet stand-in (`cri-kubelet`) instead of kubelet-sim.
     pub cri_runtime: Option<PathBuf>,
+    /// How many cloud replicas (tunnel mode; 0 and 1 both mean one, without peers).
+    pub replicas: usize,
+}
+
+/// `TETHER_E2E_REPLICAS` (default 1): how many cloud replicas a suite's cluster runs.
+pub fn replicas_from_env() -> Result<usize> {
+    match std::env::var("TETHER_E2E_REPLICAS").as_deref() {
+        Err(_) | Ok("") => Ok(1),
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=5).contains(&n) => Ok(n),
+            _ => bail!("TETHER_E2E_REPLICAS={v:?}: expected 1 to 5"),
+        },
+    }
 }
 
 /// A node of a running cluster.
@@ -126,7 +145,42 @@ pub struct RunningNode {
 pub struct RunningCloud {
     pub tunnel_addr: SocketAddr,
     pub kubelet_api_addr: SocketAddr,
+    /// Its operations listener (`/metrics`, `/status`).
+    pub metrics_addr: SocketAddr,
     proc: Proc,
+}
+
+impl RunningCloud {
+    /// The replica's process name.
+    pub fn name(&self) -> &str {
+        self.proc.name()
+    }
+
+    /// `GET /metrics` (or another path) of its operations listener.
+    pub async fn ops_get(&self, path: &str) -> Result<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let fetch = async {
+            let mut tcp = tokio::net::TcpStream::connect(self.metrics_addr).await?;
+            tcp.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+                .await?;
+            let mut text = String::new();
+            tcp.read_to_string(&mut text).await?;
+            Ok::<_, std::io::Error>(text)
+        };
+        let text = tokio::time::timeout(Duration::from_secs(5), fetch)
+            .await
+            .with_context(|| format!("GET {path} of {}: no answer in 5 s", self.name()))?
+            .with_context(|| format!("GET {path} of {}", self.name()))?;
+        Ok(text)
+    }
+}
+
+/// The value of the first Prometheus sample of `series` (its name and labels) in `text`.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)
+            .and_then(|rest| rest.trim().split(' ').next()?.parse().ok())
+    })
 }
 
 /// A running cluster.
@@ -138,7 +192,10 @@ pub struct Cluster {
     /// `https://127.0.0.1:PORT` of apiserver-sim.
     pub apiserver_url: String,
     pub nodes: Vec<RunningNode>,
+    /// The first (or only) cloud replica.
     pub cloud: Option<RunningCloud>,
+    /// The other replicas, with [`ClusterSpec::replicas`] above one.
+    pub more_clouds: Vec<RunningCloud>,
     apiserver: Proc,
     client: KubeletClient,
 }
@@ -164,6 +221,15 @@ fn command(program: &Path) -> Command {
         cmd.env("RUST_LOG", filter);
     }
     cmd
+}
+
+/// A free UDP port on loopback (released before the replica binds it).
+fn free_udp_port() -> Result<u16> {
+    Ok(std::net::UdpSocket::bind("127.0.0.1:0")
+        .context("binding a UDP port")?
+        .local_addr()
+        .context("reading a UDP port")?
+        .port())
 }
 
 fn parse_addr(token: &str, what: &str) -> Result<SocketAddr> {
@@ -312,44 +378,79 @@ impl Cluster {
         }
 
         // The tunnel.
-        let mut cloud = None;
+        let mut clouds: Vec<RunningCloud> = Vec::new();
         if let (Some(cloud_bin), Some(edge_bin)) = (cloud_bin, edge_bin) {
-            let mut cmd = command(&cloud_bin);
-            cmd.arg("--tunnel-listen")
-                .arg("127.0.0.1:0")
-                .arg("--tunnel-cert")
-                .arg(&pki.cloud_tunnel.cert)
-                .arg("--tunnel-key")
-                .arg(&pki.cloud_tunnel.key)
-                .arg("--edge-ca")
-                .arg(&pki.tether_ca)
-                .arg("--kubelet-listen")
-                .arg("127.0.0.1:0")
-                .arg("--kubelet-cert")
-                .arg(&pki.cloud_kubelet.cert)
-                .arg("--kubelet-key")
-                .arg(&pki.cloud_kubelet.key)
-                .arg("--apiserver-client-ca")
-                .arg(&pki.apiserver_client_ca)
-                // apiserver-sim starts after the cloud (it dials the cloud's kubelet
-                // API): this cloud routes by edge reports.
-                .arg("--insecure-trust-edge-reports");
-            let mut proc = Proc::spawn("tether-cloud", cmd, &logs, opts)?;
-            let line = proc
-                .wait_line("`tether-cloud ready …`", READY_TIMEOUT, |l| {
-                    l.starts_with("tether-cloud ready")
-                })
-                .await?;
-            let tunnel_addr = parse_addr(
-                field(&line, "tunnel").with_context(|| format!("no tunnel= in {line:?}"))?,
-                "cloud tunnel address",
-            )?;
-            let kubelet_api_addr = parse_addr(
-                field(&line, "kubelet-api")
-                    .with_context(|| format!("no kubelet-api= in {line:?}"))?,
-                "cloud kubelet-api address",
-            )?;
-            for node in &mut nodes {
+            let n = spec.replicas.max(1);
+            let peering = if n > 1 {
+                let peers = pki::mint_peers(&dir.join("pki").join("peers"))?;
+                let listens = (0..n)
+                    .map(|_| free_udp_port().map(|p| SocketAddr::from(([127, 0, 0, 1], p))))
+                    .collect::<Result<Vec<_>>>()?;
+                Some((peers, listens))
+            } else {
+                None
+            };
+            let mut starting = Vec::new();
+            for i in 0..n {
+                let mut cmd = command(&cloud_bin);
+                cmd.arg("--tunnel-listen")
+                    .arg("127.0.0.1:0")
+                    .arg("--kubelet-listen")
+                    .arg("127.0.0.1:0")
+                    // apiserver-sim starts after the cloud (it dials the cloud's kubelet
+                    // API): these flags make the cloud route by edge reports.
+                    .args(pki.cloud_flags());
+                let name = if n > 1 {
+                    format!("tether-cloud-{i}")
+                } else {
+                    "tether-cloud".to_string()
+                };
+                if let Some((peers, listens)) = &peering {
+                    let list = listens
+                        .iter()
+                        .map(|a| a.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",");
+                    cmd.arg("--replica-name")
+                        .arg(&name)
+                        .arg("--peer-listen")
+                        .arg(listens[i].to_string())
+                        .arg("--peers")
+                        .arg(list)
+                        .arg("--peer-resolve-interval")
+                        .arg("1s")
+                        .args(peers.flags());
+                }
+                starting.push(Proc::spawn(&name, cmd, &logs, opts)?);
+            }
+            for mut proc in starting {
+                let line = proc
+                    .wait_line("`tether-cloud ready …`", READY_TIMEOUT, |l| {
+                        l.starts_with("tether-cloud ready")
+                    })
+                    .await?;
+                let tunnel_addr = parse_addr(
+                    field(&line, "tunnel").with_context(|| format!("no tunnel= in {line:?}"))?,
+                    "cloud tunnel address",
+                )?;
+                let kubelet_api_addr = parse_addr(
+                    field(&line, "kubelet-api")
+                        .with_context(|| format!("no kubelet-api= in {line:?}"))?,
+                    "cloud kubelet-api address",
+                )?;
+                let metrics_addr = parse_addr(
+                    field(&line, "metrics").with_context(|| format!("no metrics= in {line:?}"))?,
+                    "cloud metrics address",
+                )?;
+                clouds.push(RunningCloud {
+                    tunnel_addr,
+                    kubelet_api_addr,
+                    metrics_addr,
+                    proc,
+                });
+            }
+            for (i, node) in nodes.iter_mut().enumerate() {
+                let tunnel_addr = clouds[i % clouds.len()].tunnel_addr;
                 let tls = &pki.edges[&node.name];
                 let mut cmd = command(&edge_bin);
                 cmd.arg("--cloud")
@@ -383,12 +484,10 @@ impl Cluster {
                     .await?;
                 }
             }
-            cloud = Some(RunningCloud {
-                tunnel_addr,
-                kubelet_api_addr,
-                proc,
-            });
         }
+        let mut clouds = clouds.into_iter();
+        let cloud = clouds.next();
+        let more_clouds: Vec<RunningCloud> = clouds.collect();
 
         // The apiserver stand-in.
         let kubeconfig = dir.join("kubeconfig");
@@ -420,8 +519,12 @@ impl Cluster {
             cmd.arg("--pod").arg(api_pod_arg(node, p));
         }
         if let Some(c) = &cloud {
-            cmd.arg("--kubelet-dial")
-                .arg(c.kubelet_api_addr.to_string());
+            let all = std::iter::once(c)
+                .chain(more_clouds.iter())
+                .map(|c| c.kubelet_api_addr.to_string())
+                .collect::<Vec<_>>()
+                .join(",");
+            cmd.arg("--kubelet-dial").arg(all);
         }
         let mut apiserver = Proc::spawn("apiserver-sim", cmd, &logs, opts)?;
         let apiserver_url = wait_kubeconfig(&kubeconfig, &mut apiserver).await?;
@@ -434,6 +537,7 @@ impl Cluster {
             apiserver_url,
             nodes,
             cloud,
+            more_clouds,
             apiserver,
             client,
         };
@@ -474,7 +578,29 @@ impl Cluster {
     /// kubelet), TLS server name = the node's name (SNI) in tunnel mode, `Host` = the
     /// node's address.
     pub async fn kubelet_get(&self, node: &str, path: &str) -> Result<crate::probe::Reply> {
-        let addr = self.kubelet_api_for(node)?;
+        self.kubelet_get_via(self.kubelet_api_for(node)?, node, path)
+            .await
+    }
+
+    /// Every address the apiserver may reach `node`'s kubelet API at: each cloud
+    /// replica's, or the node's kubelet.
+    pub fn kubelet_apis_for(&self, node: &str) -> Result<Vec<SocketAddr>> {
+        match &self.cloud {
+            Some(c) => Ok(std::iter::once(c)
+                .chain(self.more_clouds.iter())
+                .map(|c| c.kubelet_api_addr)
+                .collect()),
+            None => Ok(vec![self.node(node)?.kubelet_addr]),
+        }
+    }
+
+    /// [`Cluster::kubelet_get`] through the kubelet API at `addr`.
+    pub async fn kubelet_get_via(
+        &self,
+        addr: SocketAddr,
+        node: &str,
+        path: &str,
+    ) -> Result<crate::probe::Reply> {
         let (server_name, host) = match self.mode {
             Mode::Tunnel => (node.to_string(), format!("{node}:{KUBELET_PORT}")),
             Mode::Direct => ("127.0.0.1".to_string(), addr.to_string()),
@@ -484,7 +610,7 @@ impl Cluster {
 
     /// Waits until every pod's first container answers a log request through the kubelet
     /// API, from its own node's kubelet (`X-Kubelet-Sim-Node`). In tunnel mode this is
-    /// when the cloud has the edges' pod lists.
+    /// when the cloud has the edges' pod lists — every replica, with several.
     async fn wait_routable(&self) -> Result<()> {
         let start = Instant::now();
         for node in &self.nodes {
@@ -496,30 +622,35 @@ impl Cluster {
                     "/containerLogs/{}/{}/{c}?limitBytes=1",
                     pod.namespace, pod.name
                 );
-                loop {
-                    let last = match self.kubelet_get(&node.name, &path).await {
-                        Ok(r) if r.status.is_success() && r.node() == Some(node.name.as_str()) => {
-                            break
-                        }
-                        Ok(r) => format!(
-                            "{} from node {:?}: {}",
-                            r.status,
-                            r.node(),
-                            String::from_utf8_lossy(&r.body).trim()
-                        ),
-                        Err(e) => format!("{e:#}"),
-                    };
-                    if start.elapsed() > ROUTABLE_TIMEOUT {
-                        bail!(
-                            "pod {}/{} on {} not reachable through the kubelet API within \
+                for addr in self.kubelet_apis_for(&node.name)? {
+                    loop {
+                        let last = match self.kubelet_get_via(addr, &node.name, &path).await {
+                            Ok(r)
+                                if r.status.is_success()
+                                    && r.node() == Some(node.name.as_str()) =>
+                            {
+                                break
+                            }
+                            Ok(r) => format!(
+                                "{} from node {:?}: {}",
+                                r.status,
+                                r.node(),
+                                String::from_utf8_lossy(&r.body).trim()
+                            ),
+                            Err(e) => format!("{e:#}"),
+                        };
+                        if start.elapsed() > ROUTABLE_TIMEOUT {
+                            bail!(
+                                "pod {}/{} on {} not reachable through the kubelet API within \
                              {ROUTABLE_TIMEOUT:?}; last answer to GET {path}: {last}\n{}",
-                            pod.namespace,
-                            pod.name,
-                            node.name,
-                            self.diagnostics(15)
-                        );
+                                pod.namespace,
+                                pod.name,
+                                node.name,
+                                self.diagnostics(15)
+                            );
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
                     }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
         }
@@ -541,7 +672,7 @@ impl Cluster {
                 v.push(e);
             }
         }
-        if let Some(c) = &self.cloud {
+        for c in self.cloud.iter().chain(self.more_clouds.iter()) {
             v.push(&c.proc);
         }
         for n in &self.nodes {
@@ -573,7 +704,7 @@ impl Cluster {
             }
         };
         check(&mut self.apiserver);
-        if let Some(c) = self.cloud.as_mut() {
+        for c in self.cloud.iter_mut().chain(self.more_clouds.iter_mut()) {
             check(&mut c.proc);
         }
         for n in &mut self.nodes {
@@ -603,7 +734,7 @@ impl Cluster {
                 stop(e.name().to_string(), s);
             }
         }
-        if let Some(c) = self.cloud.as_mut() {
+        for c in self.cloud.iter_mut().chain(self.more_clouds.iter_mut()) {
             let s = c.proc.terminate(STOP_GRACE).await;
             stop(c.proc.name().to_string(), s);
         }

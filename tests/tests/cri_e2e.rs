@@ -58,6 +58,7 @@ async fn run_all(dir: &Path, ctd: &Containerd) -> Result<()> {
         own_process_groups: false,
         certs_via_cli: false,
         cri_runtime: Some(ctd.socket.clone()),
+        replicas: 1,
     };
     let cluster = Cluster::start(&spec, &dir.join("cluster")).await?;
     let result = cases(&cluster, dir).await;

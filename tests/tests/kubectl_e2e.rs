@@ -15,6 +15,9 @@
 //! `kubectl 1.28: N passed, M failed` per version, and exits non-zero if anything
 //! failed. `TETHER_E2E_MODE=direct` runs the same cases without the tunnel (the apiserver
 //! dials the kubelet simulators itself), to tell fixture problems from tunnel problems;
+//! `TETHER_E2E_REPLICAS=3` runs the cloud as three replicas, the edges held by different
+//! ones and apiserver-sim dialling each replica in turn, so every case runs both served
+//! locally and relayed over the peer link;
 //! `TETHER_E2E_KEEP=1` keeps the run directory (process logs, certificates) after a pass.
 //! The binaries must have been built first: `cargo build --workspace --bins`.
 
@@ -84,7 +87,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn spec(mode: Mode) -> ClusterSpec {
+fn spec(mode: Mode, replicas: usize) -> ClusterSpec {
     ClusterSpec {
         mode,
         nodes: vec![
@@ -101,6 +104,7 @@ fn spec(mode: Mode) -> ClusterSpec {
         own_process_groups: false,
         certs_via_cli: false,
         cri_runtime: None,
+        replicas,
     }
 }
 
@@ -143,6 +147,10 @@ impl Selection {
 async fn suite(selection: Selection) -> Result<bool> {
     let started = std::time::Instant::now();
     let mode = Mode::from_env()?;
+    let replicas = tether_tests::cluster::replicas_from_env()?;
+    if replicas > 1 && mode != Mode::Tunnel {
+        bail!("TETHER_E2E_REPLICAS={replicas} needs the tunnel mode");
+    }
     // Every binary first, so that a missing one is reported once, with how to build it.
     let mut needed = vec![bins::KUBELET_SIM, bins::APISERVER_SIM];
     if mode == Mode::Tunnel {
@@ -157,7 +165,7 @@ async fn suite(selection: Selection) -> Result<bool> {
         .tempdir()
         .context("creating the run directory")?;
     println!(
-        "kubectl e2e: {mode}; kubectl {}; run directory {}",
+        "kubectl e2e: {mode}; {replicas} cloud replica(s); kubectl {}; run directory {}",
         bins.iter()
             .map(|b| format!("{} ({})", b.version, b.path.display()))
             .collect::<Vec<_>>()
@@ -166,7 +174,7 @@ async fn suite(selection: Selection) -> Result<bool> {
     );
     let runs = bins.iter().enumerate().map(|(i, bin)| {
         let dir = root.path().join(format!("{i}-kubectl-{}", bin.version));
-        run_version(bin.clone(), mode, dir, selection.clone())
+        run_version(bin.clone(), mode, replicas, dir, selection.clone())
     });
     let results: Vec<Vec<CaseResult>> = futures_util::future::join_all(runs).await;
     let all: Vec<CaseResult> = results.into_iter().flatten().collect();
@@ -246,6 +254,7 @@ fn cases() -> Vec<(&'static str, CaseFn)> {
 async fn run_version(
     bin: KubectlBin,
     mode: Mode,
+    replicas: usize,
     dir: PathBuf,
     selection: Selection,
 ) -> Vec<CaseResult> {
@@ -267,7 +276,7 @@ async fn run_version(
             .collect()
     };
     let started = std::time::Instant::now();
-    let cluster = match Cluster::start(&spec(mode), &dir).await {
+    let cluster = match Cluster::start(&spec(mode, replicas), &dir).await {
         Ok(c) => c,
         Err(e) => return fail_all(format!("{e:#}")),
     };
@@ -284,7 +293,20 @@ async fn run_version(
         .iter()
         .map(|(name, f)| Case::new(name, f(ctx.clone())))
         .collect();
-    let results = report::run_cases(&version, cases, PARALLEL, CASE_LIMIT).await;
+    let mut results = report::run_cases(&version, cases, PARALLEL, CASE_LIMIT).await;
+    if replicas > 1 && !results.is_empty() {
+        let started = std::time::Instant::now();
+        let error = relayed_everywhere(&ctx.cluster)
+            .await
+            .err()
+            .map(|e| format!("{e:#}"));
+        results.push(CaseResult {
+            group: version.clone(),
+            name: "replicas-local-and-relayed",
+            elapsed: started.elapsed(),
+            error,
+        });
+    }
     let Ok(mut ctx) = Arc::try_unwrap(ctx) else {
         println!("[kubectl {version}] a case still holds the cluster; it is killed on exit");
         return results;
@@ -305,6 +327,45 @@ async fn run_version(
         }
     }
     results
+}
+
+/// With several replicas: every replica took requests, some were served where they
+/// landed and some relayed, and every relay a replica opened as entry was served by
+/// another as holder (one hop: no replica relays what it was relayed).
+async fn relayed_everywhere(cluster: &Cluster) -> Result<()> {
+    use tether_tests::cluster::sample;
+    let mut entry = 0.0;
+    let mut holder = 0.0;
+    let mut local = 0.0;
+    for c in cluster.cloud.iter().chain(cluster.more_clouds.iter()) {
+        let text = c.ops_get("/metrics").await?;
+        let get = |s: &str| sample(&text, s).unwrap_or(0.0);
+        let (e, h) = (
+            get("tether_cloud_relayed_streams_total{role=\"entry\"}"),
+            get("tether_cloud_relayed_streams_total{role=\"holder\"}"),
+        );
+        let (l, r) = (
+            get("tether_cloud_route_lookups_total{result=\"local\"}"),
+            get("tether_cloud_route_lookups_total{result=\"relayed\"}"),
+        );
+        println!(
+            "FIGURE replica {}: {l} requests served locally, {r} relayed out ({e} relays opened), {h} relays served as holder",
+            c.name()
+        );
+        ensure!(l + r > 0.0, "replica {} took no request", c.name());
+        entry += e;
+        holder += h;
+        local += l;
+    }
+    ensure!(
+        entry > 0.0 && local > 0.0,
+        "{entry} relayed, {local} local: both kinds must occur"
+    );
+    ensure!(
+        entry == holder,
+        "{entry} relays opened but {holder} served as holder"
+    );
+    Ok(())
 }
 
 /// Log contents and scratch space the cases rely on.

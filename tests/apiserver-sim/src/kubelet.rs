@@ -82,25 +82,37 @@ pub fn sni(address: &str) -> Option<String> {
 #[derive(Clone)]
 pub struct Kubelets {
     connector: TlsConnector,
-    /// `--kubelet-dial`: every connection goes here instead of the node's address.
-    dial_override: Option<String>,
+    /// `--kubelet-dial`: every connection goes to one of these instead of the
+    /// node's address, each in turn (a DNAT spreading over several replicas).
+    dial_override: Vec<String>,
+    next: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Kubelets {
-    pub fn new(config: Arc<rustls::ClientConfig>, dial_override: Option<String>) -> Self {
+    pub fn new(config: Arc<rustls::ClientConfig>, dial_override: Vec<String>) -> Self {
         Kubelets {
             connector: TlsConnector::from(config),
             dial_override,
+            next: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         }
+    }
+
+    /// Where the next connection for `node` goes.
+    fn target(&self, node: &Node) -> String {
+        if self.dial_override.is_empty() {
+            return node.host_port();
+        }
+        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.dial_override[i % self.dial_override.len()].clone()
     }
 
     /// TCP + TLS to the node's kubelet (or the override), bounded by 5 s.
     pub async fn dial(&self, node: &Node) -> Result<TlsStream<TcpStream>> {
         let name = server_name(&node.address)?;
-        let target = self
-            .dial_override
-            .clone()
-            .unwrap_or_else(|| node.host_port());
+        let target = self.target(node);
+        if self.dial_override.len() > 1 {
+            eprintln!("apiserver-sim: dialling {target} for node {}", node.name);
+        }
         let fut = async {
             let tcp = TcpStream::connect(target.as_str())
                 .await
@@ -135,9 +147,11 @@ impl Kubelets {
             loc.log_url(),
             clip(&host),
             sni(&loc.node.address).unwrap_or_else(|| "-".into()),
-            self.dial_override
-                .clone()
-                .unwrap_or_else(|| loc.node.host_port()),
+            if self.dial_override.is_empty() {
+                loc.node.host_port()
+            } else {
+                self.dial_override.join(",")
+            },
         );
         let tls = self.dial(&loc.node).await?;
         let (mut sender, conn) = hyper::client::conn::http1::Builder::new()

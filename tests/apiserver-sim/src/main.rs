@@ -92,7 +92,8 @@ struct Cli {
     #[arg(long = "node", value_name = "NAME=ADDRESS[:PORT]")]
     nodes: Vec<String>,
     /// Dial every kubelet connection to HOST:PORT instead (emulates a DNAT); Host, SNI and
-    /// URLs still name the node's address.
+    /// URLs still name the node's address. A comma-separated list: each connection goes
+    /// to the next in turn (a DNAT over several cloud replicas).
     #[arg(long, value_name = "HOST:PORT")]
     kubelet_dial: Option<String>,
     /// A pod: [NS/]NAME=NODE:CONTAINER[,CONTAINER...] (a container may be NAME@IMAGE).
@@ -171,12 +172,14 @@ fn kubelets(cli: &Cli) -> Result<Kubelets> {
         }
         _ => tls::kubelet_client_config_anonymous(ca.as_deref())?,
     };
-    if let Some(d) = &cli.kubelet_dial {
+    let mut dial = Vec::new();
+    for d in cli.kubelet_dial.iter().flat_map(|d| d.split(',')) {
         if cluster::split_host_port(d)?.1.is_none() {
             bail!("--kubelet-dial {d:?}: expected HOST:PORT");
         }
+        dial.push(d.to_string());
     }
-    Ok(Kubelets::new(config, cli.kubelet_dial.clone()))
+    Ok(Kubelets::new(config, dial))
 }
 
 /// The address clients should use: the bound one, loopback if unspecified.

@@ -1,0 +1,310 @@
+//! Routes shared between replicas: which edges each replica holds.
+//!
+//! **Push, not ask.** Every replica subscribes to each peer it has a link to
+//! (one bidirectional stream on the link it dialled, opened with
+//! [`SUBSCRIBE_MAGIC`]); the peer answers with its whole table of locally
+//! held edges, then with every change, as length-prefixed postcard
+//! [`Update`]s. A replica therefore routes every request from its own memory:
+//! a relayed stream costs one stream open on the peer link and no lookup
+//! round trip, and a pod or address claimed on two replicas is a 409 exactly
+//! as on one, because both claims are in the same table. Asking on a miss
+//! would add a round trip to every relayed request and leave "unknown" vs
+//! "held elsewhere" to the slowest peer's answer; the price of pushing is a
+//! few hundred bytes per edge per peer, and one update per change.
+//!
+//! **Stale-route window.** An update goes out at most [`COALESCE`] after the
+//! change (bursts, such as a thousand edges reconnecting, coalesce into one
+//! batch), so a peer learns an edge's move after that plus one peer-link
+//! delivery. Until then it may relay to the replica the edge left; that
+//! replica answers `NotHere` ([`crate::relay`]), the entry counts a stale
+//! route and decides again when its table changes (bounded by
+//! `--route-wait`). The window is measured by the replicas test.
+//!
+//! The publisher diffs its current table against what it last sent, so a
+//! slow peer never receives a backlog, only the latest state. A subscription
+//! that ends (the link closes, a bad message, a message over
+//! `--peer-max-message-bytes`) drops everything learnt from that peer; the
+//! subscriber subscribes again while the link lives.
+//! This module owns the wire format, the diff and both loops; the table of
+//! remote edges itself is in [`crate::registry`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tracing::{debug, info, warn};
+
+use crate::metrics::CloudMetrics;
+use crate::peer::PeerLink;
+use crate::registry::Registry;
+
+/// First bytes of a route subscription stream.
+pub const SUBSCRIBE_MAGIC: &[u8; 4] = b"TPS1";
+/// How long the publisher gathers changes before sending them.
+pub const COALESCE: Duration = Duration::from_millis(20);
+/// How long a subscriber waits before subscribing again after a failure.
+const RESUBSCRIBE: Duration = Duration::from_secs(1);
+
+/// One edge a replica holds, as its peers see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EdgeRecord {
+    pub node: String,
+    /// The session's id (for `/status`).
+    pub session: String,
+    /// Whether the edge has a live connection to the holder (else it is
+    /// within its grace period there).
+    pub attached: bool,
+    /// When the holder attached its current (or last) connection, Unix ms.
+    pub since_ms: u64,
+    /// Pods the edge reported (namespace, name), as the holder accepted them.
+    pub pods: Vec<(String, String)>,
+    /// Addresses the edge announced, as the holder indexed them.
+    pub addresses: Vec<String>,
+}
+
+/// One message of a subscription.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Update {
+    /// These edges are held by the publisher now (new or changed).
+    Upsert(Vec<EdgeRecord>),
+    /// These nodes are no longer held by the publisher.
+    Remove(Vec<String>),
+}
+
+/// Why a subscription ended.
+#[derive(Debug, thiserror::Error)]
+pub enum RoutesError {
+    #[error("a message of {len} bytes (at most {max}, --peer-max-message-bytes)")]
+    TooLarge { len: usize, max: usize },
+    #[error("a bad message: {0}")]
+    Decode(#[from] postcard::Error),
+    #[error("peer link: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("peer link: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    #[error("the peer did not read an update within {0:?} (--peer-timeout)")]
+    Timeout(Duration),
+}
+
+/// The changes from `sent` to `now`: records to upsert, nodes to remove.
+pub fn diff(
+    sent: &HashMap<String, EdgeRecord>,
+    now: &HashMap<String, EdgeRecord>,
+) -> (Vec<EdgeRecord>, Vec<String>) {
+    let mut up: Vec<EdgeRecord> = now
+        .values()
+        .filter(|r| sent.get(&r.node) != Some(*r))
+        .cloned()
+        .collect();
+    up.sort_by(|a, b| a.node.cmp(&b.node));
+    let mut gone: Vec<String> = sent
+        .keys()
+        .filter(|n| !now.contains_key(*n))
+        .cloned()
+        .collect();
+    gone.sort();
+    (up, gone)
+}
+
+/// Encodes `up` and `gone` as length-prefixed messages of at most `max`
+/// bytes each. A single record larger than that is an error.
+pub fn encode(
+    up: Vec<EdgeRecord>,
+    gone: Vec<String>,
+    max: usize,
+) -> Result<Vec<Vec<u8>>, RoutesError> {
+    let mut out = Vec::new();
+    let framed = |u: &Update| -> Result<Vec<u8>, RoutesError> {
+        let body = postcard::to_allocvec(u)?;
+        if body.len() > max {
+            return Err(RoutesError::TooLarge {
+                len: body.len(),
+                max,
+            });
+        }
+        let mut v = Vec::with_capacity(4 + body.len());
+        v.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        v.extend_from_slice(&body);
+        Ok(v)
+    };
+    // Batches of records that fit: sizes are estimated per record and the
+    // batch is cut at half the limit, leaving room for the envelope.
+    let mut batch = Vec::new();
+    let mut size = 0usize;
+    for r in up {
+        let s = postcard::to_allocvec(&r)?.len();
+        if !batch.is_empty() && size + s > max / 2 {
+            out.push(framed(&Update::Upsert(std::mem::take(&mut batch)))?);
+            size = 0;
+        }
+        size += s;
+        batch.push(r);
+    }
+    if !batch.is_empty() {
+        out.push(framed(&Update::Upsert(batch))?);
+    }
+    for chunk in gone.chunks(1024) {
+        out.push(framed(&Update::Remove(chunk.to_vec()))?);
+    }
+    Ok(out)
+}
+
+/// Reads one length-prefixed update of at most `max` bytes; `None` at a clean end.
+pub async fn read_update<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max: usize,
+) -> Result<Option<Update>, RoutesError> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_be_bytes(len) as usize;
+    if len > max {
+        return Err(RoutesError::TooLarge { len, max });
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).await?;
+    Ok(Some(postcard::from_bytes(&body)?))
+}
+
+/// Publisher: serves one subscription (its magic already read) with this
+/// replica's local edges until the subscriber goes away.
+pub async fn publish(
+    mut send: quinn::SendStream,
+    registry: Arc<Registry>,
+    max: usize,
+    timeout: Duration,
+    peer: String,
+) -> Result<(), RoutesError> {
+    let mut changes = registry.local_changes();
+    let mut sent: HashMap<String, EdgeRecord> = HashMap::new();
+    debug!(%peer, "peer subscribed to this replica's routes");
+    loop {
+        changes.borrow_and_update();
+        let now = registry.local_records();
+        let (up, gone) = diff(&sent, &now);
+        for msg in encode(up, gone, max)? {
+            tokio::time::timeout(timeout, send.write_all(&msg))
+                .await
+                .map_err(|_| RoutesError::Timeout(timeout))?
+                .map_err(std::io::Error::from)?;
+        }
+        sent = now;
+        tokio::select! {
+            r = changes.changed() => if r.is_err() { return Ok(()) },
+            _ = send.stopped() => return Ok(()),
+        }
+        tokio::time::sleep(COALESCE).await;
+    }
+}
+
+/// Subscriber: keeps this replica's table of `link`'s edges current while
+/// the link lives; drops them when it closes.
+pub async fn subscribe(link: PeerLink, registry: Arc<Registry>, metrics: CloudMetrics, max: usize) {
+    let peer = link.replica.name.clone();
+    while link.conn.close_reason().is_none() {
+        let result = async {
+            let (mut send, mut recv) = link.conn.open_bi().await?;
+            send.write_all(SUBSCRIBE_MAGIC)
+                .await
+                .map_err(std::io::Error::from)?;
+            while let Some(update) = read_update(&mut recv, max).await? {
+                registry.apply_remote(&link, update);
+                metrics.remote_edges.set(registry.remote_len() as i64);
+            }
+            Ok::<(), RoutesError>(())
+        }
+        .await;
+        registry.drop_remote(link.replica.instance);
+        metrics.remote_edges.set(registry.remote_len() as i64);
+        match result {
+            Ok(()) => debug!(%peer, "route subscription ended"),
+            Err(e) if link.conn.close_reason().is_some() => {
+                debug!(%peer, error = %e, "route subscription ended with the link")
+            }
+            Err(e) => warn!(%peer, error = %e, "route subscription failed; subscribing again"),
+        }
+        tokio::time::sleep(RESUBSCRIBE).await;
+    }
+    info!(%peer, "peer link closed; its edges are no longer routed here");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(node: &str, pods: usize) -> EdgeRecord {
+        EdgeRecord {
+            node: node.into(),
+            session: "s".into(),
+            attached: true,
+            since_ms: 1,
+            pods: (0..pods)
+                .map(|i| ("default".to_string(), format!("pod-{i}")))
+                .collect(),
+            addresses: vec!["10.0.0.1".into()],
+        }
+    }
+
+    #[test]
+    fn diff_sends_only_changes_and_removals() {
+        let a: HashMap<_, _> = [
+            ("a".to_string(), rec("a", 1)),
+            ("b".to_string(), rec("b", 1)),
+        ]
+        .into_iter()
+        .collect();
+        let mut b = a.clone();
+        b.remove("a");
+        b.get_mut("b").unwrap().attached = false;
+        b.insert("c".into(), rec("c", 0));
+        let (up, gone) = diff(&a, &b);
+        assert_eq!(
+            up.iter().map(|r| r.node.as_str()).collect::<Vec<_>>(),
+            ["b", "c"]
+        );
+        assert_eq!(gone, ["a"]);
+        assert_eq!(diff(&b, &b), (vec![], vec![]));
+    }
+
+    #[tokio::test]
+    async fn updates_are_batched_under_the_limit_and_read_back() {
+        let up: Vec<_> = (0..300).map(|i| rec(&format!("edge-{i}"), 20)).collect();
+        let msgs = encode(up.clone(), vec!["gone".into()], 16 * 1024).unwrap();
+        assert!(msgs.len() > 2, "{} messages", msgs.len());
+        let mut all: Vec<u8> = msgs.concat();
+        let mut got = Vec::new();
+        let mut removed = Vec::new();
+        let mut r = &all[..];
+        while let Some(u) = read_update(&mut r, 16 * 1024).await.unwrap() {
+            match u {
+                Update::Upsert(v) => got.extend(v),
+                Update::Remove(v) => removed.extend(v),
+            }
+        }
+        assert_eq!(got, up);
+        assert_eq!(removed, ["gone"]);
+        // Over the reader's limit: refused, not allocated.
+        all.truncate(4);
+        all[..4].copy_from_slice(&(1u32 << 30).to_be_bytes());
+        assert!(matches!(
+            read_update(&mut &all[..], 16 * 1024).await,
+            Err(RoutesError::TooLarge { .. })
+        ));
+        // A record larger than the limit cannot be sent.
+        assert!(matches!(
+            encode(vec![rec("huge", 5000)], vec![], 1024),
+            Err(RoutesError::TooLarge { .. })
+        ));
+        // Garbage is a decode error.
+        let garbage = [0u8, 0, 0, 2, 0xff, 0xff];
+        assert!(matches!(
+            read_update(&mut &garbage[..], 1024).await,
+            Err(RoutesError::Decode(_))
+        ));
+    }
+}
