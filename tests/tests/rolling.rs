@@ -593,3 +593,70 @@ async fn sigterm_moves_edges_staggered_and_a_refused_edge_retries_from_new_ports
     );
     drop(edges);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_keeps_relaying_a_stream_to_an_edge_held_elsewhere() {
+    let bed = Bed::new("relay");
+    let extra = ["--shutdown-grace", "20s", "--drain-spread", "1s"];
+    // The edge is held by B; the apiserver's stream lands on A, which relays it.
+    bed.ns.route_service_to(addr(TUNNEL[1]));
+    let mut a = bed.replica(0, true, &extra).await;
+    let _b = bed.replica(1, true, &extra).await;
+    let (_kubelet, _edge) = bed.edge().await;
+    bed.edge_remote_on(1, Duration::from_secs(10)).await;
+    let client = bed.client(0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let resp = loop {
+        let r = client.follow_log("default/p1").await.unwrap();
+        if r.status() == StatusCode::OK {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "p1 never routable through A");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut body = resp.into_body();
+    tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let (_, m) = ns_get(&bed.ns.0, addr(METRICS[0]), "/metrics")
+        .await
+        .unwrap();
+    assert_eq!(
+        sample(&m, "tether_cloud_relayed_streams_total{role=\"entry\"}"),
+        Some(1.0),
+        "the stream is relayed by A: {m}"
+    );
+
+    let term = Instant::now();
+    sigterm(&a);
+    let flow_until = Instant::now() + Duration::from_secs(2);
+    let mut frames = 0;
+    while Instant::now() < flow_until {
+        match tokio::time::timeout(Duration::from_secs(2), body.frame()).await {
+            Ok(Some(Ok(_))) => frames += 1,
+            other => panic!("the relayed stream through the draining replica broke: {other:?}"),
+        }
+    }
+    assert!(frames >= 10, "only {frames} frames in 2 s after SIGTERM");
+    assert!(
+        a.exited().is_none(),
+        "A must relay its stream until it ends"
+    );
+    let (s, _) = ns_get(&bed.ns.0, addr(METRICS[0]), "/readyz")
+        .await
+        .unwrap();
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+
+    // The stream ends: A exits 0 soon after, well within --shutdown-grace.
+    drop(body);
+    let ended = Instant::now();
+    let status = a.wait_exit(Duration::from_secs(10)).await.unwrap();
+    assert!(status.success(), "{status:?}\n{}", bed.log("replica-a"));
+    eprintln!(
+        "replica-a relayed for {:?} after SIGTERM, exited {:?} after the stream ended",
+        ended - term,
+        ended.elapsed()
+    );
+}
