@@ -52,7 +52,22 @@ pub fn cid_key(reset_key: &ring::hmac::Key) -> u64 {
 /// `--reset-key-file` is set (see [`reset_key`]).
 pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
     let sc = crate::tls::quic_server_config(cfg, &cfg.quic)?;
-    let endpoint_config = match &cfg.reset_key_file {
+    let endpoint_config = endpoint_config(cfg.reset_key_file.as_deref(), cfg.reset_interval)?;
+    let socket = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
+        .with_context(|| format!("binding UDP {}", cfg.tunnel_listen))?;
+    let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
+    quinn::Endpoint::new(endpoint_config, Some(sc), socket, runtime)
+        .context("creating the QUIC endpoint")
+}
+
+/// The edge listener's endpoint settings: the stateless-reset key and the
+/// connection-ID generator (shared by all replicas when `reset_key_file` is
+/// given, else random), and the least interval between two resets.
+pub fn endpoint_config(
+    reset_key_file: Option<&std::path::Path>,
+    reset_interval: Duration,
+) -> anyhow::Result<quinn::EndpointConfig> {
+    let mut c = match reset_key_file {
         Some(path) => {
             let key = reset_key(path)?;
             let cids = cid_key(&key);
@@ -68,11 +83,8 @@ pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
             quinn::EndpointConfig::default()
         }
     };
-    let socket = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
-        .with_context(|| format!("binding UDP {}", cfg.tunnel_listen))?;
-    let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
-    quinn::Endpoint::new(endpoint_config, Some(sc), socket, runtime)
-        .context("creating the QUIC endpoint")
+    c.min_reset_interval(reset_interval);
+    Ok(c)
 }
 
 /// Least key material a reset-key file must hold.
@@ -91,8 +103,10 @@ pub const MIN_RESET_KEY_BYTES: usize = 32;
 /// Initial with no server config is answered with a reset the client cannot
 /// use yet. The reset is never larger than the inciting datagram: datagrams
 /// of 21 bytes or fewer get none (an edge's keep-alive PING is larger). At
-/// most one reset leaves per `min_reset_interval` (20 ms by default) per
-/// endpoint. The edge matches the reset by its last 16 bytes against the
+/// most one reset leaves per `min_reset_interval` per endpoint: quinn's
+/// default of 20 ms (50 resets a second) would make the edges of a crashed
+/// replica that held thousands wait their turn for longer than the idle
+/// timeout, so it is `--reset-interval` here (1 ms by default). The edge matches the reset by its last 16 bytes against the
 /// token of the CID it used, for the remote address it sent to (so the reset
 /// must come back from the service address, which DNAT's reverse
 /// translation ensures), and its connection fails with
@@ -789,6 +803,69 @@ mod renewal_tests {
         assert!(
             other.validate(&cid).is_err(),
             "another key's replica drops it"
+        );
+    }
+
+    /// Sends short-header packets whose connection IDs carry the replicas'
+    /// signature but belong to no connection, one every 2 ms for `n`
+    /// packets (unless `!signed`: random ones), to an endpoint with
+    /// `--reset-interval` `interval`; returns how many stateless resets came back.
+    async fn resets_for(interval: Duration, n: usize, signed: bool) -> usize {
+        use quinn::ConnectionIdGenerator;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("reset.key");
+        std::fs::write(&file, "ab".repeat(32)).unwrap();
+        let cfg = endpoint_config(Some(&file), interval).unwrap();
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let server = sock.local_addr().unwrap();
+        let _ep = quinn::Endpoint::new(cfg, None, sock, quinn::default_runtime().unwrap()).unwrap();
+        let mut cids =
+            quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(&reset_key(&file).unwrap()));
+        let client = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        let got = Arc::new(AtomicUsize::new(0));
+        let (c, g) = (client.clone(), got.clone());
+        let reader = tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            while c.recv(&mut buf).await.is_ok() {
+                g.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        for i in 0..n {
+            let mut pkt = vec![0x40 | (i as u8 & 0x3f)];
+            if signed {
+                pkt.extend_from_slice(&cids.generate_cid());
+            } else {
+                pkt.extend_from_slice(
+                    &(i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes(),
+                );
+            }
+            pkt.extend_from_slice(&[i as u8; 40]);
+            client.send_to(&pkt, server).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        reader.abort();
+        got.load(Ordering::Relaxed)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_reset_interval_bounds_the_rate_of_stateless_resets() {
+        // quinn's default (20 ms): about one reset per 10 packets here.
+        let slow = resets_for(Duration::from_millis(20), 150, true).await;
+        // --reset-interval's default (1 ms): about one per packet.
+        let fast = resets_for(Duration::from_millis(1), 150, true).await;
+        // Connection IDs without the replicas' signature draw none at all.
+        let unsigned = resets_for(Duration::from_millis(1), 50, false).await;
+        eprintln!(
+            "150 packets, one per ~2-3 ms: {slow} resets at 20 ms, {fast} at 1 ms; {unsigned} for unsigned CIDs"
+        );
+        assert_eq!(unsigned, 0);
+        assert!(slow >= 1, "an unknown but well-signed CID draws a reset");
+        assert!(slow <= 40, "{slow} resets at 20 ms for ~150 packets");
+        assert!(
+            fast >= 60 && fast >= 3 * slow,
+            "{fast} resets at 1 ms vs {slow} at 20 ms"
         );
     }
 
