@@ -25,6 +25,8 @@
 //!   per-source rate);
 //! - [`join`]: the join ALPN: a new edge presents a join token and a CSR
 //!   and receives its certificate;
+//! - [`revocation`]: revoked edge certificates (from the join store),
+//!   refused at the handshake;
 //! - [`members`]: which other replicas exist (static list, DNS) and which
 //!   have a live peer link;
 //! - [`peer`]: the peer listener between replicas: mutual TLS with peer
@@ -52,6 +54,7 @@ pub mod metrics;
 pub mod peer;
 pub mod registry;
 pub mod relay;
+pub mod revocation;
 pub mod routes;
 pub mod session;
 pub mod tls;
