@@ -52,6 +52,34 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Revoke edge certificates (the cloud refuses them at the handshake).
+    #[command(subcommand)]
+    Cert(CertCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum CertCommand {
+    /// Revoke one certificate by serial, or every certificate of a node issued
+    /// until now (a stolen key: the edge must join again with a token that
+    /// allows re-issue). tether-cloud with this --join-store refuses them.
+    Revoke {
+        /// The certificate's serial (hex, as `inspect` and `token list` show it).
+        #[arg(long, conflicts_with = "node", required_unless_present = "node")]
+        serial: Option<String>,
+        /// The node whose certificates issued until now are revoked.
+        #[arg(long)]
+        node: Option<String>,
+        /// Why (kept in the store, shown by `cert revoked`).
+        #[arg(long, default_value = "")]
+        reason: String,
+        #[command(flatten)]
+        store: StoreOpt,
+    },
+    /// List revocations.
+    Revoked {
+        #[command(flatten)]
+        store: StoreOpt,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -266,6 +294,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::ResetKey { out, force } => {
             reset_key(&out.unwrap_or_else(|| dir.join("reset.key")), force)
         }
+        Command::Cert(cmd) => cert_command(&dir, cmd),
     }
 }
 
@@ -529,6 +558,51 @@ fn token(dir: &Path, cmd: TokenCommand) -> anyhow::Result<()> {
             let store = JoinStore::open(store_path(dir, &store))?;
             let r = store.revoke(&id)?;
             println!("token {} revoked", r.id);
+        }
+    }
+    Ok(())
+}
+
+fn cert_command(dir: &std::path::Path, cmd: CertCommand) -> anyhow::Result<()> {
+    let now = std::time::SystemTime::now();
+    match cmd {
+        CertCommand::Revoke {
+            serial,
+            node,
+            reason,
+            store,
+        } => {
+            let store = JoinStore::open(store_path(dir, &store))?;
+            let r = match (serial, node) {
+                (Some(s), _) => store.revoke_serial(&s, &reason, now)?,
+                (None, Some(n)) => store.revoke_node(&n, &reason, now)?,
+                (None, None) => anyhow::bail!("--serial or --node is required"),
+            };
+            match (&r.serial, &r.node) {
+                (Some(s), _) => println!("certificate {s} revoked"),
+                (_, Some(n)) => println!(
+                    "every certificate of node {n} issued before {} revoked",
+                    tether_certs::token::format_unix(r.revoked_unix)
+                ),
+                _ => {}
+            }
+        }
+        CertCommand::Revoked { store } => {
+            let store = JoinStore::open(store_path(dir, &store))?;
+            println!("{:<26} {:<42} REASON", "REVOKED", "WHAT");
+            for r in store.revocations()? {
+                let what = match (&r.serial, &r.node) {
+                    (Some(s), _) => format!("serial {s}"),
+                    (_, Some(n)) => format!("node {n}, issued before"),
+                    _ => "?".into(),
+                };
+                println!(
+                    "{:<26} {:<42} {}",
+                    tether_certs::token::format_unix(r.revoked_unix),
+                    what,
+                    r.reason
+                );
+            }
         }
     }
     Ok(())

@@ -82,9 +82,12 @@ pub struct Ca {
     issuer: Issuer<'static, KeyPair>,
 }
 
+/// How far before its issue a certificate's notBefore is set (clock skew).
+pub const NOT_BEFORE_BACKDATE: Duration = Duration::from_secs(300);
+
 fn validity(p: &mut CertificateParams, valid_for: Duration) {
     let now = OffsetDateTime::now_utc();
-    p.not_before = now - time::Duration::minutes(5);
+    p.not_before = now - time::Duration::seconds(NOT_BEFORE_BACKDATE.as_secs() as i64);
     p.not_after = now + time::Duration::seconds(valid_for.as_secs() as i64);
 }
 

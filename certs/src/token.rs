@@ -195,11 +195,62 @@ pub struct IssueRecord {
     pub expires_unix: i64,
 }
 
+/// A revoked certificate, or every certificate of a node issued before a time.
+/// The cloud refuses a matching edge certificate at the handshake.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Revocation {
+    /// Hex serial of the one certificate revoked (without leading zeros).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial: Option<String>,
+    /// The node whose certificates issued before `issued_before_unix` are revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issued_before_unix: Option<i64>,
+    pub revoked_unix: i64,
+    pub reason: String,
+}
+
+impl Revocation {
+    /// Whether a certificate with this serial (hex), node and notBefore is revoked.
+    pub fn matches(&self, serial_hex: &str, node: &str, not_before_unix: i64) -> bool {
+        if let Some(s) = &self.serial {
+            return normalize_serial(s) == normalize_serial(serial_hex);
+        }
+        // Certificates are issued NOT_BEFORE_BACKDATE after their notBefore.
+        let issued =
+            not_before_unix.saturating_add(crate::mint::NOT_BEFORE_BACKDATE.as_secs() as i64);
+        match (&self.node, self.issued_before_unix) {
+            (Some(n), Some(before)) => n == node && issued < before,
+            _ => false,
+        }
+    }
+}
+
+/// A hex serial in one form: lowercase, no separators, no leading zeros (DER
+/// may add a zero byte that the issuer's hex did not have, or drop one).
+pub fn normalize_serial(s: &str) -> String {
+    let hex: String = s
+        .chars()
+        .filter(|c| c.is_ascii_hexdigit())
+        .map(|c| c.to_ascii_lowercase())
+        .collect();
+    let t = hex.trim_start_matches('0');
+    if t.is_empty() {
+        "0".into()
+    } else {
+        t.to_string()
+    }
+}
+
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct StoreFile {
     version: u32,
     tokens: Vec<TokenRecord>,
     issued: Vec<IssueRecord>,
+    /// Revoked certificates (absent in stores written before revocation existed).
+    #[serde(default)]
+    revocations: Vec<Revocation>,
 }
 
 const STORE_VERSION: u32 = 1;
@@ -419,6 +470,62 @@ impl JoinStore {
             r.revoked = true;
             Ok(r.clone())
         })
+    }
+
+    /// Revokes the certificate with this hex serial.
+    pub fn revoke_serial(
+        &self,
+        serial: &str,
+        reason: &str,
+        now: SystemTime,
+    ) -> Result<Revocation, JoinError> {
+        let serial = normalize_serial(serial);
+        if serial == "0" || serial.len() > 40 {
+            return Err(JoinError::Store(format!(
+                "{serial:?} is not a certificate serial (hex, at most 20 bytes)"
+            )));
+        }
+        self.add_revocation(Revocation {
+            serial: Some(serial),
+            node: None,
+            issued_before_unix: None,
+            revoked_unix: unix(now),
+            reason: reason.to_string(),
+        })
+    }
+
+    /// Revokes every certificate of `node` issued before `now` (a stolen key:
+    /// the edge must join again, with a token that allows re-issue).
+    pub fn revoke_node(
+        &self,
+        node: &str,
+        reason: &str,
+        now: SystemTime,
+    ) -> Result<Revocation, JoinError> {
+        if !valid_node_name(node) {
+            return Err(JoinError::Store(format!("{node:?} is not a node name")));
+        }
+        self.add_revocation(Revocation {
+            serial: None,
+            node: Some(node.to_string()),
+            // Certificate times have whole seconds: one issued in this very
+            // second counts as issued before (a re-join must come later).
+            issued_before_unix: Some(unix(now) + 1),
+            revoked_unix: unix(now),
+            reason: reason.to_string(),
+        })
+    }
+
+    fn add_revocation(&self, r: Revocation) -> Result<Revocation, JoinError> {
+        self.update(|f| {
+            f.revocations.push(r.clone());
+            Ok(r)
+        })
+    }
+
+    /// Every revocation, oldest first.
+    pub fn revocations(&self) -> Result<Vec<Revocation>, JoinError> {
+        Ok(self.load()?.revocations)
     }
 
     /// Whether `token` may join `node` at `now`, without using it.
@@ -815,5 +922,36 @@ mod tests {
         let p = dir.path().join("t.json");
         std::fs::write(&p, "not json").unwrap();
         assert!(matches!(JoinStore::open(&p), Err(JoinError::Store(_))));
+    }
+
+    #[test]
+    fn revocations_by_serial_and_by_node_match_what_they_should() {
+        let (_d, store) = store();
+        let t0 = UNIX_EPOCH + Duration::from_secs(1_000_000);
+        assert!(store.revocations().unwrap().is_empty());
+        store.revoke_serial("00:AB:cd:01", "lost", t0).unwrap();
+        store.revoke_node("edge-7", "stolen key", t0).unwrap();
+        assert!(store.revoke_serial("00", "x", t0).is_err());
+        assert!(store.revoke_node("Not A Node!", "x", t0).is_err());
+        let revs = store.revocations().unwrap();
+        assert_eq!(revs.len(), 2);
+        let hit =
+            |serial: &str, node: &str, nb: i64| revs.iter().any(|r| r.matches(serial, node, nb));
+        // Serials compare in one form: case, separators and leading zeros aside.
+        assert!(hit("abcd01", "edge-1", 0));
+        assert!(hit("0000ABCD01", "edge-1", 0));
+        assert!(!hit("abcd02", "edge-1", 0));
+        // A node's certificates issued before the revocation, not after.
+        // (issued = notBefore + the 5 min backdate)
+        assert!(
+            hit("ff", "edge-7", 999_700),
+            "issued in the revocation's second"
+        );
+        assert!(!hit("ff", "edge-7", 999_701));
+        assert!(!hit("ff", "edge-8", 0));
+        // A store written before revocations existed still opens.
+        let old = r#"{"version":1,"tokens":[],"issued":[]}"#;
+        std::fs::write(store.path(), old).unwrap();
+        assert!(store.revocations().unwrap().is_empty());
     }
 }

@@ -27,6 +27,8 @@
 //!   and receives its certificate;
 //! - [`drain`]: on SIGTERM, which edge is told to move to another replica
 //!   when (staggered, after its streams end);
+//! - [`revocation`]: revoked edge certificates (from the join store),
+//!   refused at the handshake;
 //! - [`members`]: which other replicas exist (static list, DNS) and which
 //!   have a live peer link;
 //! - [`peer`]: the peer listener between replicas: mutual TLS with peer
@@ -55,6 +57,7 @@ pub mod metrics;
 pub mod peer;
 pub mod registry;
 pub mod relay;
+pub mod revocation;
 pub mod routes;
 pub mod session;
 pub mod tls;

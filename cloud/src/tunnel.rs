@@ -161,8 +161,10 @@ pub async fn serve(
             let ca = tether_certs::Ca::from_pem(&read(&j.ca_cert)?, &read(&j.ca_key)?)
                 .context("loading the join CA")?;
             info!(store = %j.store.display(), "edge joins enabled");
+            let store = Arc::new(store);
             Some(Arc::new(JoinCtx {
-                store: Arc::new(store),
+                revocations: crate::revocation::Revocations::new(store.clone()),
+                store,
                 ca: Arc::new(ca),
                 validity: j.validity,
                 renewals: std::sync::Mutex::new(RenewalLimiter::new(RENEWAL_MIN_INTERVAL)),
@@ -246,15 +248,33 @@ pub async fn serve(
     Ok(())
 }
 
-fn node_of(conn: &quinn::Connection) -> anyhow::Result<String> {
+/// How long `leaf` was issued for (notAfter − notBefore − the backdate).
+fn cert_lifetime(leaf: &rustls::pki_types::CertificateDer<'_>) -> Option<Duration> {
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+    let v = cert.validity();
+    let secs = v.not_after.timestamp()
+        - v.not_before.timestamp()
+        - tether_certs::mint::NOT_BEFORE_BACKDATE.as_secs() as i64;
+    u64::try_from(secs).ok().map(Duration::from_secs)
+}
+
+/// The edge's leaf certificate.
+fn leaf_of(conn: &quinn::Connection) -> anyhow::Result<rustls::pki_types::CertificateDer<'static>> {
     let identity = conn
         .peer_identity()
         .context("edge presented no certificate")?;
     let chain = identity
         .downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
         .map_err(|_| anyhow::anyhow!("unexpected peer identity type"))?;
-    let leaf = chain.first().context("edge certificate chain is empty")?;
-    tether_certs::node_name_from_cert(leaf)
+    chain
+        .first()
+        .cloned()
+        .context("edge certificate chain is empty")
+}
+
+fn node_of(conn: &quinn::Connection) -> anyhow::Result<String> {
+    let leaf = leaf_of(conn)?;
+    tether_certs::node_name_from_cert(&leaf)
         .context("reading the node name from the edge certificate")
 }
 
@@ -321,6 +341,8 @@ impl ReportRate {
 /// What joins need, loaded once.
 struct JoinCtx {
     store: Arc<tether_certs::JoinStore>,
+    /// The store's certificate revocations, checked at every handshake.
+    revocations: crate::revocation::Revocations,
     ca: Arc<tether_certs::Ca>,
     validity: Duration,
     /// When each node last had a certificate renewed.
@@ -408,6 +430,13 @@ async fn handle(
                 return Err(e);
             }
         };
+        if let (Some(j), Ok(leaf)) = (&join, leaf_of(&conn)) {
+            if let Err(why) = j.revocations.check(&leaf, &node) {
+                metrics.refuse_edge("revoked");
+                conn.close(close_code::REFUSED.into(), b"certificate revoked");
+                anyhow::bail!("refusing node {node}: {why}");
+            }
+        }
         let (send, mut recv) = conn
             .accept_bi()
             .await
@@ -559,13 +588,20 @@ async fn handle(
     metrics.sessions.set(registry.len() as i64);
     // Peers learn the edge is attached here (and requests waiting for it go on).
     registry.touch();
+    // A renewal never outlives the presented certificate's own lifetime:
+    // a short-lived certificate stays short-lived.
+    let renew_for = join.as_ref().map(|j| {
+        leaf_of(&conn)
+            .ok()
+            .and_then(|leaf| cert_lifetime(&leaf))
+            .map_or(j.validity, |l| l.min(j.validity))
+    });
     let control = control_loop(
         registry.clone(),
         session.clone(),
-        recv,
-        reader,
-        send,
+        (recv, reader, send),
         join,
+        renew_for,
         max,
     );
     let migrations = watch_migration(&conn, &node, metrics);
@@ -707,10 +743,9 @@ fn expire_unless_resumed(
 async fn control_loop(
     registry: Arc<Registry>,
     session: Arc<Session>,
-    mut recv: quinn::RecvStream,
-    mut reader: FrameReader,
-    mut send: quinn::SendStream,
+    (mut recv, mut reader, mut send): (quinn::RecvStream, FrameReader, quinn::SendStream),
     join: Option<Arc<JoinCtx>>,
+    renew_for: Option<Duration>,
     max: usize,
 ) -> anyhow::Result<()> {
     let mut reports = ReportRate::new(std::time::Instant::now());
@@ -731,7 +766,7 @@ async fn control_loop(
                         warn!(node = %session.node, "refusing certificate renewal: renewed less than {RENEWAL_MIN_INTERVAL:?} ago");
                         Err(format!("renewed too recently; try again in {}s", wait.as_secs()))
                     }
-                    Some(j) => tether_certs::sign_edge_csr(&j.ca, &csr_pem, &session.node, j.validity)
+                    Some(j) => tether_certs::sign_edge_csr(&j.ca, &csr_pem, &session.node, renew_for.unwrap_or(j.validity))
                         .map(|issued| {
                             info!(node = %session.node, serial = %issued.serial, "renewed the edge's certificate");
                             issued.cert_pem
@@ -884,6 +919,28 @@ mod renewal_tests {
         for i in 0..100 {
             assert!(r.allow(t + Duration::from_secs(i)));
         }
+    }
+
+    #[test]
+    fn a_renewal_never_outlives_the_presented_certificate() {
+        let ca = tether_certs::Ca::new("ca", Duration::from_secs(86400)).unwrap();
+        let short = ca.issue_edge("edge-1", Duration::from_secs(3600)).unwrap();
+        let leaf = tether_certs::pem::certs_from_pem(&short.cert_pem, "c")
+            .unwrap()
+            .remove(0);
+        let life = cert_lifetime(&leaf).unwrap();
+        assert!(
+            (3599..=3601).contains(&life.as_secs()),
+            "{life:?}: the issued lifetime, backdate excluded"
+        );
+        // The renewal's validity is the shorter of the two.
+        let renew_for = life.min(Duration::from_secs(720 * 3600));
+        let csr = tether_certs::make_edge_csr("edge-1").unwrap();
+        let issued = tether_certs::sign_edge_csr(&ca, &csr.csr_pem, "edge-1", renew_for).unwrap();
+        let renewed = tether_certs::pem::certs_from_pem(&issued.cert_pem, "c")
+            .unwrap()
+            .remove(0);
+        assert!(cert_lifetime(&renewed).unwrap() <= life + Duration::from_secs(1));
     }
 
     #[test]

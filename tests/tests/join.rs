@@ -2,7 +2,8 @@
 //! cloud's certificates and a join token; `tether-cloud` serves joins;
 //! `tether-edge join` obtains a certificate (its key never leaves the edge)
 //! and the edge then connects with it and serves requests. Also: a wrong CA
-//! pin is refused before the token is sent, and a used token is refused.
+//! pin is refused before the token is sent, and a used token is refused; a node
+//! revoked with `tether-certs cert revoke` is refused by the running cloud.
 
 mod support;
 
@@ -291,6 +292,62 @@ async fn edge_joins_with_a_token_then_serves() {
     assert!(std::fs::read_to_string(d.join("tether-cloud.log"))
         .unwrap()
         .contains("renewed the edge's certificate"));
+
+    // A stolen key: the operator revokes every certificate of edge-7 issued so far.
+    // The running cloud refuses the edge at its next handshake, no restart needed.
+    let out = certs(
+        d,
+        &[
+            "cert",
+            "revoke",
+            "--node",
+            "edge-7",
+            "--reason",
+            "stolen laptop",
+        ],
+    );
+    assert!(out.contains("edge-7"), "{out}");
+    assert!(certs(d, &["cert", "revoked"]).contains("stolen laptop"));
+    edge.kill().await;
+    // The cloud looks at the store at most once a second.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut cmd = tokio::process::Command::new(binary("tether-edge").unwrap());
+    cmd.args(["--cloud", &tunnel, "--server-name", "tether-cloud"])
+        .arg("--ca")
+        .arg(d.join("edge/ca.crt"))
+        .arg("--cert")
+        .arg(d.join("edge/node.crt"))
+        .arg("--key")
+        .arg(d.join("edge/node.key"))
+        .args([
+            "--kubelet-url",
+            &format!("http://{}", kubelet.addr),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .env("RUST_BACKTRACE", "0");
+    let edge = Proc::spawn("tether-edge-3", cmd, d, SpawnOptions::default()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let log = std::fs::read_to_string(d.join("tether-cloud.log")).unwrap();
+        if log.contains("refusing node edge-7") && log.contains("stolen laptop") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the revoked certificate was not refused: {}\ncloud: {}",
+            edge.stderr_tail(20),
+            cloud.stderr_tail(15)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        !edge
+            .lines()
+            .iter()
+            .any(|l| l.starts_with("tether-edge connected")),
+        "a revoked certificate must not connect"
+    );
     drop(kubelet);
 }
 
