@@ -165,6 +165,7 @@ impl Cloud {
             None => (None, None),
         };
         let sd = shutting_down.clone();
+        let drain_flag = shutting_down.clone();
         let reg = registry.clone();
         let mem = members.clone();
         let ops = tether_proto::ops::Ops {
@@ -176,7 +177,12 @@ impl Cloud {
                     Ok(())
                 }
             }),
-            status: Some(Box::new(move || status_json(&reg, mem.as_deref()))),
+            status: Some(Box::new(move || {
+                let mut v = status_json(&reg, mem.as_deref());
+                // SIGTERM received: edges are being moved to other replicas.
+                v["draining"] = serde_json::json!(drain_flag.load(Ordering::Relaxed));
+                v
+            })),
         };
         tasks.spawn(tunnel::serve(
             endpoint.clone(),

@@ -418,6 +418,11 @@ async fn sigterm_drains_a_replica_and_its_edge_moves_from_a_new_port() {
         .await
         .unwrap();
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    let (_, status) = ns_get(&bed.ns.0, addr(METRICS[0]), "/status")
+        .await
+        .unwrap();
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["draining"], true, "{status}");
 
     // The stream ends (the client goes away): the edge is told to move, and
     // reconnects to B at once, from a new source port.
