@@ -246,6 +246,8 @@ impl Forwarder {
 
     /// The steps of the module doc, in order.
     async fn forward(&self, mut req: Request<Incoming>, conn: Arc<ConnInfo>) -> Response<ResBody> {
+        // Until this returns, a draining replica waits for this request.
+        let _pending = self.metrics.request_pending();
         let path = req.uri().path().to_string();
         let caller = match self.authenticate(&conn, &req).await {
             Ok(c) => c,

@@ -86,6 +86,7 @@ pub struct Cloud {
     shutting_down: Arc<AtomicBool>,
     shutdown_grace: std::time::Duration,
     drain_spread: std::time::Duration,
+    drain_min: std::time::Duration,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
 }
 
@@ -210,6 +211,7 @@ impl Cloud {
             shutting_down,
             shutdown_grace: cfg.shutdown_grace,
             drain_spread: cfg.drain_spread,
+            drain_min: cfg.drain_min,
             tasks,
         })
     }
@@ -229,23 +231,32 @@ impl Cloud {
     /// replica have ended (see [`drain`]); let open streams — local, relayed
     /// to other replicas' edges, or relayed here by them — finish for up to
     /// `--shutdown-grace` (the kubelet-API listener and the peer links keep
-    /// serving meanwhile); then close every edge connection left with the
+    /// serving meanwhile, for at least `--drain-min`); then close every edge connection left with the
     /// shutdown code and stop.
     pub async fn shutdown(mut self) {
         self.shutting_down.store(true, Ordering::Relaxed);
         let open =
             |r: &registry::Registry| r.sessions().iter().map(|s| s.open_streams()).sum::<usize>();
         info!(streams = open(&self.registry), grace = ?self.shutdown_grace, spread = ?self.drain_spread, "shutting down: not ready, moving edges, draining open streams");
-        let deadline = tokio::time::Instant::now() + self.shutdown_grace;
+        let started = tokio::time::Instant::now();
+        let deadline = started + self.shutdown_grace;
+        // Load balancers take a moment to stop sending new connections to a
+        // replica that turned not-ready: serve them (relayed to where the
+        // edges went) for at least --drain-min.
+        let stay_until = (started + self.drain_min).min(deadline);
         let moved =
             drain::move_edges(&self.registry, self.drain_spread, deadline, &self.metrics).await;
         info!(moved, "edges told to move");
-        // Streams relayed from here to edges held by other replicas are not
-        // in this registry's sessions: the gauge of every served stream has them.
+        // Streams relayed from here to edges held by other replicas, and
+        // requests still being routed, are not in this registry's sessions:
+        // the gauge of every served request and stream has them.
         let served = |m: &metrics::CloudMetrics| m.streams_open_any.get().max(0) as usize;
-        while (open(&self.registry) > 0 || served(&self.metrics) > 0)
-            && tokio::time::Instant::now() < deadline
-        {
+        loop {
+            let now = tokio::time::Instant::now();
+            let busy = open(&self.registry) > 0 || served(&self.metrics) > 0;
+            if !(busy && now < deadline || now < stay_until) {
+                break;
+            }
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
         for s in self.registry.sessions() {

@@ -57,9 +57,10 @@ pub struct CloudMetrics {
     pub claims_refused: Family<KindLabel, Counter>,
     /// Edges told to move to another replica while draining (SIGTERM).
     pub edges_moved: Counter,
-    /// Every stream this replica serves now, of any kind, as the entry (local
-    /// or relayed) or as the holder of a peer's relay: what a drain waits
-    /// for. Not exported (`streams_open` has them by kind).
+    /// Every request being routed and every stream this replica serves now,
+    /// of any kind, as the entry (local or relayed) or as the holder of a
+    /// peer's relay: what a drain waits for. Not exported (`streams_open`
+    /// has the streams by kind).
     pub streams_open_any: Gauge,
     /// Relayed streams, by this replica's role (entry: the request landed
     /// here; holder: the edge is held here).
@@ -283,6 +284,26 @@ impl CloudMetrics {
         self.edges_refused
             .get_or_create(&ReasonLabel { reason })
             .inc();
+    }
+}
+
+/// Keeps a request that is still being routed in `streams_open_any` (see
+/// [`CloudMetrics::request_pending`]).
+pub struct Pending(Gauge);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+impl CloudMetrics {
+    /// Counts an apiserver request from its arrival until its handler
+    /// returns (by then its stream, if any, is counted): a drain does not
+    /// stop under a request that is still waiting for its route.
+    pub fn request_pending(&self) -> Pending {
+        self.streams_open_any.inc();
+        Pending(self.streams_open_any.clone())
     }
 }
 

@@ -665,3 +665,46 @@ async fn sigterm_keeps_relaying_a_stream_to_an_edge_held_elsewhere() {
         ended.elapsed()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_serves_new_requests_for_drain_min_then_exits() {
+    let bed = Bed::new("min");
+    let min = Duration::from_secs(2);
+    let extra = ["--shutdown-grace", "20s", "--drain-min", "2s"];
+    // A holds no edge: without --drain-min it would exit at once, while the
+    // load balancer may still send it requests.
+    bed.ns.route_service_to(addr(TUNNEL[1]));
+    let mut a = bed.replica(0, true, &extra).await;
+    let _b = bed.replica(1, true, &extra).await;
+    let (_kubelet, _edge) = bed.edge().await;
+    bed.edge_remote_on(1, Duration::from_secs(10)).await;
+    let client = bed.client(0);
+    let get = || client.get("/containerLogs/default/p1/c", "edge-1", None, &[]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while get().await.map(|r| r.status).ok() != Some(StatusCode::OK) {
+        assert!(Instant::now() < deadline, "p1 never routable through A");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let term = Instant::now();
+    sigterm(&a);
+    let mut served = 0;
+    while term.elapsed() < min - Duration::from_millis(500) {
+        let r = get().await.unwrap();
+        assert_eq!(
+            r.status,
+            StatusCode::OK,
+            "{} after SIGTERM: {}",
+            served,
+            r.body
+        );
+        served += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(a.exited().is_none(), "A must stay for --drain-min");
+    let status = a.wait_exit(Duration::from_secs(10)).await.unwrap();
+    assert!(status.success(), "{status:?}");
+    let exited = term.elapsed();
+    eprintln!("replica-a served {served} new requests after SIGTERM, exited after {exited:?} (--drain-min {min:?})");
+    assert!(exited >= min, "exited after {exited:?}, before --drain-min");
+}
