@@ -419,6 +419,10 @@ impl Cluster {
                         .arg(list)
                         .arg("--peer-resolve-interval")
                         .arg("1s")
+                        // No load balancer to wait for here: the harness stops
+                        // the replicas within its STOP_GRACE (the drain's
+                        // minimum is tested in tests/tests/rolling.rs).
+                        .args(["--drain-min", "0s"])
                         .args(peers.flags());
                 }
                 starting.push(Proc::spawn(&name, cmd, &logs, opts)?);
