@@ -144,6 +144,27 @@ pub struct CloudArgs {
     /// On SIGTERM, how long open streams may finish before edges are disconnected.
     #[arg(long, env = "TETHER_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+    /// On SIGTERM, edges without open streams are told to move to another
+    /// replica spread evenly over this long (so the other replicas are not
+    /// stormed); an edge with open streams moves when they end. `0s`: all at once.
+    #[arg(long, env = "TETHER_DRAIN_SPREAD", default_value = "10s", value_parser = parse_duration)]
+    pub drain_spread: Duration,
+    /// Secret file (at least 32 bytes of key material, e.g. from
+    /// `tether-certs reset-key`) shared by every replica: the stateless-reset
+    /// key of the edge listener, so any replica answers a packet for an edge
+    /// connection it does not know (its holder crashed) with a stateless
+    /// reset the edge accepts, and the edge reconnects at once instead of
+    /// after the idle timeout. Unset: a random key per process.
+    #[arg(long, env = "TETHER_RESET_KEY_FILE")]
+    pub reset_key_file: Option<PathBuf>,
+    /// Least time between two stateless resets this replica sends (quinn's
+    /// own default, 20 ms, resets at most 50 edges a second: after a crash
+    /// of a replica that held thousands, the last would learn it only after
+    /// the idle timeout). A reset is always smaller than the packet that drew
+    /// it, and only packets whose connection ID carries the replicas' keyed
+    /// signature draw one.
+    #[arg(long, env = "TETHER_RESET_INTERVAL", default_value = "1ms", value_parser = parse_duration)]
+    pub reset_interval: Duration,
     /// Join-token store written by `tether-certs token create`; enables the
     /// join ALPN (new edges obtain their certificate with a token).
     #[arg(long, env = "TETHER_JOIN_STORE", requires_all = ["join_ca_cert", "join_ca_key"])]
@@ -311,6 +332,10 @@ pub struct CloudConfig {
     pub handshakes_per_source: u32,
     pub metrics_listen: SocketAddr,
     pub shutdown_grace: Duration,
+    pub drain_spread: Duration,
+    /// The shared stateless-reset key's file, when set.
+    pub reset_key_file: Option<PathBuf>,
+    pub reset_interval: Duration,
     /// Join settings, when joins are enabled.
     pub join: Option<JoinConfig>,
     /// Peer settings, when this replica has peers.
@@ -484,6 +509,9 @@ impl CloudArgs {
             handshakes_per_source: self.handshakes_per_source,
             metrics_listen: self.metrics_listen,
             shutdown_grace: self.shutdown_grace,
+            drain_spread: self.drain_spread,
+            reset_key_file: self.reset_key_file,
+            reset_interval: self.reset_interval,
             join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {
                 (Some(store), Some(ca_cert), Some(ca_key)) => Some(JoinConfig {
                     store,
@@ -540,6 +568,17 @@ mod tests {
         CloudArgs::try_parse_from(argv)
             .map_err(|e| e.to_string())?
             .into_config()
+    }
+
+    #[test]
+    fn drain_spread_and_reset_key_file() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.drain_spread, Duration::from_secs(10));
+        assert_eq!(c.reset_key_file, None);
+        assert_eq!(c.reset_interval, Duration::from_millis(1));
+        let c = config(&["--drain-spread", "0s", "--reset-key-file", "/s/reset.key"]).unwrap();
+        assert_eq!(c.drain_spread, Duration::ZERO);
+        assert_eq!(c.reset_key_file, Some(PathBuf::from("/s/reset.key")));
     }
 
     #[test]

@@ -25,6 +25,8 @@
 //!   per-source rate);
 //! - [`join`]: the join ALPN: a new edge presents a join token and a CSR
 //!   and receives its certificate;
+//! - [`drain`]: on SIGTERM, which edge is told to move to another replica
+//!   when (staggered, after its streams end);
 //! - [`revocation`]: revoked edge certificates (from the join store),
 //!   refused at the handshake;
 //! - [`members`]: which other replicas exist (static list, DNS) and which
@@ -44,6 +46,7 @@ pub mod apiserver;
 pub mod authority;
 pub mod authz;
 pub mod config;
+pub mod drain;
 pub mod forward;
 pub mod front;
 pub mod gate;
@@ -82,6 +85,7 @@ pub struct Cloud {
     endpoint: quinn::Endpoint,
     shutting_down: Arc<AtomicBool>,
     shutdown_grace: std::time::Duration,
+    drain_spread: std::time::Duration,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
 }
 
@@ -161,6 +165,7 @@ impl Cloud {
             None => (None, None),
         };
         let sd = shutting_down.clone();
+        let drain_flag = shutting_down.clone();
         let reg = registry.clone();
         let mem = members.clone();
         let ops = tether_proto::ops::Ops {
@@ -172,13 +177,19 @@ impl Cloud {
                     Ok(())
                 }
             }),
-            status: Some(Box::new(move || status_json(&reg, mem.as_deref()))),
+            status: Some(Box::new(move || {
+                let mut v = status_json(&reg, mem.as_deref());
+                // SIGTERM received: edges are being moved to other replicas.
+                v["draining"] = serde_json::json!(drain_flag.load(Ordering::Relaxed));
+                v
+            })),
         };
         tasks.spawn(tunnel::serve(
             endpoint.clone(),
             cfg.clone(),
             registry.clone(),
             metrics.clone(),
+            shutting_down.clone(),
         ));
         tasks.spawn(front.serve());
         tasks.spawn(async move {
@@ -198,6 +209,7 @@ impl Cloud {
             endpoint,
             shutting_down,
             shutdown_grace: cfg.shutdown_grace,
+            drain_spread: cfg.drain_spread,
             tasks,
         })
     }
@@ -211,18 +223,29 @@ impl Cloud {
         }
     }
 
-    /// Graceful shutdown: stop admitting edges and report not-ready, let open
-    /// streams finish for up to `--shutdown-grace`, then close every edge
-    /// connection with the shutdown code (edges reconnect, to another replica
-    /// behind the same address) and stop.
+    /// Graceful shutdown (SIGTERM): report not-ready and refuse new edge
+    /// connections at once; tell the edges to move to another replica,
+    /// staggered over `--drain-spread`, each once its streams through this
+    /// replica have ended (see [`drain`]); let open streams — local, relayed
+    /// to other replicas' edges, or relayed here by them — finish for up to
+    /// `--shutdown-grace` (the kubelet-API listener and the peer links keep
+    /// serving meanwhile); then close every edge connection left with the
+    /// shutdown code and stop.
     pub async fn shutdown(mut self) {
         self.shutting_down.store(true, Ordering::Relaxed);
-        self.endpoint.set_server_config(None);
         let open =
             |r: &registry::Registry| r.sessions().iter().map(|s| s.open_streams()).sum::<usize>();
-        info!(streams = open(&self.registry), grace = ?self.shutdown_grace, "shutting down: draining open streams");
+        info!(streams = open(&self.registry), grace = ?self.shutdown_grace, spread = ?self.drain_spread, "shutting down: not ready, moving edges, draining open streams");
         let deadline = tokio::time::Instant::now() + self.shutdown_grace;
-        while open(&self.registry) > 0 && tokio::time::Instant::now() < deadline {
+        let moved =
+            drain::move_edges(&self.registry, self.drain_spread, deadline, &self.metrics).await;
+        info!(moved, "edges told to move");
+        // Streams relayed from here to edges held by other replicas are not
+        // in this registry's sessions: the gauge of every served stream has them.
+        let served = |m: &metrics::CloudMetrics| m.streams_open_any.get().max(0) as usize;
+        while (open(&self.registry) > 0 || served(&self.metrics) > 0)
+            && tokio::time::Instant::now() < deadline
+        {
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
         for s in self.registry.sessions() {

@@ -39,14 +39,106 @@ const MAX_ADDRESS_LEN: usize = 253;
 /// Bound on pods in one report.
 const MAX_PODS: usize = 100_000;
 
-/// Binds the QUIC endpoint.
+/// The key of the connection-ID generator every replica shares, derived from
+/// the reset key (a different HMAC input, so neither reveals the other).
+pub fn cid_key(reset_key: &ring::hmac::Key) -> u64 {
+    let tag = ring::hmac::sign(reset_key, b"tether connection-id generator key");
+    let mut k = [0u8; 8];
+    k.copy_from_slice(&tag.as_ref()[..8]);
+    u64::from_le_bytes(k)
+}
+
+/// Binds the QUIC endpoint, with the shared stateless-reset key when
+/// `--reset-key-file` is set (see [`reset_key`]).
 pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
     let sc = crate::tls::quic_server_config(cfg, &cfg.quic)?;
+    let endpoint_config = endpoint_config(cfg.reset_key_file.as_deref(), cfg.reset_interval)?;
     let socket = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
         .with_context(|| format!("binding UDP {}", cfg.tunnel_listen))?;
     let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
-    quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(sc), socket, runtime)
+    quinn::Endpoint::new(endpoint_config, Some(sc), socket, runtime)
         .context("creating the QUIC endpoint")
+}
+
+/// The edge listener's endpoint settings: the stateless-reset key and the
+/// connection-ID generator (shared by all replicas when `reset_key_file` is
+/// given, else random), and the least interval between two resets.
+pub fn endpoint_config(
+    reset_key_file: Option<&std::path::Path>,
+    reset_interval: Duration,
+) -> anyhow::Result<quinn::EndpointConfig> {
+    let mut c = match reset_key_file {
+        Some(path) => {
+            let key = reset_key(path)?;
+            let cids = cid_key(&key);
+            info!(file = %path.display(), "stateless resets with the shared key: any replica resets an edge connection it does not know");
+            let mut c = quinn::EndpointConfig::new(key);
+            c.cid_generator(move || {
+                Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cids))
+            });
+            c
+        }
+        None => {
+            info!("no --reset-key-file: stateless resets only come from this process; after a crash, edges notice only at their idle timeout");
+            quinn::EndpointConfig::default()
+        }
+    };
+    c.min_reset_interval(reset_interval);
+    Ok(c)
+}
+
+/// Least key material a reset-key file must hold.
+pub const MIN_RESET_KEY_BYTES: usize = 32;
+
+/// The stateless-reset key from `path`, shared by every replica.
+///
+/// quinn derives the reset token of each connection ID it issues as
+/// HMAC-SHA256(key, CID) (`quinn_proto::ResetToken::new`) and gives it to the
+/// edge (transport parameters, `NEW_CONNECTION_ID`). What was checked in
+/// quinn-proto 0.11 (`Endpoint::handle` / `stateless_reset`): an endpoint
+/// answers a datagram with a stateless reset only when it is a
+/// **short-header** packet whose destination CID (parsed at this endpoint's
+/// CID length, 8 bytes by default on every replica) belongs to no connection
+/// it knows; long-header packets other than Initials are dropped, and an
+/// Initial with no server config is answered with a reset the client cannot
+/// use yet. The reset is never larger than the inciting datagram: datagrams
+/// of 21 bytes or fewer get none (an edge's keep-alive PING is larger). At
+/// most one reset leaves per `min_reset_interval` per endpoint: quinn's
+/// default of 20 ms (50 resets a second) would make the edges of a crashed
+/// replica that held thousands wait their turn for longer than the idle
+/// timeout, so it is `--reset-interval` here (1 ms by default). The edge matches the reset by its last 16 bytes against the
+/// token of the CID it used, for the remote address it sent to (so the reset
+/// must come back from the service address, which DNAT's reverse
+/// translation ensures), and its connection fails with
+/// `ConnectionError::Reset`. A replica with another key sends a reset too,
+/// but with a token the edge does not know: it is ignored, and the edge
+/// notices only at its idle timeout. Hence one key for all replicas.
+///
+/// One more condition decides it, and it is easy to miss: before resetting,
+/// the endpoint asks its connection-ID generator to `validate` the CID, and
+/// quinn's default generator (`HashedConnectionIdGenerator`) signs its CIDs
+/// with a random key per endpoint, so a replica drops the CIDs another replica
+/// issued ("dropping packet with invalid CID") and sends no reset at all. The
+/// replicas therefore also share the generator's key, derived from the same
+/// file by [`cid_key`].
+///
+/// The file's bytes, with surrounding white space removed, are the key; fewer
+/// than [`MIN_RESET_KEY_BYTES`] are refused.
+pub fn reset_key(path: &std::path::Path) -> anyhow::Result<Arc<ring::hmac::Key>> {
+    let raw = std::fs::read(path)
+        .with_context(|| format!("reading --reset-key-file {}", path.display()))?;
+    let material = raw.trim_ascii();
+    if material.len() < MIN_RESET_KEY_BYTES {
+        anyhow::bail!(
+            "--reset-key-file {}: {} bytes of key material, at least {MIN_RESET_KEY_BYTES} are needed (make one with `tether-certs reset-key --out FILE`)",
+            path.display(),
+            material.len()
+        );
+    }
+    Ok(Arc::new(ring::hmac::Key::new(
+        ring::hmac::HMAC_SHA256,
+        material,
+    )))
 }
 
 /// Accepts edge connections until the endpoint closes.
@@ -55,6 +147,7 @@ pub async fn serve(
     cfg: Arc<CloudConfig>,
     registry: Arc<Registry>,
     metrics: CloudMetrics,
+    draining: Arc<std::sync::atomic::AtomicBool>,
 ) -> anyhow::Result<()> {
     let slots = Arc::new(Semaphore::new(cfg.max_edges));
     let handshakes = Arc::new(Semaphore::new(cfg.max_pending_handshakes));
@@ -81,6 +174,15 @@ pub async fn serve(
     };
     let mut gate = Gate::new(cfg.handshakes_per_source, cfg.max_pending_handshakes);
     while let Some(incoming) = endpoint.accept().await {
+        if draining.load(std::sync::atomic::Ordering::Relaxed) {
+            // Refused at once (CONNECTION_REFUSED in the Initial's answer):
+            // the edge ends its round and dials again from a new source
+            // port, which the load balancer sends to a ready replica.
+            debug!(remote = %incoming.remote_address(), "refusing an edge connection: this replica is draining");
+            metrics.refuse_edge("draining");
+            incoming.refuse();
+            continue;
+        }
         let in_progress = cfg.max_pending_handshakes - handshakes.available_permits();
         match gate.check(
             incoming.remote_address().ip(),
@@ -127,10 +229,15 @@ pub async fn serve(
         let registry = registry.clone();
         let metrics = metrics.clone();
         let join = join.clone();
+        let draining = draining.clone();
         let remote = incoming.remote_address();
         tokio::spawn(
             async move {
-                if let Err(e) = handle(incoming, pending, &cfg, &registry, &metrics, join).await {
+                if let Err(e) = handle(
+                    incoming, pending, &cfg, &registry, &metrics, join, &draining,
+                )
+                .await
+                {
                     warn!(error = format!("{e:#}"), "edge connection failed");
                 }
                 drop(permit);
@@ -296,6 +403,7 @@ async fn handle(
     registry: &Arc<Registry>,
     metrics: &CloudMetrics,
     join: Option<Arc<JoinCtx>>,
+    draining: &std::sync::atomic::AtomicBool,
 ) -> anyhow::Result<()> {
     let max = cfg.limits.max_frame_bytes as usize;
     let conn = tokio::time::timeout(cfg.handshake_timeout, incoming)
@@ -371,6 +479,20 @@ async fn handle(
         .await;
         return Ok(());
     };
+    if draining.load(std::sync::atomic::Ordering::Relaxed) {
+        // Its handshake began before the drain: refused all the same (the
+        // edge ends its round and dials again from a new source port).
+        metrics.refuse_edge("draining");
+        refuse(
+            &mut send,
+            &conn,
+            RefusalCode::Shutdown,
+            format!("node {node}: this replica is draining; connect to another"),
+            max,
+        )
+        .await;
+        return Ok(());
+    }
     let claim = Claim::of(&hello);
     let Some((session, resumed)) = admit(registry, cfg, &node, &hello, &claim)? else {
         refuse(
@@ -449,6 +571,16 @@ async fn handle(
         "edge connected"
     );
     metrics.edges_connected.inc();
+    if draining.load(std::sync::atomic::Ordering::Relaxed) {
+        // Committed while the drain began (after the drain's list of edges
+        // was taken): move it at once.
+        info!(node = %node, "draining: telling the edge to move (it attached as the drain began)");
+        conn.close(
+            close_code::MOVE.into(),
+            b"this replica is draining: reconnect to another",
+        );
+        metrics.edges_moved.inc();
+    }
     // Counted only now: the edge took this welcome and committed to it.
     if resumed {
         metrics.resumes.inc();
@@ -674,6 +806,103 @@ async fn control_loop(
 mod renewal_tests {
     use super::*;
     use std::time::Instant;
+
+    #[test]
+    fn a_reset_key_file_needs_32_bytes_of_key_material() {
+        use quinn::crypto::HmacKey;
+        let dir = tempfile::tempdir().unwrap();
+        let short = dir.path().join("short.key");
+        // 31 bytes plus a newline (white space does not count).
+        std::fs::write(&short, format!("{}\n", "a".repeat(31))).unwrap();
+        let e = format!("{:#}", reset_key(&short).err().unwrap());
+        assert!(e.contains("short.key") && e.contains("31 bytes"), "{e}");
+        let missing = format!("{:#}", reset_key(&dir.path().join("nope")).err().unwrap());
+        assert!(missing.contains("nope"), "{missing}");
+        // The same file makes the same key on every replica: equal tokens.
+        let good = dir.path().join("reset.key");
+        std::fs::write(&good, format!("{}\n", "ab".repeat(32))).unwrap();
+        let (a, b) = (reset_key(&good).unwrap(), reset_key(&good).unwrap());
+        let (mut ta, mut tb) = ([0u8; 32], [0u8; 32]);
+        a.sign(b"cid-1234", &mut ta);
+        b.sign(b"cid-1234", &mut tb);
+        assert_eq!(ta, tb);
+        // And the same connection-ID generator: B validates A's CIDs.
+        use quinn::ConnectionIdGenerator;
+        let mut gen_a = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(&a));
+        let gen_b = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(&b));
+        let cid = gen_a.generate_cid();
+        assert!(gen_b.validate(&cid).is_ok());
+        let other = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(
+            &ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &[7u8; 32]),
+        ));
+        assert!(
+            other.validate(&cid).is_err(),
+            "another key's replica drops it"
+        );
+    }
+
+    /// Sends short-header packets whose connection IDs carry the replicas'
+    /// signature but belong to no connection, one every 2 ms for `n`
+    /// packets (unless `!signed`: random ones), to an endpoint with
+    /// `--reset-interval` `interval`; returns how many stateless resets came back.
+    async fn resets_for(interval: Duration, n: usize, signed: bool) -> usize {
+        use quinn::ConnectionIdGenerator;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("reset.key");
+        std::fs::write(&file, "ab".repeat(32)).unwrap();
+        let cfg = endpoint_config(Some(&file), interval).unwrap();
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let server = sock.local_addr().unwrap();
+        let _ep = quinn::Endpoint::new(cfg, None, sock, quinn::default_runtime().unwrap()).unwrap();
+        let mut cids =
+            quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(&reset_key(&file).unwrap()));
+        let client = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        let got = Arc::new(AtomicUsize::new(0));
+        let (c, g) = (client.clone(), got.clone());
+        let reader = tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            while c.recv(&mut buf).await.is_ok() {
+                g.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        for i in 0..n {
+            let mut pkt = vec![0x40 | (i as u8 & 0x3f)];
+            if signed {
+                pkt.extend_from_slice(&cids.generate_cid());
+            } else {
+                pkt.extend_from_slice(
+                    &(i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes(),
+                );
+            }
+            pkt.extend_from_slice(&[i as u8; 40]);
+            client.send_to(&pkt, server).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        reader.abort();
+        got.load(Ordering::Relaxed)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_reset_interval_bounds_the_rate_of_stateless_resets() {
+        // quinn's default (20 ms): about one reset per 10 packets here.
+        let slow = resets_for(Duration::from_millis(20), 150, true).await;
+        // --reset-interval's default (1 ms): about one per packet.
+        let fast = resets_for(Duration::from_millis(1), 150, true).await;
+        // Connection IDs without the replicas' signature draw none at all.
+        let unsigned = resets_for(Duration::from_millis(1), 50, false).await;
+        eprintln!(
+            "150 packets, one per ~2-3 ms: {slow} resets at 20 ms, {fast} at 1 ms; {unsigned} for unsigned CIDs"
+        );
+        assert_eq!(unsigned, 0);
+        assert!(slow >= 1, "an unknown but well-signed CID draws a reset");
+        assert!(slow <= 40, "{slow} resets at 20 ms for ~150 packets");
+        assert!(
+            fast >= 60 && fast >= 3 * slow,
+            "{fast} resets at 1 ms vs {slow} at 20 ms"
+        );
+    }
 
     #[test]
     fn pod_reports_are_rate_limited() {
