@@ -217,8 +217,24 @@ psc = pod.get("securityContext", {})
 check(psc.get("runAsNonRoot") is True and psc.get("runAsUser", 0) != 0, "pod runs as non-root")
 check(psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", "pod seccomp RuntimeDefault")
 check(pod.get("automountServiceAccountToken") is True, "the service account token is mounted (to watch pods and nodes)")
-check(dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate", "one replica, Recreate")
+replicas = dep["spec"]["replicas"]
+strategy = dep["spec"]["strategy"]
+check(replicas == 3 and strategy["type"] == "RollingUpdate"
+      and strategy.get("rollingUpdate", {}).get("maxUnavailable") == 0
+      and strategy.get("rollingUpdate", {}).get("maxSurge") == 1,
+      "three replicas, RollingUpdate with maxUnavailable 0 and maxSurge 1")
+check(dep["spec"].get("minReadySeconds", 0) >= 10, "minReadySeconds >= 10 (peers and DNAT helpers know a new replica before the next goes)")
+anti = pod.get("affinity", {}).get("podAntiAffinity", {}).get("preferredDuringSchedulingIgnoredDuringExecution", [])
+check(any(t["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+          and t["podAffinityTerm"].get("labelSelector", {}).get("matchLabels", {})
+          and all(labels.get(k) == v for k, v in t["podAffinityTerm"]["labelSelector"]["matchLabels"].items())
+          for t in anti), "preferred pod anti-affinity by hostname against its own pods")
 [c] = pod["containers"]
+cenv = {e["name"]: e for e in c.get("env", [])}
+unknown = sorted(n for n in cenv if n not in cloud_env)
+check(not unknown, f"container env names are tether-cloud variables (unknown: {unknown})")
+check(cenv.get("TETHER_REPLICA_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name",
+      "TETHER_REPLICA_NAME is the pod name (downward API)")
 sc = c.get("securityContext", {})
 check(sc.get("readOnlyRootFilesystem") is True, "read-only root filesystem")
 check(sc.get("allowPrivilegeEscalation") is False, "no privilege escalation")
@@ -229,27 +245,33 @@ ports = {p["name"]: p for p in c["ports"]}
 check(ports.get("tunnel", {}).get("protocol") == "UDP" and ports["tunnel"]["containerPort"] == 10004, "container port tunnel 10004/UDP")
 check(ports.get("kubelet-api", {}).get("containerPort") == 10003, "container port kubelet-api 10003/TCP")
 check(ports.get("metrics", {}).get("containerPort") == 9090, "container port metrics 9090/TCP")
-listen = {k: cm["data"].get(k, "") for k in ("TETHER_TUNNEL_LISTEN", "TETHER_KUBELET_LISTEN", "TETHER_METRICS_LISTEN")}
+check(ports.get("peer", {}).get("protocol") == "UDP" and ports["peer"]["containerPort"] == 10005, "container port peer 10005/UDP")
+listen = {k: cm["data"].get(k, "") for k in ("TETHER_TUNNEL_LISTEN", "TETHER_KUBELET_LISTEN", "TETHER_METRICS_LISTEN", "TETHER_PEER_LISTEN")}
 check(listen["TETHER_TUNNEL_LISTEN"].endswith(":10004") and listen["TETHER_KUBELET_LISTEN"].endswith(":10003")
-      and listen["TETHER_METRICS_LISTEN"].endswith(":9090"), "listen addresses agree with the container ports")
+      and listen["TETHER_METRICS_LISTEN"].endswith(":9090") and listen["TETHER_PEER_LISTEN"].endswith(":10005"),
+      "listen addresses agree with the container ports")
 for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
     g = c.get(probe, {}).get("httpGet", {})
     check(g.get("path") == path and g.get("port") in ("metrics", 9090), f"{probe} GET {path} on the metrics port")
 grace = dep["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
 sg = cm["data"].get("TETHER_SHUTDOWN_GRACE", "30s")
-check(sg.endswith("s") and int(sg[:-1]) + 5 <= grace, f"terminationGracePeriodSeconds ({grace}) exceeds TETHER_SHUTDOWN_GRACE ({sg})")
+ds_ = cm["data"].get("TETHER_DRAIN_SPREAD", "")
+check(sg.endswith("s") and ds_.endswith("s") and int(sg[:-1]) + int(ds_[:-1]) + 5 <= grace,
+      f"terminationGracePeriodSeconds ({grace}) exceeds TETHER_DRAIN_SPREAD ({ds_}) + TETHER_SHUTDOWN_GRACE ({sg}) + 5s")
 mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
 secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-check({"tether-cloud-tunnel", "tether-edge-ca", "tether-cloud-kubelet-serving", "tether-apiserver-client-ca"} <= set(secrets.values()),
-      "the four Secrets are mounted (tunnel, edge CA, kubelet serving, apiserver client CA)")
+check({"tether-cloud-tunnel", "tether-edge-ca", "tether-cloud-kubelet-serving", "tether-apiserver-client-ca", "tether-cloud-peer"} <= set(secrets.values()),
+      "the five Secrets are mounted (tunnel, edge CA, kubelet serving, apiserver client CA, peer)")
 check(all(m.get("readOnly") for m in c["volumeMounts"]), "every mount read-only")
-for key in ("TETHER_TUNNEL_CERT", "TETHER_TUNNEL_KEY", "TETHER_EDGE_CA", "TETHER_KUBELET_CERT", "TETHER_KUBELET_KEY", "TETHER_APISERVER_CLIENT_CA"):
+for key in ("TETHER_TUNNEL_CERT", "TETHER_TUNNEL_KEY", "TETHER_EDGE_CA", "TETHER_KUBELET_CERT", "TETHER_KUBELET_KEY", "TETHER_APISERVER_CLIENT_CA",
+            "TETHER_PEER_CERT", "TETHER_PEER_KEY", "TETHER_PEER_CA", "TETHER_RESET_KEY_FILE"):
     path = cm["data"].get(key, "")
     check(any(path.startswith(mp.rstrip("/") + "/") and n in secrets for n, mp in mounts.items()), f"{key}={path} lies in a Secret mount")
 
 # Services agree with the pod
 svcs = {d["metadata"]["name"]: d for d in cloud_docs if d["kind"] == "Service"}
-want = {"tether-cloud-tunnel": ("UDP", 10004), "tether-cloud-kubelet-api": ("TCP", 10003), "tether-cloud-metrics": ("TCP", 9090)}
+want = {"tether-cloud-tunnel": ("UDP", 10004), "tether-cloud-kubelet-api": ("TCP", 10003), "tether-cloud-metrics": ("TCP", 9090),
+        "tether-cloud-peers": ("UDP", 10005)}
 for name, (proto, port) in want.items():
     s = svcs.get(name)
     if not s:
@@ -258,7 +280,24 @@ for name, (proto, port) in want.items():
     [p] = s["spec"]["ports"]
     tp = ports.get(p["targetPort"]) if isinstance(p["targetPort"], str) else None
     check(p["protocol"] == proto and p["port"] == port and tp and tp.get("protocol", "TCP") == proto, f"Service {name} {port}/{proto} -> named container port")
-check(svcs["tether-cloud-kubelet-api"]["spec"].get("clusterIP") == "None", "kubelet-api Service is headless (the DNAT follows the pod IP)")
+check(svcs["tether-cloud-kubelet-api"]["spec"].get("clusterIP") == "None"
+      and svcs["tether-cloud-kubelet-api"]["spec"].get("publishNotReadyAddresses") is False,
+      "kubelet-api Service is headless and lists ready pods only (the DNAT spreads over the ready replicas' IPs)")
+peers = svcs.get("tether-cloud-peers", {}).get("spec", {})
+check(peers.get("clusterIP") == "None" and peers.get("publishNotReadyAddresses") is True,
+      "peer Service is headless and lists not-ready (draining) replicas too")
+check(cm["data"].get("TETHER_PEER_DNS") == f"tether-cloud-peers.tether-system.svc:{peers.get('ports', [{}])[0].get('port')}",
+      f"TETHER_PEER_DNS ({cm['data'].get('TETHER_PEER_DNS')}) names the peer Service and its port")
+tun = svcs.get("tether-cloud-tunnel", {}).get("spec", {})
+check(tun.get("sessionAffinity", "None") == "None" and tun.get("externalTrafficPolicy") == "Cluster",
+      "tunnel Service: no ClientIP affinity, externalTrafficPolicy Cluster (moving edges land on ready replicas)")
+
+# PodDisruptionBudget
+pdb = one(cloud_docs, "PodDisruptionBudget", "tether-cloud")
+pspec = pdb.get("spec", {})
+check(all(labels.get(k) == v for k, v in pspec.get("selector", {}).get("matchLabels", {"-": "-"}).items()),
+      "PodDisruptionBudget selects the tether-cloud pods")
+check(pspec.get("maxUnavailable") == 1 and "minAvailable" not in pspec, "PodDisruptionBudget: maxUnavailable 1 (one replica at a time)")
 
 # NetworkPolicy
 np = one(cloud_docs, "NetworkPolicy", "tether-cloud")
@@ -267,11 +306,17 @@ rules = {(p["protocol"], p["port"]): r for r in np["spec"]["ingress"] for p in r
 check(("TCP", 10003) in rules and all("ipBlock" in f for f in rules[("TCP", 10003)].get("from", [None])), "10003/TCP only from ipBlocks (control-plane hosts)")
 check(("UDP", 10004) in rules and not rules[("UDP", 10004)].get("from"), "10004/UDP from anywhere")
 check(("TCP", 9090) in rules and all("namespaceSelector" in f for f in rules[("TCP", 9090)].get("from", [None])), "9090/TCP only from the monitoring namespace")
+def only_cloud_pods(peers_):
+    return bool(peers_) and all(set(f) == {"podSelector"} and f["podSelector"].get("matchLabels")
+                                and all(labels.get(k) == v for k, v in f["podSelector"]["matchLabels"].items()) for f in peers_)
+check(("UDP", 10005) in rules and only_cloud_pods(rules[("UDP", 10005)].get("from")), "10005/UDP (peer link) only from tether-cloud pods")
 egress = np["spec"].get("egress") or []
-check("Egress" in np["spec"]["policyTypes"] and len(egress) == 1
-      and egress[0].get("ports") == [{"protocol": "TCP", "port": 6443}]
-      and all("ipBlock" in t for t in egress[0].get("to", [None])),
-      "egress only to the apiserver (6443/TCP, ipBlocks)")
+eg = {tuple(sorted((p["protocol"], p["port"]) for p in e.get("ports", []))): e for e in egress}
+check("Egress" in np["spec"]["policyTypes"] and len(egress) == 3
+      and all("ipBlock" in t for t in eg.get((("TCP", 6443),), {}).get("to", [None]))
+      and only_cloud_pods(eg.get((("UDP", 10005),), {}).get("to"))
+      and all("namespaceSelector" in t for t in eg.get((("TCP", 53), ("UDP", 53)), {}).get("to", [None])),
+      "egress only to the apiserver (6443/TCP, ipBlocks), the peers (10005/UDP, tether-cloud pods), DNS (53)")
 
 # DNAT DaemonSet
 ds = one(dnat_docs, "DaemonSet", "tether-dnat")
@@ -317,9 +362,12 @@ for key, kind, writable in (("TETHER_JOIN_STORE", "persistentVolumeClaim", True)
     n, m = mount_of(jcm["data"].get(key, ""))
     check(n is not None and kind in jvols.get(n, {}) and bool(m.get("readOnly")) != writable,
           f"deploy/join: {key} lies in a {'writable ' if writable else ''}{kind} mount")
-pvcs = {d["metadata"]["name"] for d in join_docs if d["kind"] == "PersistentVolumeClaim"}
-check(jvols.get("join-store", {}).get("persistentVolumeClaim", {}).get("claimName") in pvcs, "deploy/join: the store's PVC exists")
-check(len(jdep["spec"]["template"]["spec"]["containers"]) == 1 and len(jc["ports"]) == 3, "deploy/join: patches merged into the one container")
+pvcs = {d["metadata"]["name"]: d for d in join_docs if d["kind"] == "PersistentVolumeClaim"}
+jclaim = jvols.get("join-store", {}).get("persistentVolumeClaim", {}).get("claimName")
+check(jclaim in pvcs, "deploy/join: the store's PVC exists")
+check(jdep["spec"].get("replicas", 1) == 1 or pvcs.get(jclaim, {}).get("spec", {}).get("accessModes") == ["ReadWriteMany"],
+      "deploy/join: with several replicas the store's PVC is ReadWriteMany (every replica mounts it)")
+check(len(jdep["spec"]["template"]["spec"]["containers"]) == 1 and len(jc["ports"]) == 4, "deploy/join: patches merged into the one container (4 ports)")
 
 for o in oks:
     print(f"ok: {o}")
