@@ -24,7 +24,13 @@
 #              kubelet port reaches the "cloud", a changed target replaces the
 #              rule, watch follows and cleans up on SIGTERM, remove leaves no
 #              rule; for nft, iptables (nft) and iptables-legacy, IPv4 and IPv6;
-#              plus the reason the target is a pod IP and not a ClusterIP
+#              plus the reason the target is a pod IP and not a ClusterIP; and
+#              the spread over several replicas: connections land on each of
+#              three listeners, a removed target gets no new connection, the
+#              set changes atomically under load, apply twice with N targets
+#              is byte-identical; watch follows a name's addresses (the
+#              headless Service, here via the namespace's /etc/hosts) and
+#              deletes the conntrack entries of a target that left
 #   dnat-e2e   the whole path with the real binaries (built if missing): an
 #              apiserver stand-in (curl with the apiserver's client
 #              certificate, verifying the serving certificate like
@@ -77,6 +83,7 @@ step_tools() {
 	have ip || need+=(iproute2)
 	have systemd-analyze || need+=(systemd)
 	have getent || need+=(libc-bin)
+	have conntrack || need+=(conntrack)
 	have curl || need+=(curl)
 	have python3 || need+=(python3 python3-venv)
 	if [ "${#need[@]}" -gt 0 ]; then
@@ -86,7 +93,7 @@ step_tools() {
 		timeout 600 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null ||
 			fail "apt-get install ${need[*]} failed"
 	fi
-	for t in shellcheck nft iptables iptables-legacy ip6tables ip systemd-analyze getent curl python3 timeout; do
+	for t in shellcheck nft iptables iptables-legacy ip6tables ip systemd-analyze getent conntrack curl python3 timeout; do
 		have "$t" || fail "required tool '$t' is still missing"
 	done
 	local stamp="$VENV/.reqs"
@@ -333,6 +340,9 @@ kapi = svcs["tether-cloud-kubelet-api"]
 check(args.get("to") == f'{kapi["metadata"]["name"]}.{kapi["metadata"]["namespace"]}.svc:{kapi["spec"]["ports"][0]["port"]}',
       f"DaemonSet --to ({args.get('to')}) names the kubelet-api Service")
 check(args.get("kubelet-port") == "10350", "DaemonSet catches the edge kubelet port 10350")
+check(int(args.get("interval", "10")) <= 5, f"DaemonSet re-reads the ready replicas at least every 5 s (--interval {args.get('interval')})")
+check(int(args.get("conntrack-flush-after", "0")) > grace,
+      f"DaemonSet deletes a replica's conntrack entries only after its terminationGracePeriodSeconds ({args.get('conntrack-flush-after')} > {grace})")
 
 # systemd units and edge.env use only variables tether-edge reads
 unit_env = set()
@@ -528,6 +538,11 @@ remove_namespaces() {
 	for n in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$NS_PREFIX" || true); do
 		ip netns del "$n" 2>/dev/null || true
 	done
+	# Per-namespace files `ip netns exec` binds over /etc (the dnat step's hosts).
+	for n in /etc/netns/"$NS_PREFIX"*; do
+		[ -d "$n" ] && rm -rf "$n"
+	done
+	rmdir /etc/netns 2>/dev/null || true
 }
 
 step_cleanup() {
@@ -582,6 +597,9 @@ dnat_setup() {
 	ip -n "$NS_CP" addr add 10.244.0.1/24 dev "${NS_PREFIX}a"
 	ip -n "$NS_CP" addr add fd00:7e7::1/64 dev "${NS_PREFIX}a" nodad
 	ip -n "$NS_CLOUD" addr add 10.244.0.5/24 dev "${NS_PREFIX}b"
+	# Two more "replicas" for the spread (each with its own listener on 10023).
+	ip -n "$NS_CLOUD" addr add 10.244.0.6/24 dev "${NS_PREFIX}b"
+	ip -n "$NS_CLOUD" addr add 10.244.0.7/24 dev "${NS_PREFIX}b"
 	ip -n "$NS_CLOUD" addr add fd00:7e7::5/64 dev "${NS_PREFIX}b" nodad
 	# The edge node's address as the apiserver knows it (documentation ranges).
 	ip -n "$NS_CLOUD" addr add 198.51.100.7/32 dev lo
@@ -605,6 +623,9 @@ def serve(family, addr, port, tag):
 for fam, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
     for port, tag in ((10003, "cloud"), (10013, "cloud-2"), (10350, "direct")):
         threading.Thread(target=serve, args=(fam, addr, port, tag), daemon=True).start()
+# Three replicas' kubelet-API listeners, one per pod address.
+for last in (5, 6, 7):
+    threading.Thread(target=serve, args=(socket.AF_INET, f"10.244.0.{last}", 10023, f"r{last}"), daemon=True).start()
 print("listening", flush=True)
 threading.Event().wait()
 PY
@@ -663,6 +684,172 @@ $snap2"
 	expect_probe "$node" 10350 direct "after remove the node's port is the node's again"
 }
 
+# Opens N connections to node:10350 from the control-plane namespace and
+# prints how many each listener answered ("r5=31 r6=29 r7=30"; "-": none).
+spread() {
+	in_cp timeout 60 python3 - "$1" <<'PY'
+import collections, socket, sys
+c = collections.Counter()
+for _ in range(int(sys.argv[1])):
+    try:
+        s = socket.create_connection(("198.51.100.7", 10350), timeout=1.5)
+        c[s.recv(64).decode().strip() or "-"] += 1
+        s.close()
+    except OSError:
+        c["-"] += 1
+print(" ".join(f"{k}={v}" for k, v in sorted(c.items())))
+PY
+}
+
+# count_of TAG "r5=31 r6=29": 31 (0 when absent).
+count_of() {
+	local kv
+	for kv in $2; do
+		if [ "${kv%%=*}" = "$1" ]; then
+			echo "${kv#*=}"
+			return
+		fi
+	done
+	echo 0
+}
+
+# expect_spread N "r5 r6 r7" MIN WHAT: N connections, each listed tag gets at
+# least MIN, no other tag (and no failure) any.
+expect_spread() {
+	local n=$1 want=$2 min=$3 what=$4 got tag kv
+	got=$(spread "$n")
+	for tag in $want; do
+		[ "$(count_of "$tag" "$got")" -ge "$min" ] || fail "$what: $n connections gave '$got'; expected >= $min on each of $want"
+	done
+	for kv in $got; do
+		case " $want " in *" ${kv%%=*} "*) ;; *) fail "$what: $n connections gave '$got': ${kv%%=*} must get none" ;; esac
+	done
+	echo "  ok: $what ($n connections: $got)"
+}
+
+# Conntrack entries of connections translated to ADDR (any state).
+ct_count() {
+	in_cp conntrack -L -p tcp --reply-src "$1" 2>/dev/null | grep -c . || true
+}
+
+# Several replicas, one backend (IPv4): spread, removal, atomic change, idempotence.
+dnat_spread() {
+	local label=$1 backend=$2 per_rule=$3 h="$ROOT/deploy/dnat/tether-dnat.sh"
+	local t3="10.244.0.7:10023,10.244.0.5:10023,10.244.0.6:10023" t2="10.244.0.6:10023,10.244.0.5:10023"
+	local snap1 snap2 n want3=1 want2=1
+	# nft: one rule with a numgen map; iptables: one statistic rule per target.
+	if [ "$per_rule" = 1 ]; then
+		want3=3
+		want2=2
+	fi
+	echo "-- $label: three replicas"
+	in_cp "$h" apply --kubelet-port 10350 --to "$t3" --backend "$backend" 2>/dev/null
+	snap1=$(ruleset)
+	n=$(count_dnat)
+	[ "$n" = "$want3" ] || fail "$label: $n DNAT rules for 3 targets, expected $want3: $snap1"
+	# The same set in another order (DNS answers rotate) is the same rule.
+	in_cp "$h" apply --kubelet-port 10350 --to "10.244.0.5:10023,10.244.0.6:10023,10.244.0.7:10023" --backend "$backend" 2>"$WORK/apply2.err"
+	grep -q unchanged "$WORK/apply2.err" || fail "$label: second apply with 3 targets was not 'unchanged': $(cat "$WORK/apply2.err")"
+	snap2=$(ruleset)
+	[ "$snap1" = "$snap2" ] || fail "$label: second apply with 3 targets changed the ruleset:
+--- first
+$snap1
+--- second
+$snap2"
+	echo "  ok: apply twice with 3 targets (in another order): 'unchanged', ruleset byte-identical"
+	# P(a listener gets < 10 of 90) is about 1e-6.
+	expect_spread 90 "r5 r6 r7" 10 "connections land on each of the 3 replicas"
+	in_cp timeout 20 python3 - >"$WORK/load.out" 2>&1 <<'PY' &
+import socket, time
+ok = bad = 0
+end = time.monotonic() + 2
+while time.monotonic() < end:
+    try:
+        s = socket.create_connection(("198.51.100.7", 10350), timeout=1.5)
+        if s.recv(64).decode().strip().startswith("r"):
+            ok += 1
+        else:
+            bad += 1
+        s.close()
+    except OSError:
+        bad += 1
+print(f"ok={ok} bad={bad}")
+PY
+	local lpid=$!
+	PIDS+=("$lpid")
+	sleep 0.3
+	in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>/dev/null
+	in_cp "$h" apply --kubelet-port 10350 --to "$t3" --backend "$backend" 2>/dev/null
+	in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>/dev/null
+	wait "$lpid" || fail "$label: the load during the change failed: $(cat "$WORK/load.out")"
+	grep -Eq '^ok=[1-9][0-9]* bad=0$' "$WORK/load.out" || fail "$label: connections failed while the set changed: $(cat "$WORK/load.out")"
+	echo "  ok: the set changes atomically: no connection failed while it switched 3 -> 2 -> 3 -> 2 ($(cat "$WORK/load.out"))"
+	n=$(count_dnat)
+	[ "$n" = "$want2" ] || fail "$label: $n DNAT rules for 2 targets, expected $want2: $(ruleset)"
+	expect_spread 60 "r5 r6" 10 "10.244.0.7 removed: no new connection reaches it"
+	snap1=$(ruleset)
+	in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>&1 | grep -q unchanged ||
+		fail "$label: second apply with 2 targets was not 'unchanged'"
+	[ "$snap1" = "$(ruleset)" ] || fail "$label: second apply with 2 targets changed the ruleset"
+	echo "  ok: apply twice with 2 targets: ruleset byte-identical"
+	in_cp "$h" remove 2>/dev/null
+	[ "$(count_tether)" = 0 ] || fail "$label: remove left rules: $(ruleset)"
+}
+
+# Polls (<= 10 s) until "$@" succeeds; fails with WHAT otherwise.
+wait_until() {
+	local what=$1 _
+	shift
+	for _ in $(seq 100); do
+		"$@" && return 0
+		sleep 0.1
+	done
+	fail "$what: not within 10 s"
+}
+targets_in_rules() { [ "$(ruleset | grep -Eo '10\.244\.0\.[567][ :.]+10023' | sort -u | wc -l)" = "$1" ]; }
+no_ct_for() { [ "$(ct_count "$1")" = 0 ]; }
+
+# watch with a name: the headless Service's ready addresses, played by the
+# control-plane namespace's /etc/hosts (`ip netns exec` binds
+# /etc/netns/NS/hosts over it; rewritten in place, so the running watch
+# sees each change). A target that leaves gets no new connection, and its
+# conntrack entries are deleted after --conntrack-flush-after.
+dnat_watch_follows() {
+	local backend=$1 h="$ROOT/deploy/dnat/tether-dnat.sh" name=tether-cloud-kubelet-api.tether-system.svc
+	local hosts="/etc/netns/$NS_CP/hosts" t0 t1 n
+	echo "-- watch follows the ready set of a name ($backend)"
+	in_cp conntrack -F >/dev/null 2>&1 || true
+	mkdir -p "/etc/netns/$NS_CP"
+	printf '127.0.0.1 localhost\n10.244.0.7 %s\n10.244.0.5 %s\n10.244.0.6 %s\n' "$name" "$name" "$name" >"$hosts"
+	ip netns exec "$NS_CP" timeout 60 "$h" watch --kubelet-port 10350 --to "$name:10023" --interval 1 \
+		--conntrack-flush-after 2 --backend "$backend" 2>"$WORK/watch-$backend.err" &
+	local wpid=$!
+	PIDS+=("$wpid")
+	wait_until "watch ($backend) did not program the name's 3 addresses: $(cat "$WORK/watch-$backend.err")" targets_in_rules 3
+	expect_spread 60 "r5 r6 r7" 5 "watch ($backend): a name with 3 addresses spreads over all 3"
+	n=$(ct_count 10.244.0.7)
+	[ "$n" -ge 1 ] || fail "watch ($backend): no conntrack entry for 10.244.0.7 after connections to it"
+	# The replica at .7 turns not ready: it drops out of the name.
+	printf '127.0.0.1 localhost\n10.244.0.5 %s\n10.244.0.6 %s\n' "$name" "$name" >"$hosts"
+	t0=$(date +%s%N)
+	wait_until "watch ($backend) did not drop 10.244.0.7: $(ruleset)" targets_in_rules 2
+	t1=$(date +%s%N)
+	echo "  ok: watch ($backend): 10.244.0.7 left the name; the rules followed in $(((t1 - t0) / 1000000)) ms (--interval 1)"
+	expect_spread 60 "r5 r6" 10 "watch ($backend): no new connection reaches the replica that left"
+	wait_until "watch ($backend): conntrack entries of 10.244.0.7 not deleted ($(ct_count 10.244.0.7) left): $(cat "$WORK/watch-$backend.err")" no_ct_for 10.244.0.7
+	t1=$(date +%s%N)
+	grep -q 'conntrack: .* deleted for 10.244.0.7:10023' "$WORK/watch-$backend.err" ||
+		fail "watch ($backend): no log of the conntrack deletion: $(cat "$WORK/watch-$backend.err")"
+	[ "$(ct_count 10.244.0.5)" -ge 1 ] || fail "watch ($backend): the entries of the replicas that stayed were deleted too"
+	echo "  ok: watch ($backend): its $n conntrack entries deleted $(((t1 - t0) / 1000000)) ms after it left (--conntrack-flush-after 2); the others' kept"
+	kill -TERM "$wpid"
+	wait "$wpid" 2>/dev/null || true
+	[ "$(count_tether)" = 0 ] || fail "watch ($backend) left rules after SIGTERM: $(ruleset)"
+	# TIME_WAIT entries of this round would blur the next one's counts.
+	in_cp conntrack -F >/dev/null 2>&1 || true
+	echo "  ok: watch ($backend): SIGTERM removes the rules"
+}
+
 step_dnat() {
 	dnat_setup
 	local h="$ROOT/deploy/dnat/tether-dnat.sh"
@@ -673,6 +860,11 @@ step_dnat() {
 	dnat_cycle "iptables (nft variant), IPv6" iptables 2001:db8::7 fd00:7e7::5 '[fd00:7e7::5]:10003' '[fd00:7e7::5]:10013'
 	TETHER_DNAT_IPTABLES=iptables-legacy TETHER_DNAT_IP6TABLES=ip6tables-legacy \
 		dnat_cycle "iptables-legacy, IPv4" iptables 198.51.100.7 10.244.0.5 10.244.0.5:10003 10.244.0.5:10013
+
+	dnat_spread "nft, IPv4" nft 0
+	dnat_spread "iptables (nft variant), IPv4" iptables 1
+	TETHER_DNAT_IPTABLES=iptables-legacy TETHER_DNAT_IP6TABLES=ip6tables-legacy \
+		dnat_spread "iptables-legacy, IPv4" iptables 1
 
 	echo "-- --dst and --prerouting"
 	in_cp "$h" apply --kubelet-port 10350 --to 10.244.0.5:10003 --dst 203.0.113.0/24 --prerouting --backend nft 2>/dev/null
@@ -737,6 +929,11 @@ step_dnat() {
 	wait "$wpid" 2>/dev/null || true
 	[ "$(count_dnat)" = 0 ] || fail "watch left the rule after SIGTERM: $(cat "$WORK/watch.err")"
 	echo "  ok: after SIGTERM no rule is left"
+
+	local b
+	for b in nft iptables; do
+		dnat_watch_follows "$b"
+	done
 
 	echo "-- why the target is the pod IP, not a ClusterIP"
 	# A kube-proxy-like rule: ClusterIP 10.96.0.50:10003 -> pod 10.244.0.5:10003.
