@@ -601,6 +601,7 @@ dnat_setup() {
 	ip -n "$NS_CLOUD" addr add 10.244.0.6/24 dev "${NS_PREFIX}b"
 	ip -n "$NS_CLOUD" addr add 10.244.0.7/24 dev "${NS_PREFIX}b"
 	ip -n "$NS_CLOUD" addr add fd00:7e7::5/64 dev "${NS_PREFIX}b" nodad
+	ip -n "$NS_CLOUD" addr add fd00:7e7::6/64 dev "${NS_PREFIX}b" nodad
 	# The edge node's address as the apiserver knows it (documentation ranges).
 	ip -n "$NS_CLOUD" addr add 198.51.100.7/32 dev lo
 	ip -n "$NS_CLOUD" addr add 2001:db8::7/128 dev lo
@@ -852,7 +853,7 @@ dnat_watch_follows() {
 
 step_dnat() {
 	dnat_setup
-	local h="$ROOT/deploy/dnat/tether-dnat.sh"
+	local h="$ROOT/deploy/dnat/tether-dnat.sh" snap _ wpid
 
 	dnat_cycle "nft, IPv4" nft 198.51.100.7 10.244.0.5 10.244.0.5:10003 10.244.0.5:10013
 	dnat_cycle "nft, IPv6" nft 2001:db8::7 fd00:7e7::5 '[fd00:7e7::5]:10003' '[fd00:7e7::5]:10013'
@@ -862,6 +863,16 @@ step_dnat() {
 		dnat_cycle "iptables-legacy, IPv4" iptables 198.51.100.7 10.244.0.5 10.244.0.5:10003 10.244.0.5:10013
 
 	dnat_spread "nft, IPv4" nft 0
+	for b in nft iptables; do
+		in_cp "$h" apply --kubelet-port 10350 --to '[fd00:7e7::6]:10003,[fd00:7e7::5]:10003' --backend "$b" 2>/dev/null
+		snap=$(ruleset)
+		in_cp "$h" apply --kubelet-port 10350 --to '[fd00:7e7::5]:10003,[fd00:7e7::6]:10003' --backend "$b" 2>&1 | grep -q unchanged ||
+			fail "$b, IPv6: second apply with 2 targets was not 'unchanged'"
+		[ "$snap" = "$(ruleset)" ] || fail "$b, IPv6: second apply with 2 targets changed the ruleset"
+		for _ in 1 2 3 4 5 6; do expect_probe 2001:db8::7 10350 cloud "$b, IPv6, 2 targets: connection served" >/dev/null; done
+		echo "  ok: $b, IPv6: 2 targets applied, re-apply byte-identical, 6 of 6 connections served"
+		in_cp "$h" remove 2>/dev/null
+	done
 	dnat_spread "iptables (nft variant), IPv4" iptables 1
 	TETHER_DNAT_IPTABLES=iptables-legacy TETHER_DNAT_IP6TABLES=ip6tables-legacy \
 		dnat_spread "iptables-legacy, IPv4" iptables 1
@@ -934,6 +945,27 @@ step_dnat() {
 	for b in nft iptables; do
 		dnat_watch_follows "$b"
 	done
+
+	echo "-- without the conntrack tool, watch still follows the set, and says what it skips"
+	mkdir -p "/etc/netns/$NS_CP"
+	local name=tether-cloud-kubelet-api.tether-system.svc
+	printf '127.0.0.1 localhost\n10.244.0.5 %s\n10.244.0.6 %s\n' "$name" "$name" >"/etc/netns/$NS_CP/hosts"
+	TETHER_DNAT_CONNTRACK=/nonexistent/conntrack ip netns exec "$NS_CP" timeout 60 "$h" watch --kubelet-port 10350 \
+		--to "$name:10023" --interval 1 --conntrack-flush-after 1 --backend nft 2>"$WORK/watch-noct.err" &
+	wpid=$!
+	PIDS+=("$wpid")
+	wait_until "watch without conntrack did not program 2 addresses: $(cat "$WORK/watch-noct.err")" targets_in_rules 2
+	printf '127.0.0.1 localhost\n10.244.0.5 %s\n' "$name" >"/etc/netns/$NS_CP/hosts"
+	wait_until "watch without conntrack did not drop 10.244.0.6: $(ruleset)" targets_in_rules 1
+	expect_spread 20 "r5" 20 "without conntrack: the set still follows the name"
+	wait_until "watch without conntrack did not warn" grep -q 'warning: no conntrack tool' "$WORK/watch-noct.err"
+	sleep 1.5
+	kill -0 "$wpid" 2>/dev/null || fail "watch without conntrack exited: $(cat "$WORK/watch-noct.err")"
+	[ "$(grep -c 'no conntrack tool' "$WORK/watch-noct.err")" = 1 ] || fail "watch without conntrack warned more than once"
+	echo "  ok: one warning ('$(grep -o 'no conntrack tool[^(]*' "$WORK/watch-noct.err")…'), watch runs on"
+	kill -TERM "$wpid"
+	wait "$wpid" 2>/dev/null || true
+	[ "$(count_tether)" = 0 ] || fail "watch without conntrack left rules after SIGTERM"
 
 	echo "-- why the target is the pod IP, not a ClusterIP"
 	# A kube-proxy-like rule: ClusterIP 10.96.0.50:10003 -> pod 10.244.0.5:10003.

@@ -67,7 +67,8 @@
 #
 # Environment: TETHER_DNAT_BACKEND (default auto: nft when `nft` exists, else
 # iptables); TETHER_DNAT_IPTABLES / TETHER_DNAT_IP6TABLES (default iptables /
-# ip6tables; e.g. iptables-legacy on hosts whose kube-proxy uses legacy).
+# ip6tables; e.g. iptables-legacy on hosts whose kube-proxy uses legacy);
+# TETHER_DNAT_CONNTRACK (default conntrack).
 set -euo pipefail
 
 readonly PROG=tether-dnat
@@ -80,6 +81,7 @@ readonly EXIT_NOT_APPLIED=3
 
 IPT=${TETHER_DNAT_IPTABLES:-iptables}
 IP6T=${TETHER_DNAT_IP6TABLES:-ip6tables}
+CONNTRACK=${TETHER_DNAT_CONNTRACK:-conntrack}
 
 log() { printf '%s %s: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$PROG" "$*" >&2; }
 die() {
@@ -493,7 +495,7 @@ warned_no_conntrack=0
 conntrack_flush() {
 	local addr=${1% *} port=${1#* } fam=ipv4 out rc=0
 	[ "$resolved_family" = 6 ] && fam=ipv6
-	if ! have conntrack; then
+	if ! have "$CONNTRACK"; then
 		if [ "$warned_no_conntrack" = 0 ]; then
 			log "warning: no conntrack tool: connections to replicas that left keep their stale entries" \
 				"(they fail only when TCP gives up); install the conntrack package"
@@ -502,7 +504,7 @@ conntrack_flush() {
 		return 0
 	fi
 	# Exit 1 with "0 flow entries" is "nothing to delete".
-	out=$(conntrack -D -f "$fam" -p tcp --reply-src "$addr" --reply-port-src "$port" 2>&1) || rc=$?
+	out=$("$CONNTRACK" -D -f "$fam" -p tcp --reply-src "$addr" --reply-port-src "$port" 2>&1) || rc=$?
 	case $out in
 	*"flow entries have been deleted"* | *"flow entry has been deleted"*)
 		log "conntrack: $(printf '%s' "$out" | grep -o '[0-9]* flow entr[a-z]* ha[a-z]* been deleted' | head -n1) for $(target_dest "$1"), out of the targets for ${flush_after}s"
