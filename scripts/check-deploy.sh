@@ -789,7 +789,7 @@ PY
 	[ "$n" = "$want2" ] || fail "$label: $n DNAT rules for 2 targets, expected $want2: $(ruleset)"
 	expect_spread 60 "r5 r6" 10 "10.244.0.7 removed: no new connection reaches it"
 	snap1=$(ruleset)
-	in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>&1 | grep -q unchanged ||
+	in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>&1 | grep unchanged >/dev/null ||
 		fail "$label: second apply with 2 targets was not 'unchanged'"
 	[ "$snap1" = "$(ruleset)" ] || fail "$label: second apply with 2 targets changed the ruleset"
 	echo "  ok: apply twice with 2 targets: ruleset byte-identical"
@@ -839,8 +839,9 @@ dnat_watch_follows() {
 	expect_spread 60 "r5 r6" 10 "watch ($backend): no new connection reaches the replica that left"
 	wait_until "watch ($backend): conntrack entries of 10.244.0.7 not deleted ($(ct_count 10.244.0.7) left): $(cat "$WORK/watch-$backend.err")" no_ct_for 10.244.0.7
 	t1=$(date +%s%N)
-	grep -q 'conntrack: .* deleted for 10.244.0.7:10023' "$WORK/watch-$backend.err" ||
-		fail "watch ($backend): no log of the conntrack deletion: $(cat "$WORK/watch-$backend.err")"
+	# The log line follows the deletion: wait for it too.
+	wait_until "watch ($backend): no log of the conntrack deletion: $(cat "$WORK/watch-$backend.err")" \
+		grep -q 'conntrack: .* deleted for 10.244.0.7:10023' "$WORK/watch-$backend.err"
 	[ "$(ct_count 10.244.0.5)" -ge 1 ] || fail "watch ($backend): the entries of the replicas that stayed were deleted too"
 	echo "  ok: watch ($backend): its $n conntrack entries deleted $(((t1 - t0) / 1000000)) ms after it left (--conntrack-flush-after 2); the others' kept"
 	kill -TERM "$wpid"
@@ -866,7 +867,7 @@ step_dnat() {
 	for b in nft iptables; do
 		in_cp "$h" apply --kubelet-port 10350 --to '[fd00:7e7::6]:10003,[fd00:7e7::5]:10003' --backend "$b" 2>/dev/null
 		snap=$(ruleset)
-		in_cp "$h" apply --kubelet-port 10350 --to '[fd00:7e7::5]:10003,[fd00:7e7::6]:10003' --backend "$b" 2>&1 | grep -q unchanged ||
+		in_cp "$h" apply --kubelet-port 10350 --to '[fd00:7e7::5]:10003,[fd00:7e7::6]:10003' --backend "$b" 2>&1 | grep unchanged >/dev/null ||
 			fail "$b, IPv6: second apply with 2 targets was not 'unchanged'"
 		[ "$snap" = "$(ruleset)" ] || fail "$b, IPv6: second apply with 2 targets changed the ruleset"
 		for _ in 1 2 3 4 5 6; do expect_probe 2001:db8::7 10350 cloud "$b, IPv6, 2 targets: connection served" >/dev/null; done
@@ -880,18 +881,18 @@ step_dnat() {
 	echo "-- --dst and --prerouting"
 	in_cp "$h" apply --kubelet-port 10350 --to 10.244.0.5:10003 --dst 203.0.113.0/24 --prerouting --backend nft 2>/dev/null
 	expect_probe 198.51.100.7 10350 direct "--dst limits the rule to the listed node addresses"
-	in_cp nft list table inet tether | grep -q 'hook prerouting' || fail "--prerouting added no prerouting chain"
+	in_cp nft list table inet tether | grep 'hook prerouting' >/dev/null || fail "--prerouting added no prerouting chain"
 	echo "  ok: --prerouting adds the prerouting chain"
 	in_cp "$h" apply --kubelet-port 10350 --to 10.244.0.5:10003 --dst 198.51.100.0/24 --backend nft 2>/dev/null
 	expect_probe 198.51.100.7 10350 cloud "a matching --dst is caught"
-	in_cp nft list table inet tether | grep -q 'hook prerouting' && fail "dropping --prerouting left the chain"
+	in_cp nft list table inet tether | grep 'hook prerouting' >/dev/null && fail "dropping --prerouting left the chain"
 	echo "  ok: dropping --prerouting removes the chain"
 
 	echo "-- several kubelet ports (KubeEdge HA tunnel ports while migrating)"
 	local b
 	for b in nft iptables; do
 		in_cp "$h" apply --kubelet-port 10350,10351 --to 10.244.0.5:10003 --backend "$b" 2>/dev/null
-		in_cp "$h" apply --kubelet-port 10350,10351 --to 10.244.0.5:10003 --backend "$b" 2>&1 | grep -q unchanged ||
+		in_cp "$h" apply --kubelet-port 10350,10351 --to 10.244.0.5:10003 --backend "$b" 2>&1 | grep unchanged >/dev/null ||
 			fail "$b: a second apply with two ports was not 'unchanged'"
 		[ "$(count_dnat)" = 1 ] || fail "$b: $(count_dnat) DNAT rules for two ports: $(ruleset)"
 		expect_probe 198.51.100.7 10350 cloud "$b: port 10350 caught"
@@ -910,7 +911,7 @@ step_dnat() {
 
 	echo "-- names are resolved"
 	in_cp "$h" apply --kubelet-port 10350 --to localhost:10003 --backend nft 2>/dev/null
-	in_cp nft list table inet tether | grep -q 'dnat ip to 127.0.0.1:10003' || fail "--to localhost:10003 did not resolve to 127.0.0.1"
+	in_cp nft list table inet tether | grep 'dnat ip to 127.0.0.1:10003' >/dev/null || fail "--to localhost:10003 did not resolve to 127.0.0.1"
 	echo "  ok: --to localhost:10003 -> 127.0.0.1:10003"
 	in_cp "$h" remove 2>/dev/null
 
@@ -922,6 +923,16 @@ step_dnat() {
 	done
 	[ "$(count_dnat)" = 0 ] || fail "a refused apply left rules"
 	echo "  ok: 5 malformed invocations refused, nothing applied"
+	if in_cp "$h" apply --kubelet-port 10350 --to 10.244.0.5:10023,10.244.0.6:10023,10.244.0.7:10023 --max-targets 2 \
+		2>"$WORK/max.err"; then
+		fail "apply accepted 3 targets with --max-targets 2"
+	fi
+	grep -q 'more addresses than --max-targets 2' "$WORK/max.err" || fail "--max-targets: unclear error: $(cat "$WORK/max.err")"
+	[ "$(count_dnat)" = 0 ] || fail "apply over --max-targets left rules"
+	if in_cp "$h" apply --kubelet-port 10350 --to '10.244.0.5:10023,[fd00:7e7::5]:10003' >/dev/null 2>&1; then
+		fail "apply accepted IPv4 and IPv6 targets in one rule"
+	fi
+	echo "  ok: 3 targets over --max-targets 2, and mixed IPv4/IPv6 targets, refused; nothing applied"
 
 	echo "-- watch (the DaemonSet's mode) applies, and removes on SIGTERM"
 	# Started without a wrapper function, so that $! is the process that

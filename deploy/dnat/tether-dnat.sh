@@ -189,7 +189,8 @@ split_target() {
 }
 
 # Resolves every HOST:PORT of --to (a name to all its addresses) into
-# `targets`. Returns 1 (after logging) when a name does not resolve.
+# `targets`. Returns 1 (after logging) when a name does not resolve, 2 when
+# there are more addresses than --max-targets.
 resolve_to() {
 	local t host port addrs a fam lines=() families=""
 	local -a items
@@ -225,7 +226,7 @@ resolve_to() {
 	mapfile -t targets < <(printf '%s\n' "${lines[@]}" | LC_ALL=C sort -u)
 	if [ "${#targets[@]}" -gt "$max_targets" ]; then
 		log "--to $to gives ${#targets[@]} addresses, more than --max-targets $max_targets"
-		return 1
+		return 2
 	fi
 }
 
@@ -540,10 +541,13 @@ require_root() {
 	[ "$(id -u)" = 0 ] || die "must run as root (or with CAP_NET_ADMIN)"
 }
 
-# One convergence step. Returns 0 when rules were changed, 1 when unchanged.
+# One convergence step. Returns 0 when rules were changed, 1 when unchanged,
+# 2 when --to does not resolve, 3 when it gives more than --max-targets.
 converge() {
 	local id
-	resolve_to || return 2
+	local r=0
+	resolve_to || r=$?
+	[ "$r" = 0 ] || return $((r + 1)) # 2: does not resolve, 3: too many
 	check_dst
 	id=$(spec_id)
 	local rc=1
@@ -578,6 +582,7 @@ cmd_apply() {
 	case $rc in
 	0) log "applied: $(describe)" ;;
 	1) log "unchanged: $(describe)" ;;
+	3) die "--to $to: more addresses than --max-targets $max_targets; nothing changed" ;;
 	*) die "could not resolve --to $to" ;;
 	esac
 }
@@ -611,6 +616,7 @@ cmd_watch() {
 		case $rc in
 		0) log "applied: $(describe)" ;;
 		1) [ "$last" = ok ] || log "in place: $(describe)" ;;
+		3) log "keeping the current rules: $to gives more addresses than --max-targets $max_targets" ;;
 		*) log "keeping the current rules: $to does not resolve (is tether-cloud ready?)" ;;
 		esac
 		if [ "$rc" -le 1 ]; then
