@@ -974,6 +974,12 @@ step_dnat() {
 	kill -0 "$wpid" 2>/dev/null || fail "watch without conntrack exited: $(cat "$WORK/watch-noct.err")"
 	[ "$(grep -c 'no conntrack tool' "$WORK/watch-noct.err")" = 1 ] || fail "watch without conntrack warned more than once"
 	echo "  ok: one warning ('$(grep -o 'no conntrack tool[^(]*' "$WORK/watch-noct.err")…'), watch runs on"
+	# No ready replica at all: the name does not resolve; the last rule stays.
+	printf '127.0.0.1 localhost\n' >"/etc/netns/$NS_CP/hosts"
+	wait_until "watch did not notice the name no longer resolves: $(cat "$WORK/watch-noct.err")" \
+		grep -q 'keeping the current rules: .* does not resolve' "$WORK/watch-noct.err"
+	targets_in_rules 1 || fail "watch changed the rules when the name stopped resolving: $(ruleset)"
+	expect_probe 198.51.100.7 10350 r5 "a name that stops resolving (no ready replica) keeps the last rule"
 	kill -TERM "$wpid"
 	wait "$wpid" 2>/dev/null || true
 	[ "$(count_tether)" = 0 ] || fail "watch without conntrack left rules after SIGTERM"
