@@ -41,6 +41,17 @@ enum Command {
     /// Join tokens that let new edges obtain their certificate.
     #[command(subcommand)]
     Token(TokenCommand),
+    /// Make the stateless-reset key every cloud replica shares
+    /// (`tether-cloud --reset-key-file`; in Kubernetes, a Secret): 64 random
+    /// bytes, hex-encoded, written 0600.
+    ResetKey {
+        /// Where to write the key (default: <dir>/reset.key).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Replace an existing key file (replicas must all be restarted with the new one).
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -252,7 +263,30 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Issue(cmd) => issue(&dir, cmd),
         Command::Inspect { files } => inspect(&files),
         Command::Token(cmd) => token(&dir, cmd),
+        Command::ResetKey { out, force } => {
+            reset_key(&out.unwrap_or_else(|| dir.join("reset.key")), force)
+        }
     }
+}
+
+/// Random bytes in a reset key (hex-encoded in the file: 128 characters).
+const RESET_KEY_BYTES: usize = 64;
+
+fn reset_key(out: &Path, force: bool) -> anyhow::Result<()> {
+    use rand::TryRngCore;
+    refuse_overwrite(&[out], force)?;
+    ensure_dir(out)?;
+    let mut key = [0u8; RESET_KEY_BYTES];
+    rand::rngs::OsRng
+        .try_fill_bytes(&mut key)
+        .context("drawing the reset key from the OS")?;
+    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    write_secret(out, &format!("{hex}\n"))?;
+    println!(
+        "stateless-reset key (keep it secret, give every cloud replica the same): {}",
+        out.display()
+    );
+    Ok(())
 }
 
 fn refuse_overwrite(paths: &[&Path], force: bool) -> anyhow::Result<()> {
@@ -515,6 +549,25 @@ mod tests {
         for bad in ["", "10", "h", "0h", "5w", "-1h", "99999999999999999999y"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn reset_key_is_random_secret_and_not_overwritten() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("k/reset.key");
+        reset_key(&out, false).unwrap();
+        let first = std::fs::read_to_string(&out).unwrap();
+        assert_eq!(first.trim().len(), 2 * RESET_KEY_BYTES);
+        assert!(first.trim().bytes().all(|b| b.is_ascii_hexdigit()));
+        let mode = std::fs::metadata(&out).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert!(
+            reset_key(&out, false).is_err(),
+            "never overwritten silently"
+        );
+        reset_key(&out, true).unwrap();
+        assert_ne!(std::fs::read_to_string(&out).unwrap(), first);
     }
 
     #[test]

@@ -144,6 +144,19 @@ pub struct CloudArgs {
     /// On SIGTERM, how long open streams may finish before edges are disconnected.
     #[arg(long, env = "TETHER_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+    /// On SIGTERM, edges without open streams are told to move to another
+    /// replica spread evenly over this long (so the other replicas are not
+    /// stormed); an edge with open streams moves when they end. `0s`: all at once.
+    #[arg(long, env = "TETHER_DRAIN_SPREAD", default_value = "10s", value_parser = parse_duration)]
+    pub drain_spread: Duration,
+    /// Secret file (at least 32 bytes of key material, e.g. from
+    /// `tether-certs reset-key`) shared by every replica: the stateless-reset
+    /// key of the edge listener, so any replica answers a packet for an edge
+    /// connection it does not know (its holder crashed) with a stateless
+    /// reset the edge accepts, and the edge reconnects at once instead of
+    /// after the idle timeout. Unset: a random key per process.
+    #[arg(long, env = "TETHER_RESET_KEY_FILE")]
+    pub reset_key_file: Option<PathBuf>,
     /// Join-token store written by `tether-certs token create`; enables the
     /// join ALPN (new edges obtain their certificate with a token).
     #[arg(long, env = "TETHER_JOIN_STORE", requires_all = ["join_ca_cert", "join_ca_key"])]
@@ -311,6 +324,9 @@ pub struct CloudConfig {
     pub handshakes_per_source: u32,
     pub metrics_listen: SocketAddr,
     pub shutdown_grace: Duration,
+    pub drain_spread: Duration,
+    /// The shared stateless-reset key's file, when set.
+    pub reset_key_file: Option<PathBuf>,
     /// Join settings, when joins are enabled.
     pub join: Option<JoinConfig>,
     /// Peer settings, when this replica has peers.
@@ -484,6 +500,8 @@ impl CloudArgs {
             handshakes_per_source: self.handshakes_per_source,
             metrics_listen: self.metrics_listen,
             shutdown_grace: self.shutdown_grace,
+            drain_spread: self.drain_spread,
+            reset_key_file: self.reset_key_file,
             join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {
                 (Some(store), Some(ca_cert), Some(ca_key)) => Some(JoinConfig {
                     store,

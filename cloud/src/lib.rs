@@ -25,6 +25,8 @@
 //!   per-source rate);
 //! - [`join`]: the join ALPN: a new edge presents a join token and a CSR
 //!   and receives its certificate;
+//! - [`drain`]: on SIGTERM, which edge is told to move to another replica
+//!   when (staggered, after its streams end);
 //! - [`members`]: which other replicas exist (static list, DNS) and which
 //!   have a live peer link;
 //! - [`peer`]: the peer listener between replicas: mutual TLS with peer
@@ -42,6 +44,7 @@ pub mod apiserver;
 pub mod authority;
 pub mod authz;
 pub mod config;
+pub mod drain;
 pub mod forward;
 pub mod front;
 pub mod gate;
@@ -79,6 +82,7 @@ pub struct Cloud {
     endpoint: quinn::Endpoint,
     shutting_down: Arc<AtomicBool>,
     shutdown_grace: std::time::Duration,
+    drain_spread: std::time::Duration,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
 }
 
@@ -176,6 +180,7 @@ impl Cloud {
             cfg.clone(),
             registry.clone(),
             metrics.clone(),
+            shutting_down.clone(),
         ));
         tasks.spawn(front.serve());
         tasks.spawn(async move {
@@ -195,6 +200,7 @@ impl Cloud {
             endpoint,
             shutting_down,
             shutdown_grace: cfg.shutdown_grace,
+            drain_spread: cfg.drain_spread,
             tasks,
         })
     }
@@ -208,17 +214,22 @@ impl Cloud {
         }
     }
 
-    /// Graceful shutdown: stop admitting edges and report not-ready, let open
-    /// streams finish for up to `--shutdown-grace`, then close every edge
-    /// connection with the shutdown code (edges reconnect, to another replica
-    /// behind the same address) and stop.
+    /// Graceful shutdown (SIGTERM): report not-ready and refuse new edge
+    /// connections at once; tell the edges to move to another replica,
+    /// staggered over `--drain-spread`, each once its streams through this
+    /// replica have ended (see [`drain`]); let open streams finish for up to
+    /// `--shutdown-grace` (the kubelet-API listener keeps serving its
+    /// connections meanwhile); then close every edge connection left with the
+    /// shutdown code and stop.
     pub async fn shutdown(mut self) {
         self.shutting_down.store(true, Ordering::Relaxed);
-        self.endpoint.set_server_config(None);
         let open =
             |r: &registry::Registry| r.sessions().iter().map(|s| s.open_streams()).sum::<usize>();
-        info!(streams = open(&self.registry), grace = ?self.shutdown_grace, "shutting down: draining open streams");
+        info!(streams = open(&self.registry), grace = ?self.shutdown_grace, spread = ?self.drain_spread, "shutting down: not ready, moving edges, draining open streams");
         let deadline = tokio::time::Instant::now() + self.shutdown_grace;
+        let moved =
+            drain::move_edges(&self.registry, self.drain_spread, deadline, &self.metrics).await;
+        info!(moved, "edges told to move");
         while open(&self.registry) > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }

@@ -70,6 +70,8 @@ pub struct CloudMetrics {
     pub route_waits: Family<ResultLabel, Counter>,
     /// (node, peer) pairs learnt from peers.
     pub remote_edges: Gauge,
+    /// Edges told to move to another replica while draining (SIGTERM).
+    pub edges_moved: Counter,
 }
 
 impl CloudMetrics {
@@ -98,12 +100,18 @@ impl CloudMetrics {
             stale_routes: Counter::default(),
             route_waits: Family::default(),
             remote_edges: Gauge::default(),
+            edges_moved: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("tether_cloud");
         r.register(
             "edges_connected",
             "Edges with a live QUIC connection",
             m.edges_connected.clone(),
+        );
+        r.register(
+            "edges_moved",
+            "Edges told to move to another replica while this one drained (SIGTERM)",
+            m.edges_moved.clone(),
         );
         r.register(
             "sessions",

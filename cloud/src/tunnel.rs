@@ -39,14 +39,92 @@ const MAX_ADDRESS_LEN: usize = 253;
 /// Bound on pods in one report.
 const MAX_PODS: usize = 100_000;
 
-/// Binds the QUIC endpoint.
+/// The key of the connection-ID generator every replica shares, derived from
+/// the reset key (a different HMAC input, so neither reveals the other).
+pub fn cid_key(reset_key: &ring::hmac::Key) -> u64 {
+    let tag = ring::hmac::sign(reset_key, b"tether connection-id generator key");
+    let mut k = [0u8; 8];
+    k.copy_from_slice(&tag.as_ref()[..8]);
+    u64::from_le_bytes(k)
+}
+
+/// Binds the QUIC endpoint, with the shared stateless-reset key when
+/// `--reset-key-file` is set (see [`reset_key`]).
 pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
     let sc = crate::tls::quic_server_config(cfg, &cfg.quic)?;
+    let endpoint_config = match &cfg.reset_key_file {
+        Some(path) => {
+            let key = reset_key(path)?;
+            let cids = cid_key(&key);
+            info!(file = %path.display(), "stateless resets with the shared key: any replica resets an edge connection it does not know");
+            let mut c = quinn::EndpointConfig::new(key);
+            c.cid_generator(move || {
+                Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cids))
+            });
+            c
+        }
+        None => {
+            info!("no --reset-key-file: stateless resets only come from this process; after a crash, edges notice only at their idle timeout");
+            quinn::EndpointConfig::default()
+        }
+    };
     let socket = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
         .with_context(|| format!("binding UDP {}", cfg.tunnel_listen))?;
     let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
-    quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(sc), socket, runtime)
+    quinn::Endpoint::new(endpoint_config, Some(sc), socket, runtime)
         .context("creating the QUIC endpoint")
+}
+
+/// Least key material a reset-key file must hold.
+pub const MIN_RESET_KEY_BYTES: usize = 32;
+
+/// The stateless-reset key from `path`, shared by every replica.
+///
+/// quinn derives the reset token of each connection ID it issues as
+/// HMAC-SHA256(key, CID) (`quinn_proto::ResetToken::new`) and gives it to the
+/// edge (transport parameters, `NEW_CONNECTION_ID`). What was checked in
+/// quinn-proto 0.11 (`Endpoint::handle` / `stateless_reset`): an endpoint
+/// answers a datagram with a stateless reset only when it is a
+/// **short-header** packet whose destination CID (parsed at this endpoint's
+/// CID length, 8 bytes by default on every replica) belongs to no connection
+/// it knows; long-header packets other than Initials are dropped, and an
+/// Initial with no server config is answered with a reset the client cannot
+/// use yet. The reset is never larger than the inciting datagram: datagrams
+/// of 21 bytes or fewer get none (an edge's keep-alive PING is larger). At
+/// most one reset leaves per `min_reset_interval` (20 ms by default) per
+/// endpoint. The edge matches the reset by its last 16 bytes against the
+/// token of the CID it used, for the remote address it sent to (so the reset
+/// must come back from the service address, which DNAT's reverse
+/// translation ensures), and its connection fails with
+/// `ConnectionError::Reset`. A replica with another key sends a reset too,
+/// but with a token the edge does not know: it is ignored, and the edge
+/// notices only at its idle timeout. Hence one key for all replicas.
+///
+/// One more condition decides it, and it is easy to miss: before resetting,
+/// the endpoint asks its connection-ID generator to `validate` the CID, and
+/// quinn's default generator (`HashedConnectionIdGenerator`) signs its CIDs
+/// with a random key per endpoint, so a replica drops the CIDs another replica
+/// issued ("dropping packet with invalid CID") and sends no reset at all. The
+/// replicas therefore also share the generator's key, derived from the same
+/// file by [`cid_key`].
+///
+/// The file's bytes, with surrounding white space removed, are the key; fewer
+/// than [`MIN_RESET_KEY_BYTES`] are refused.
+pub fn reset_key(path: &std::path::Path) -> anyhow::Result<Arc<ring::hmac::Key>> {
+    let raw = std::fs::read(path)
+        .with_context(|| format!("reading --reset-key-file {}", path.display()))?;
+    let material = raw.trim_ascii();
+    if material.len() < MIN_RESET_KEY_BYTES {
+        anyhow::bail!(
+            "--reset-key-file {}: {} bytes of key material, at least {MIN_RESET_KEY_BYTES} are needed (make one with `tether-certs reset-key --out FILE`)",
+            path.display(),
+            material.len()
+        );
+    }
+    Ok(Arc::new(ring::hmac::Key::new(
+        ring::hmac::HMAC_SHA256,
+        material,
+    )))
 }
 
 /// Accepts edge connections until the endpoint closes.
@@ -55,6 +133,7 @@ pub async fn serve(
     cfg: Arc<CloudConfig>,
     registry: Arc<Registry>,
     metrics: CloudMetrics,
+    draining: Arc<std::sync::atomic::AtomicBool>,
 ) -> anyhow::Result<()> {
     let slots = Arc::new(Semaphore::new(cfg.max_edges));
     let handshakes = Arc::new(Semaphore::new(cfg.max_pending_handshakes));
@@ -79,6 +158,15 @@ pub async fn serve(
     };
     let mut gate = Gate::new(cfg.handshakes_per_source, cfg.max_pending_handshakes);
     while let Some(incoming) = endpoint.accept().await {
+        if draining.load(std::sync::atomic::Ordering::Relaxed) {
+            // Refused at once (CONNECTION_REFUSED in the Initial's answer):
+            // the edge ends its round and dials again from a new source
+            // port, which the load balancer sends to a ready replica.
+            debug!(remote = %incoming.remote_address(), "refusing an edge connection: this replica is draining");
+            metrics.refuse_edge("draining");
+            incoming.refuse();
+            continue;
+        }
         let in_progress = cfg.max_pending_handshakes - handshakes.available_permits();
         match gate.check(
             incoming.remote_address().ip(),
@@ -639,6 +727,40 @@ async fn control_loop(
 mod renewal_tests {
     use super::*;
     use std::time::Instant;
+
+    #[test]
+    fn a_reset_key_file_needs_32_bytes_of_key_material() {
+        use quinn::crypto::HmacKey;
+        let dir = tempfile::tempdir().unwrap();
+        let short = dir.path().join("short.key");
+        // 31 bytes plus a newline (white space does not count).
+        std::fs::write(&short, format!("{}\n", "a".repeat(31))).unwrap();
+        let e = format!("{:#}", reset_key(&short).err().unwrap());
+        assert!(e.contains("short.key") && e.contains("31 bytes"), "{e}");
+        let missing = format!("{:#}", reset_key(&dir.path().join("nope")).err().unwrap());
+        assert!(missing.contains("nope"), "{missing}");
+        // The same file makes the same key on every replica: equal tokens.
+        let good = dir.path().join("reset.key");
+        std::fs::write(&good, format!("{}\n", "ab".repeat(32))).unwrap();
+        let (a, b) = (reset_key(&good).unwrap(), reset_key(&good).unwrap());
+        let (mut ta, mut tb) = ([0u8; 32], [0u8; 32]);
+        a.sign(b"cid-1234", &mut ta);
+        b.sign(b"cid-1234", &mut tb);
+        assert_eq!(ta, tb);
+        // And the same connection-ID generator: B validates A's CIDs.
+        use quinn::ConnectionIdGenerator;
+        let mut gen_a = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(&a));
+        let gen_b = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(&b));
+        let cid = gen_a.generate_cid();
+        assert!(gen_b.validate(&cid).is_ok());
+        let other = quinn_proto::HashedConnectionIdGenerator::from_key(cid_key(
+            &ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &[7u8; 32]),
+        ));
+        assert!(
+            other.validate(&cid).is_err(),
+            "another key's replica drops it"
+        );
+    }
 
     #[test]
     fn pod_reports_are_rate_limited() {

@@ -21,6 +21,16 @@
 //! with a clear error. Being disconnected for longer than the grace period
 //! ends them too, and the edge then draws a new token (a new state).
 //!
+//! Every reconnect round dials from a new UDP source port: a Kubernetes
+//! Service's DNAT (conntrack) pins a flow to the replica it first picked, so
+//! the old port would lead back to a replica that crashed or is draining. A
+//! draining replica closes the connection with `MOVE` and a replica that does
+//! not know the connection (the one holding it crashed) answers with a
+//! stateless reset (the replicas share the reset key): both make the edge
+//! reconnect at once, without backoff. A replica that refuses the connection
+//! before its handshake (draining) ends the round, so the next one starts
+//! from a new port.
+//!
 //! Each attempt may take `--handshake-timeout`; after a round in which every
 //! attempt timed out, the next round allows twice as long (up to 8×), so a
 //! link slower than the setting still gets the edge back.
@@ -74,6 +84,9 @@ pub struct Dialer {
     session: Option<SessionId>,
     /// Rounds of attempts that all timed out since the last connection.
     timed_out_rounds: u32,
+    /// Reconnect rounds so far (every round after the first dials from a
+    /// new UDP source port).
+    rounds: u64,
     grace: Duration,
     disconnected_since: Option<Instant>,
     metrics: EdgeMetrics,
@@ -88,6 +101,14 @@ enum Ended {
     /// The cloud shut down (restart, upgrade): every edge reconnects at once,
     /// so start after a random part of `--reconnect-spread`.
     CloudShutdown,
+    /// The replica is draining and told this edge to move (its slot in the
+    /// replica's `--drain-spread` already staggers the fleet): reconnect at
+    /// once, from a new source port.
+    Moved,
+    /// A stateless reset: the replica that held the connection is gone (a
+    /// crash) and another one, sharing its reset key, answered. Reconnect at
+    /// once, from a new source port.
+    Reset,
     /// It never got to a welcome.
     Failed(anyhow::Error),
 }
@@ -154,6 +175,7 @@ impl Dialer {
             attempts: AtomicU64::new(0),
             session: None,
             timed_out_rounds: 0,
+            rounds: 0,
             grace: Duration::from_secs(300),
             disconnected_since: None,
             metrics,
@@ -176,7 +198,7 @@ impl Dialer {
         loop {
             let ended = self.connect_once().await;
             match &ended {
-                Ended::AfterWelcome | Ended::CloudShutdown => {
+                Ended::AfterWelcome | Ended::CloudShutdown | Ended::Moved | Ended::Reset => {
                     delay = self.cfg.reconnect_min;
                     self.disconnected_since = Some(Instant::now());
                 }
@@ -212,6 +234,11 @@ impl Dialer {
                         }
                     }
                 }
+            }
+            if matches!(ended, Ended::Moved | Ended::Reset) {
+                // No backoff: the replica is gone or going, and the new
+                // source port takes the edge to another one.
+                continue;
             }
             // Full jitter: sleep a random time up to the current delay.
             let sleep = rand::rng().random_range(delay / 2..=delay);
@@ -333,6 +360,10 @@ impl Dialer {
 
     async fn connect_once(&mut self) -> Ended {
         self.reload_certificate();
+        if self.rounds > 0 {
+            self.new_source_port();
+        }
+        self.rounds += 1;
         let (conn, mut send, recv, welcome) = match self.establish().await {
             Ok(x) => x,
             Err(e) => return Ended::Failed(e),
@@ -357,11 +388,14 @@ impl Dialer {
             self.metrics.resumes.inc();
             // Streams the cloud dropped meanwhile will never be re-attached.
             self.streams.retain_only(&welcome.streams);
-        } else if !self.streams.is_empty() {
-            self.metrics.sessions_lost.inc();
-            self.streams.end_all(
-                "the cloud did not resume the session (it restarted or the grace period ran out)",
-            );
+        } else {
+            if !self.streams.is_empty() {
+                self.metrics.sessions_lost.inc();
+                self.streams.end_all(
+                    "the cloud did not resume the session (it restarted, the edge moved to another replica, or the grace period ran out)",
+                );
+            }
+            self.streams.new_session();
         }
         self.session = Some(welcome.session);
         self.disconnected_since = None;
@@ -424,7 +458,44 @@ impl Dialer {
             {
                 Ended::CloudShutdown
             }
+            Some(quinn::ConnectionError::ApplicationClosed(c))
+                if c.error_code == quinn::VarInt::from_u32(close_code::MOVE) =>
+            {
+                info!(node = %self.node, "the cloud replica is draining and told this edge to move; reconnecting at once");
+                self.metrics.moves_obeyed.inc();
+                Ended::Moved
+            }
+            Some(quinn::ConnectionError::Reset) => {
+                info!(node = %self.node, "stateless reset: the replica that held this connection is gone; reconnecting at once");
+                self.metrics.resets_seen.inc();
+                Ended::Reset
+            }
             _ => Ended::AfterWelcome,
+        }
+    }
+
+    /// Moves the endpoint to a fresh UDP socket (a new source port) before
+    /// a reconnect round. Connection tracking on the way to the cloud (a
+    /// Kubernetes Service's DNAT, a NAT) pins a flow — the source address and
+    /// port — to the replica it first picked, so dialling again from the old
+    /// port would reach the replica that just went away (or is draining).
+    /// The connections of the round share the new socket; QUIC migration of
+    /// a live connection is untouched (rebinding is also how it migrates).
+    fn new_source_port(&self) {
+        let before = self.endpoint.local_addr().ok();
+        match bind_client_socket(self.cfg.quic.udp_buffer) {
+            Ok(sock) => match self.endpoint.rebind(sock) {
+                Ok(()) => {
+                    self.metrics.source_ports.inc();
+                    debug!(node = %self.node, from = ?before, to = ?self.endpoint.local_addr().ok(), "reconnecting from a new UDP source port");
+                }
+                Err(e) => {
+                    warn!(node = %self.node, error = %e, "cannot move to a new UDP source port; reconnecting from the old one")
+                }
+            },
+            Err(e) => {
+                warn!(node = %self.node, error = %e, "cannot bind a new UDP socket; reconnecting from the old one")
+            }
         }
     }
 }
@@ -518,6 +589,15 @@ fn is_tls_refusal(e: &quinn::ConnectionError) -> bool {
     }
 }
 
+/// Whether the cloud refused the connection before its handshake (a
+/// draining replica, `--max-edges`): definite for this round, whose other
+/// attempts share its source port and so reach the same replica; the next
+/// round dials from a new port.
+fn is_refused(e: &quinn::ConnectionError) -> bool {
+    matches!(e, quinn::ConnectionError::ConnectionClosed(c)
+        if c.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED)
+}
+
 /// What one handshake attempt needs (owned, so attempts can overlap).
 struct Attempt {
     endpoint: quinn::Endpoint,
@@ -541,7 +621,7 @@ impl Attempt {
             .context("starting the QUIC handshake")?;
         let conn = match connecting.await {
             Ok(c) => c,
-            Err(e) if is_tls_refusal(&e) => {
+            Err(e) if is_tls_refusal(&e) || is_refused(&e) => {
                 return Err(AttemptError::Definite(
                     anyhow::Error::new(e).context(format!("QUIC handshake with {addr}")),
                 ))

@@ -16,6 +16,12 @@ pub struct EdgeMetrics {
     pub streams_open: Gauge,
     pub streams_total: Counter,
     pub migrations: Counter,
+    /// Drain requests (`MOVE` closes) from a cloud replica, obeyed.
+    pub moves_obeyed: Counter,
+    /// Connections ended by a stateless reset (their replica was gone).
+    pub resets_seen: Counter,
+    /// Reconnect rounds dialled from a new UDP source port.
+    pub source_ports: Counter,
     pub rtt_seconds: FloatGauge<f64, AtomicU64>,
     pub bytes: ByteCounters,
 }
@@ -58,6 +64,21 @@ impl EdgeMetrics {
             "migrations",
             "Socket rebinds after local address changes",
             m.migrations.clone(),
+        );
+        r.register(
+            "moves_obeyed",
+            "Reconnections because a draining cloud replica told this edge to move",
+            m.moves_obeyed.clone(),
+        );
+        r.register(
+            "resets_seen",
+            "Connections ended by a stateless reset (the replica holding them was gone)",
+            m.resets_seen.clone(),
+        );
+        r.register(
+            "source_port_changes",
+            "Reconnect rounds dialled from a new UDP source port",
+            m.source_ports.clone(),
         );
         r.register(
             "rtt_seconds",

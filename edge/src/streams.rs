@@ -128,6 +128,16 @@ impl EdgeStreams {
         }
     }
 
+    /// A new session began (welcomed by a cloud that did not resume ours:
+    /// another replica, or a restarted cloud): its stream ids start over, so
+    /// forget which ids of the old session ended, or the new session's
+    /// first streams would be refused as "ended".
+    pub fn new_session(&self) {
+        let mut t = self.map();
+        t.ended.clear();
+        t.ended_order.clear();
+    }
+
     /// On a resume: ends every stream the cloud no longer holds (not in the
     /// welcome's list), so no slot is kept for a stream nobody will
     /// re-attach. Returns how many were ended.

@@ -42,6 +42,11 @@ pub mod close_code {
     pub const SHUTDOWN: u32 = 3;
     /// The peer broke the protocol on the control stream.
     pub const PROTOCOL: u32 = 4;
+    /// Cloud → edge: this replica is draining (SIGTERM of a rolling
+    /// upgrade). Reconnect at once, without backoff or spread, from a new
+    /// UDP source port, so the load balancer (whose connection tracking pins
+    /// the old port to this replica) picks another replica.
+    pub const MOVE: u32 = 5;
 }
 
 /// Picks the version both sides speak: the highest of the edge's offers that

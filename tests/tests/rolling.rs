@@ -1,0 +1,487 @@
+//! Rolling upgrades and crashes of cloud replicas (issue "Cloud replicas",
+//! item 3), with real `tether-cloud` and `tether-edge` processes in a network
+//! namespace of the test's own. The edge dials one UDP "service" address
+//! that nftables DNATs to one replica, the way kube-proxy programs a
+//! Service: connection tracking pins each flow (source port) to the replica
+//! it first reached, so only a new source port can reach another one.
+//!
+//! - SIGTERM of the replica holding the edge: `/readyz` turns 503 at once,
+//!   an apiserver stream open through it keeps flowing until it ends, then
+//!   the edge is told to move and is connected to the other replica within a
+//!   bound, from a new source port; the replica exits 0.
+//! - `kill -9` of the replica holding the edge (the service then points at
+//!   the other one and the stale conntrack entry is deleted, as kube-proxy
+//!   does): with a reset key shared by the replicas the edge learns it from
+//!   a stateless reset within a bound far below the idle timeout; without a
+//!   shared key (the control) only at the idle timeout.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use http_body_util::BodyExt;
+use hyper::StatusCode;
+use linkemu::netns;
+use support::{sample, Client, Kubelet};
+use tether_tests::pki::{self, PeerPki, Pki};
+use tether_tests::process::{Proc, SpawnOptions};
+
+/// The UDP "service" address edges dial inside the namespace.
+const SERVICE: &str = "127.0.0.1:7000";
+/// Per replica (index 0 = A, 1 = B): tunnel, kubelet-API, metrics, peer ports.
+const TUNNEL: [u16; 2] = [7101, 7102];
+const API: [u16; 2] = [7201, 7202];
+const METRICS: [u16; 2] = [7301, 7302];
+const PEER: [u16; 2] = [7401, 7402];
+const EDGE_METRICS: &str = "127.0.0.1:7500";
+/// Short QUIC timings so a missed crash costs seconds, not half a minute.
+const KEEP_ALIVE: &str = "1s";
+const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// A network namespace of this test, deleted on drop (after the processes
+/// in it, which are declared later and so dropped — killed — first).
+struct Ns(String);
+
+impl Ns {
+    fn new(tag: &str) -> Ns {
+        let name = format!("tether-roll-{}-{tag}", std::process::id());
+        netns::add(&name).unwrap();
+        Ns(name)
+    }
+
+    /// Points the UDP service at `backend` (flushing the rules; conntrack
+    /// entries are kept, as kube-proxy keeps them for live endpoints).
+    fn route_service_to(&self, backend: SocketAddr) {
+        let (svc_ip, svc_port) = SERVICE.split_once(':').unwrap();
+        let rules = format!(
+            "flush ruleset\n\
+             table ip tether_svc {{\n\
+               chain out {{\n\
+                 type nat hook output priority -100; policy accept;\n\
+                 ip daddr {svc_ip} udp dport {svc_port} dnat to {backend}\n\
+               }}\n\
+             }}\n"
+        );
+        let mut cmd = netns::command_in(&self.0, "nft");
+        cmd.args(["-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .expect("running nft (scripts/setup.sh installs nftables)");
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(rules.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "nft: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Deletes every conntrack entry of the namespace (what kube-proxy does
+    /// for the UDP flows of an endpoint that went away).
+    fn flush_conntrack(&self) {
+        netns::run_in(&self.0, linkemu::conntrack::flush_ipv4)
+            .unwrap()
+            .unwrap();
+    }
+
+    fn command(&self, bin: &str) -> tokio::process::Command {
+        tokio::process::Command::from(netns::command_in(
+            &self.0,
+            tether_tests::bins::binary(bin).unwrap(),
+        ))
+    }
+}
+
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let _ = netns::delete(&self.0);
+    }
+}
+
+/// GET over plain HTTP inside the namespace: status and body.
+async fn ns_get(ns: &str, to: SocketAddr, path: &str) -> Result<(StatusCode, String)> {
+    let ns = ns.to_string();
+    let tcp = tokio::task::spawn_blocking(move || {
+        netns::run_in(&ns, || std::net::TcpStream::connect(to))
+    })
+    .await???;
+    tcp.set_nonblocking(true)?;
+    let tcp = tokio::net::TcpStream::from_std(tcp)?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp)).await?;
+    tokio::spawn(conn);
+    let resp = tokio::time::timeout(
+        Duration::from_secs(5),
+        sender.send_request(
+            hyper::Request::get(path)
+                .header("host", "ops")
+                .body(support::empty())?,
+        ),
+    )
+    .await
+    .context("ops request timed out")??;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+struct Bed {
+    // Dropped last: the processes below are killed before it goes.
+    ns: Ns,
+    dir: tempfile::TempDir,
+    pki: Pki,
+    peers: PeerPki,
+    reset_key: std::path::PathBuf,
+}
+
+impl Bed {
+    fn new(tag: &str) -> Bed {
+        let ns = Ns::new(tag);
+        let dir = tempfile::tempdir().unwrap();
+        let pki = pki::mint(dir.path(), &["edge-1"]).unwrap();
+        let peers = pki::mint_peers(&dir.path().join("peers")).unwrap();
+        // Made as an operator would, with tether-certs.
+        let reset_key = dir.path().join("reset.key");
+        let out = std::process::Command::new(tether_tests::bins::binary("tether-certs").unwrap())
+            .args(["reset-key", "--out"])
+            .arg(&reset_key)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        Bed {
+            ns,
+            dir,
+            pki,
+            peers,
+            reset_key,
+        }
+    }
+
+    /// Starts replica `i` (0 = A, 1 = B), linked to the other as its peer.
+    async fn replica(&self, i: usize, shared_key: bool, extra: &[&str]) -> Proc {
+        let name = ["replica-a", "replica-b"][i];
+        let mut cmd = self.ns.command("tether-cloud");
+        cmd.args([
+            "--tunnel-listen",
+            &addr(TUNNEL[i]).to_string(),
+            "--kubelet-listen",
+            &addr(API[i]).to_string(),
+            "--metrics-listen",
+            &addr(METRICS[i]).to_string(),
+            "--replica-name",
+            name,
+            "--peer-listen",
+            &addr(PEER[i]).to_string(),
+            "--peers",
+            &format!("{},{}", addr(PEER[0]), addr(PEER[1])),
+            "--peer-resolve-interval",
+            "1s",
+            "--keep-alive",
+            KEEP_ALIVE,
+            "--idle-timeout",
+            &format!("{}s", IDLE_TIMEOUT.as_secs()),
+        ])
+        .args(self.pki.cloud_flags())
+        .args(self.peers.flags())
+        .args(extra)
+        .env("TETHER_LOG", "info,tether_cloud=debug")
+        .env("NO_COLOR", "1")
+        .env("RUST_BACKTRACE", "0");
+        if shared_key {
+            cmd.arg("--reset-key-file").arg(&self.reset_key);
+        }
+        let mut p = Proc::spawn(name, cmd, self.dir.path(), SpawnOptions::default()).unwrap();
+        p.wait_line("cloud ready line", Duration::from_secs(20), |l| {
+            l.starts_with("tether-cloud ready")
+        })
+        .await
+        .unwrap();
+        p
+    }
+
+    /// The kubelet stand-in (its socket in the namespace) and an edge dialling
+    /// the service, waited for until connected.
+    async fn edge(&self) -> (Kubelet, Proc) {
+        let listener = netns::run_in(&self.ns.0, || std::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap()
+            .unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let kubelet = Kubelet::start_on(listener, "edge-1", &["default/p1"]).unwrap();
+        let pair = &self.pki.edges["edge-1"];
+        let mut cmd = self.ns.command("tether-edge");
+        cmd.args(["--cloud", SERVICE, "--server-name", pki::CLOUD_SERVER_NAME])
+            .arg("--ca")
+            .arg(&self.pki.tether_ca)
+            .arg("--cert")
+            .arg(&pair.cert)
+            .arg("--key")
+            .arg(&pair.key)
+            .args([
+                "--kubelet-url",
+                &format!("http://127.0.0.1:{port}"),
+                "--pods-refresh",
+                "200ms",
+                "--metrics-listen",
+                EDGE_METRICS,
+                "--announce-address",
+                "edge-1.invalid",
+                "--keep-alive",
+                KEEP_ALIVE,
+                "--idle-timeout",
+                &format!("{}s", IDLE_TIMEOUT.as_secs()),
+            ])
+            .env("TETHER_LOG", "info,tether_edge=debug")
+            .env("NO_COLOR", "1")
+            .env("RUST_BACKTRACE", "0");
+        let mut edge =
+            Proc::spawn("tether-edge", cmd, self.dir.path(), SpawnOptions::default()).unwrap();
+        edge.wait_line("edge connected", Duration::from_secs(20), |l| {
+            l.starts_with("tether-edge connected")
+        })
+        .await
+        .unwrap();
+        (kubelet, edge)
+    }
+
+    /// The apiserver's client for replica `i`'s kubelet-API listener.
+    fn client(&self, i: usize) -> Client {
+        let ns = self.ns.0.clone();
+        Client::new(&self.pki, addr(API[i]))
+            .unwrap()
+            .with_dial(std::sync::Arc::new(move |a| {
+                netns::run_in(&ns, || std::net::TcpStream::connect(a))
+                    .map_err(std::io::Error::other)?
+            }))
+    }
+
+    /// The edge's source address as replica `i`'s `/status` shows it, once
+    /// the edge is connected there (bounded wait).
+    async fn edge_remote_on(&self, i: usize, within: Duration) -> SocketAddr {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok((_, body)) = ns_get(&self.ns.0, addr(METRICS[i]), "/status").await {
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                let remote = v["nodes"].as_array().and_then(|nodes| {
+                    nodes
+                        .iter()
+                        .find(|n| n["node"] == "edge-1" && n["connected"] == true)
+                        .and_then(|n| n["remote"].as_str())
+                        .and_then(|r| r.parse().ok())
+                });
+                if let Some(r) = remote {
+                    return r;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "edge-1 not connected to replica {i} within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn edge_metric(&self, series: &str) -> f64 {
+        let (_, text) = ns_get(&self.ns.0, EDGE_METRICS.parse().unwrap(), "/metrics")
+            .await
+            .unwrap();
+        sample(&text, series).unwrap_or(0.0)
+    }
+
+    fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
+    }
+}
+
+/// Waits for the edge's next "connected" line; returns how long it took.
+async fn next_connect(edge: &mut Proc, within: Duration, since: Instant) -> Duration {
+    edge.wait_line("edge reconnected", within, |l| {
+        l.starts_with("tether-edge connected")
+    })
+    .await
+    .unwrap();
+    since.elapsed()
+}
+
+fn sigterm(p: &Proc) {
+    let pid = i32::try_from(p.pid().expect("replica is running")).unwrap();
+    // SAFETY: a signal to our own, not yet reaped, child.
+    unsafe {
+        libc::kill(pid, libc::SIGTERM);
+    }
+}
+
+/// Bound on an edge reaching the other replica after it was told to move.
+const MOVE_BOUND: Duration = Duration::from_secs(5);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_a_replica_and_its_edge_moves_from_a_new_port() {
+    let bed = Bed::new("drain");
+    let grace = Duration::from_secs(20);
+    let extra = ["--shutdown-grace", "20s", "--drain-spread", "1s"];
+    bed.ns.route_service_to(addr(TUNNEL[0]));
+    let mut a = bed.replica(0, true, &extra).await;
+    let _b = bed.replica(1, true, &extra).await;
+    let (_kubelet, mut edge) = bed.edge().await;
+    let first = bed.edge_remote_on(0, Duration::from_secs(10)).await;
+
+    // An apiserver stream through A to the edge held on A.
+    let client = bed.client(0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let resp = loop {
+        let r = client.follow_log("default/p1").await.unwrap();
+        if r.status() == StatusCode::OK {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "p1 never routable on A");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut body = resp.into_body();
+    tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+
+    // SIGTERM: not ready at once; the service follows readiness (new flows
+    // go to B), while A's conntrack entry for the edge's port stays.
+    let term = Instant::now();
+    sigterm(&a);
+    loop {
+        let (s, _) = ns_get(&bed.ns.0, addr(METRICS[0]), "/readyz")
+            .await
+            .unwrap();
+        if s == StatusCode::SERVICE_UNAVAILABLE {
+            break;
+        }
+        assert!(
+            term.elapsed() < Duration::from_secs(2),
+            "/readyz still {s} {:?} after SIGTERM",
+            term.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("replica-a not ready {:?} after SIGTERM", term.elapsed());
+    bed.ns.route_service_to(addr(TUNNEL[1]));
+
+    // The open stream keeps flowing through A (the edge stays on A meanwhile).
+    let flow_until = Instant::now() + Duration::from_secs(2);
+    let mut lines = 0;
+    while Instant::now() < flow_until {
+        match tokio::time::timeout(Duration::from_secs(2), body.frame()).await {
+            Ok(Some(Ok(_))) => lines += 1,
+            other => panic!("the stream through the draining replica broke: {other:?}"),
+        }
+    }
+    assert!(lines >= 10, "only {lines} frames in 2 s after SIGTERM");
+    assert!(
+        a.exited().is_none(),
+        "A must serve its stream until it ends"
+    );
+    let (s, _) = ns_get(&bed.ns.0, addr(METRICS[0]), "/readyz")
+        .await
+        .unwrap();
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+
+    // The stream ends (the client goes away): the edge is told to move, and
+    // reconnects to B at once, from a new source port.
+    drop(body);
+    let ended = Instant::now();
+    let t = next_connect(&mut edge, MOVE_BOUND, ended).await;
+    let second = bed.edge_remote_on(1, Duration::from_secs(5)).await;
+    eprintln!("edge moved to replica-b {t:?} after its stream ended: {first} -> {second}");
+    assert_ne!(first.port(), second.port(), "a new UDP source port");
+
+    // A exits 0 within --shutdown-grace.
+    let status = a.wait_exit(grace).await.unwrap();
+    assert!(status.success(), "{status:?}\n{}", bed.log("replica-a"));
+    eprintln!("replica-a exited {:?} after SIGTERM", term.elapsed());
+    let log_a = bed.log("replica-a");
+    assert!(
+        log_a.contains("draining: telling the edge to move"),
+        "{log_a}"
+    );
+    assert_eq!(bed.edge_metric("tether_edge_moves_obeyed_total").await, 1.0);
+    assert!(
+        bed.edge_metric("tether_edge_source_port_changes_total")
+            .await
+            >= 1.0
+    );
+
+    // The edge serves through B.
+    let r = bed
+        .client(1)
+        .get("/containerLogs/default/p1/c", "edge-1", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(r.body.contains("edge-1 line 0"), "{}", r.body);
+}
+
+/// kill -9 of the replica holding the edge; returns how long until the edge
+/// was connected to the other replica, and checks the new source port.
+/// Also returns the edge's count of stateless resets seen.
+async fn crash_and_measure(tag: &str, shared_key: bool) -> (Duration, f64, Bed) {
+    let bed = Bed::new(tag);
+    bed.ns.route_service_to(addr(TUNNEL[0]));
+    let mut a = bed.replica(0, shared_key, &[]).await;
+    let b = bed.replica(1, shared_key, &[]).await;
+    let (kubelet, mut edge) = bed.edge().await;
+    let first = bed.edge_remote_on(0, Duration::from_secs(10)).await;
+    // Let the connection settle (keep-alives flowing) before the crash.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let crash = Instant::now();
+    a.kill().await;
+    bed.ns.route_service_to(addr(TUNNEL[1]));
+    bed.ns.flush_conntrack();
+    let t = next_connect(&mut edge, IDLE_TIMEOUT * 3, crash).await;
+    let second = bed.edge_remote_on(1, Duration::from_secs(5)).await;
+    eprintln!(
+        "{tag}: edge connected to replica-b {t:?} after kill -9 of replica-a ({first} -> {second})"
+    );
+    assert_ne!(first.port(), second.port(), "a new UDP source port");
+    let resets = bed.edge_metric("tether_edge_resets_seen_total").await;
+    drop((b, kubelet, edge));
+    (t, resets, bed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_kill_9_a_shared_reset_key_brings_the_edge_back_at_once() {
+    let (t, resets, bed) = crash_and_measure("key", true).await;
+    assert_eq!(resets, 1.0);
+    assert!(
+        t < Duration::from_secs(5),
+        "with the shared key the edge must learn the crash from a stateless reset, took {t:?} (idle timeout {IDLE_TIMEOUT:?})\n{}",
+        bed.log("tether-edge")
+    );
+    let log = bed.log("tether-edge");
+    assert!(log.contains("stateless reset"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_kill_9_without_a_shared_key_the_edge_waits_for_the_idle_timeout() {
+    let (t, resets, bed) = crash_and_measure("nokey", false).await;
+    assert_eq!(resets, 0.0);
+    // The last packet from A came at most a keep-alive before the crash.
+    assert!(
+        t >= IDLE_TIMEOUT - Duration::from_secs(2),
+        "without a shared key only the idle timeout can tell, yet it took {t:?}"
+    );
+    let log = bed.log("tether-edge");
+    assert!(!log.contains("stateless reset"), "{log}");
+}
