@@ -22,6 +22,8 @@
 //!   it, reading what it prints and resizing its window.
 //! - [`podhttp`]: a tiny HTTP server "behind the pod" for port-forward, and a client.
 //! - [`netns`]: `tether-cloud` inside a link emulator's namespaces (fault tests, bench).
+//! - [`replicabed`]: three cloud replicas in network namespaces behind nftables
+//!   random-DNAT services, edges behind NAT, apiserver-sim and kubectl (replica tests).
 //! - [`report`]: running named cases concurrently under a time bound and summarising
 //!   the results per kubectl version.
 //!
@@ -38,6 +40,7 @@ pub mod podhttp;
 pub mod probe;
 pub mod process;
 pub mod pty;
+pub mod replicabed;
 pub mod report;
 
 /// SHA-256 of `data`, lower-case hex: how the suite compares large payloads.
