@@ -51,6 +51,8 @@ pub const PEER_PORT: u16 = 7000;
 pub const OPS: &str = "127.0.0.1:9090";
 /// Replicas in the bed.
 pub const REPLICAS: usize = 3;
+/// apiserver-sim's address (in the apiserver's namespace).
+pub const API_SERVER_IP: Ipv4Addr = Ipv4Addr::new(10, 245, 0, 2);
 /// The edge site's subnet (masqueraded by the router).
 const EDGE_NET: &str = "10.250.0.0/24";
 
@@ -94,6 +96,33 @@ pub struct BedSpec {
     /// Edge *i* is started while only replica `pin[i]` is behind the UDP service (so it
     /// is held there); `None`: whichever the DNAT picks.
     pub pin: Vec<Option<usize>>,
+    /// The replicas watch apiserver-sim's pods and nodes (`--apiserver-kubeconfig`, as
+    /// deployed) instead of trusting the edges' reports.
+    pub authority: bool,
+}
+
+/// Sends kubelet-API requests as the apiserver would, from the apiserver's namespace;
+/// independent of the [`Bed`] (cheap to clone).
+#[derive(Clone)]
+pub struct Prober {
+    client: KubeletClient,
+    api_ns: String,
+}
+
+impl Prober {
+    /// `GET path` for `node` (SNI and `Host` name it) on the kubelet API at `addr`;
+    /// bounded by 5 s.
+    pub async fn kubelet_get(&self, addr: SocketAddr, node: &str, path: &str) -> Result<Reply> {
+        self.client
+            .get_from(
+                Some(&self.api_ns),
+                addr,
+                node,
+                &format!("{node}:{KUBELET_PORT}"),
+                path,
+            )
+            .await
+    }
 }
 
 /// One edge site entry: its kubelet-sim and its edge.
@@ -305,13 +334,17 @@ impl Bed {
             _ns: created,
         };
         bed.program()?;
+        std::fs::create_dir_all(bed.logs())?;
+        // The kubelets, then apiserver-sim with their nodes and pods, so that the
+        // replicas can watch it.
+        bed.start_kubelets().await?;
+        bed.start_apiserver().await?;
         for i in 0..REPLICAS {
             bed.spawn_replica(i)?;
         }
         for i in 0..REPLICAS {
             bed.wait_replica_ready(i).await?;
         }
-        bed.start_kubelets().await?;
         for j in 0..bed.edges.len() {
             let pin = bed.spec.pin.get(j).copied().flatten();
             if let Some(r) = pin {
@@ -321,7 +354,6 @@ impl Bed {
             bed.wait_edge_connected(j, READY).await?;
         }
         bed.set_udp_backends(&(0..REPLICAS).collect::<Vec<_>>())?;
-        bed.start_apiserver().await?;
         bed.wait_routable(Duration::from_secs(30)).await?;
         Ok(bed)
     }
@@ -449,12 +481,19 @@ impl Bed {
             "--peer-resolve-interval",
             "1s",
         ])
-        .args(self.pki.cloud_flags())
+        .args(
+            self.pki.cloud_flags().into_iter().filter(|f| {
+                !(self.spec.authority && f.as_os_str() == "--insecure-trust-edge-reports")
+            }),
+        )
         .args(self.peers.flags())
         .arg("--reset-key-file")
         .arg(&self.reset_key)
-        .args(&self.spec.cloud_extra)
-        .env(
+        .args(&self.spec.cloud_extra);
+        if self.spec.authority {
+            cmd.arg("--apiserver-kubeconfig").arg(&self.kubeconfig);
+        }
+        cmd.env(
             "TETHER_LOG",
             std::env::var("TETHER_E2E_LOG").unwrap_or_else(|_| "info".into()),
         );
@@ -508,6 +547,61 @@ impl Bed {
     ) -> Option<std::process::ExitStatus> {
         let mut p = self.replicas[i].take()?;
         p.terminate(limit).await
+    }
+
+    /// Sends SIGTERM to replica `i` without waiting (see [`Bed::wait_replica_exit`]).
+    pub fn sigterm_replica(&self, i: usize) -> Result<()> {
+        let pid = self.replicas[i]
+            .as_ref()
+            .and_then(|p| p.pid())
+            .with_context(|| format!("replica {i} is not running"))?;
+        let pid = i32::try_from(pid).context("pid")?;
+        // SAFETY: a signal to our own child, not yet reaped (its pid is still ours).
+        if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+            bail!(
+                "SIGTERM to replica {i}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(())
+    }
+
+    /// Waits at most `limit` for replica `i` to exit by itself; its status.
+    pub async fn wait_replica_exit(
+        &mut self,
+        i: usize,
+        limit: Duration,
+    ) -> Result<std::process::ExitStatus> {
+        let p = self.replicas[i]
+            .as_mut()
+            .with_context(|| format!("replica {i} is not running"))?;
+        let status = p.wait_exit(limit).await?;
+        self.replicas[i] = None;
+        Ok(status)
+    }
+
+    /// Whether replica `i`'s `/readyz` answers 200.
+    pub async fn is_ready(&self, i: usize) -> bool {
+        matches!(self.ops_get(i, "/readyz").await, Ok((200, _)))
+    }
+
+    /// Where replica `i` routes `node` by its `/status`: `replica-k` (its own name when
+    /// it holds the edge), or `None` when it knows no connected holder.
+    pub async fn route_view(&self, i: usize, node: &str) -> Result<Option<String>> {
+        let st = self.status(i).await?;
+        let local = st["nodes"].as_array().is_some_and(|nodes| {
+            nodes
+                .iter()
+                .any(|n| n["node"] == node && n["connected"] == true)
+        });
+        if local {
+            return Ok(Some(format!("replica-{i}")));
+        }
+        Ok(st["remote_nodes"].as_array().and_then(|r| {
+            r.iter()
+                .find(|n| n["node"] == node && n["connected"] == true)
+                .and_then(|n| n["replica"].as_str().map(str::to_string))
+        }))
     }
 
     async fn start_kubelets(&mut self) -> Result<()> {
@@ -620,6 +714,13 @@ impl Bed {
         Ok(())
     }
 
+    /// SIGTERM to edge `j` (SIGKILL after `grace`), and waits for it to exit.
+    pub async fn terminate_edge(&mut self, j: usize, grace: Duration) {
+        if let Some(mut p) = self.edges[j].edge.take() {
+            p.terminate(grace).await;
+        }
+    }
+
     /// `kill -9` of edge `j`.
     pub async fn kill_edge(&mut self, j: usize) {
         if let Some(mut p) = self.edges[j].edge.take() {
@@ -629,16 +730,21 @@ impl Bed {
 
     async fn start_apiserver(&mut self) -> Result<()> {
         let mut cmd = command_in(&self.api_ns(), &bins::binary(bins::APISERVER_SIM)?);
-        cmd.args(["--listen", "127.0.0.1:0", "--write-kubeconfig"])
-            .arg(&self.kubeconfig)
-            .arg("--kubelet-client-cert")
-            .arg(&self.pki.apiserver_client.cert)
-            .arg("--kubelet-client-key")
-            .arg(&self.pki.apiserver_client.key)
-            .arg("--kubelet-ca")
-            .arg(&self.pki.tether_ca)
-            .arg("--kubelet-dial")
-            .arg(api_service().to_string());
+        // On its pod address, so that the replicas can reach it through the router.
+        cmd.args([
+            "--listen",
+            &format!("{API_SERVER_IP}:6443"),
+            "--write-kubeconfig",
+        ])
+        .arg(&self.kubeconfig)
+        .arg("--kubelet-client-cert")
+        .arg(&self.pki.apiserver_client.cert)
+        .arg("--kubelet-client-key")
+        .arg(&self.pki.apiserver_client.key)
+        .arg("--kubelet-ca")
+        .arg(&self.pki.tether_ca)
+        .arg("--kubelet-dial")
+        .arg(api_service().to_string());
         let mut seen = std::collections::HashSet::new();
         for e in &self.edges {
             cmd.arg("--node")
@@ -677,15 +783,15 @@ impl Bed {
     /// the kubelet API at `addr` (a replica's, or [`api_service`]), dialled from the
     /// apiserver's namespace; bounded by 5 s.
     pub async fn kubelet_get(&self, addr: SocketAddr, node: &str, path: &str) -> Result<Reply> {
-        self.client
-            .get_from(
-                Some(&self.api_ns()),
-                addr,
-                node,
-                &format!("{node}:{KUBELET_PORT}"),
-                path,
-            )
-            .await
+        self.prober().kubelet_get(addr, node, path).await
+    }
+
+    /// A [`Prober`] of this bed, for requests that run while the bed changes.
+    pub fn prober(&self) -> Prober {
+        Prober {
+            client: self.client.clone(),
+            api_ns: self.api_ns(),
+        }
     }
 
     /// `GET path` on replica `i`'s operations listener: status code and body.
