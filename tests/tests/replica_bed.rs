@@ -979,6 +979,8 @@ async fn a_rolling_restart_never_misroutes_then_kill_9_edges_serve_again() {
             Duration::from_millis(100),
             stop.clone(),
         );
+        // A steady state first, and after (the rate is over the whole run).
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let rolled = Instant::now();
         for i in 0..REPLICAS {
             let t = Instant::now();
@@ -1031,7 +1033,7 @@ async fn a_rolling_restart_never_misroutes_then_kill_9_edges_serve_again() {
             );
         }
         let roll = rolled.elapsed();
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
         let results = load.await?;
         let (total, right, clear, hung, wrong) = tally(&results);
