@@ -290,3 +290,17 @@ impl Kubectl {
         )
     }
 }
+
+/// Waits (bounded by `limit`) for a `kubectl port-forward` run to print
+/// `Forwarding from 127.0.0.1:PORT -> …`, and returns that local port.
+pub async fn forwarded_port(proc: &mut Proc, limit: Duration) -> Result<u16> {
+    const PREFIX: &str = "Forwarding from 127.0.0.1:";
+    let line = proc
+        .wait_line(&format!("`{PREFIX}…`"), limit, |l| l.starts_with(PREFIX))
+        .await?;
+    line.trim_start_matches(PREFIX)
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("no local port in {line:?}"))
+}

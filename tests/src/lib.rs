@@ -49,6 +49,12 @@ pub fn sha256_hex(data: &[u8]) -> String {
     hex::encode(sha2::Sha256::digest(data))
 }
 
+/// `<prefix> line 001\n`, `<prefix> line 002\n`, … for `range`: the container logs the
+/// suites write and expect back.
+pub fn numbered_lines(prefix: &str, range: std::ops::RangeInclusive<u32>) -> String {
+    range.map(|i| format!("{prefix} line {i:03}\n")).collect()
+}
+
 /// `n` random bytes.
 pub fn random_bytes(n: usize) -> Vec<u8> {
     use rand::RngCore;

@@ -43,7 +43,7 @@ use tether_tests::podhttp::{HttpClient, PodHttpServer};
 use tether_tests::replicabed::{
     api_service, replica_api, Bed, BedSpec, EdgeSpec, Prober, REPLICAS,
 };
-use tether_tests::{random_bytes, sha256_hex};
+use tether_tests::{numbered_lines, random_bytes, sha256_hex};
 
 /// Bound on an ordinary kubectl run.
 const T: Duration = Duration::from_secs(30);
@@ -98,10 +98,6 @@ fn three_edges() -> BedSpec {
         pin: vec![Some(0), Some(1), Some(2)],
         authority: false,
     }
-}
-
-fn numbered_lines(prefix: &str, range: std::ops::RangeInclusive<u32>) -> String {
-    range.map(|i| format!("{prefix} line {i:03}\n")).collect()
 }
 
 /// A kubectl of `bin` in the bed's apiserver namespace.
@@ -203,7 +199,7 @@ async fn follow_case(t: &Target<'_>, round: usize) -> Result<()> {
         false,
     )?;
     let mut want: Vec<String> = before.lines().map(str::to_string).collect();
-    wait_lines(&mut proc, want.len()).await?;
+    proc.wait_lines(want.len(), Duration::from_secs(20)).await?;
     let fresh = numbered_lines(&format!("round {round}"), 1..=5);
     {
         use std::io::Write;
@@ -211,7 +207,7 @@ async fn follow_case(t: &Target<'_>, round: usize) -> Result<()> {
         f.write_all(fresh.as_bytes())?;
     }
     want.extend(fresh.lines().map(str::to_string));
-    let got = wait_lines(&mut proc, want.len()).await?;
+    let got = proc.wait_lines(want.len(), Duration::from_secs(20)).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let after = proc.lines();
     proc.kill().await;
@@ -221,25 +217,6 @@ async fn follow_case(t: &Target<'_>, round: usize) -> Result<()> {
         t.pod
     );
     Ok(())
-}
-
-/// Waits (bounded) until `proc` printed at least `n` lines.
-async fn wait_lines(proc: &mut tether_tests::process::Proc, n: usize) -> Result<Vec<String>> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let lines = proc.lines();
-        if lines.len() >= n {
-            return Ok(lines);
-        }
-        ensure!(
-            Instant::now() < deadline && proc.exited().is_none(),
-            "{}: {} of {n} lines: {lines:?}; stderr {}",
-            proc.name(),
-            lines.len(),
-            proc.stderr_tail(10)
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
 }
 
 async fn attach_case(t: &Target<'_>, round: usize) -> Result<()> {
@@ -283,17 +260,7 @@ async fn port_forward_case(t: &Target<'_>, round: usize) -> Result<()> {
         &["port-forward", &t.pod, &format!(":{}", server.port)],
         false,
     )?;
-    let line = proc
-        .wait_line("`Forwarding from 127.0.0.1:…`", T, |l| {
-            l.starts_with("Forwarding from 127.0.0.1:")
-        })
-        .await?;
-    let local: u16 = line
-        .trim_start_matches("Forwarding from 127.0.0.1:")
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
-        .with_context(|| format!("no port in {line:?}"))?;
+    let local = kubectl::forwarded_port(&mut proc, T).await?;
     let addr = SocketAddr::from(([127, 0, 0, 1], local));
     let ns = t.bed.api_ns();
     let mut c = HttpClient::connect_with(addr, move |a| {
