@@ -16,6 +16,8 @@ command -v containerd >/dev/null 2>&1 || need_apt+=(containerd)
 command -v runc >/dev/null 2>&1 || need_apt+=(runc)
 dpkg -s busybox-static >/dev/null 2>&1 || need_apt+=(busybox-static)
 command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
+# A real scraper for the kubelet-auth tests (issue 17): Debian's Prometheus.
+command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 
 KUBECTL_DIR=/usr/lib/google-cloud-sdk/bin
 have_kubectl=0
@@ -41,7 +43,7 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
   apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-for tool in ip nft iptables script cargo containerd ctr runc protoc busybox; do
+for tool in ip nft iptables script cargo containerd ctr runc protoc busybox prometheus; do
   command -v "$tool" >/dev/null 2>&1 || { echo "setup: required tool '$tool' is still missing" >&2; exit 1; }
 done
 # AFL++ for stable Rust (the fuzz pass in scripts/test.sh, scripts/fuzz.sh).

@@ -561,6 +561,16 @@ mod tests {
     }
 
     #[test]
+    fn drain_spread_and_reset_key_file() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.drain_spread, Duration::from_secs(10));
+        assert_eq!(c.reset_key_file, None);
+        let c = config(&["--drain-spread", "0s", "--reset-key-file", "/s/reset.key"]).unwrap();
+        assert_eq!(c.drain_spread, Duration::ZERO);
+        assert_eq!(c.reset_key_file, Some(PathBuf::from("/s/reset.key")));
+    }
+
+    #[test]
     fn zero_limits_and_timeouts_are_refused() {
         assert!(config(&[]).is_ok());
         for (flag, zero) in [

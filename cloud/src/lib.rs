@@ -217,9 +217,10 @@ impl Cloud {
     /// Graceful shutdown (SIGTERM): report not-ready and refuse new edge
     /// connections at once; tell the edges to move to another replica,
     /// staggered over `--drain-spread`, each once its streams through this
-    /// replica have ended (see [`drain`]); let open streams finish for up to
-    /// `--shutdown-grace` (the kubelet-API listener keeps serving its
-    /// connections meanwhile); then close every edge connection left with the
+    /// replica have ended (see [`drain`]); let open streams — local, relayed
+    /// to other replicas' edges, or relayed here by them — finish for up to
+    /// `--shutdown-grace` (the kubelet-API listener and the peer links keep
+    /// serving meanwhile); then close every edge connection left with the
     /// shutdown code and stop.
     pub async fn shutdown(mut self) {
         self.shutting_down.store(true, Ordering::Relaxed);
@@ -230,7 +231,12 @@ impl Cloud {
         let moved =
             drain::move_edges(&self.registry, self.drain_spread, deadline, &self.metrics).await;
         info!(moved, "edges told to move");
-        while open(&self.registry) > 0 && tokio::time::Instant::now() < deadline {
+        // Streams relayed from here to edges held by other replicas are not
+        // in this registry's sessions: the gauge of every served stream has them.
+        let served = |m: &metrics::CloudMetrics| m.streams_open_any.get().max(0) as usize;
+        while (open(&self.registry) > 0 || served(&self.metrics) > 0)
+            && tokio::time::Instant::now() < deadline
+        {
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
         for s in self.registry.sessions() {

@@ -55,6 +55,12 @@ pub struct CloudMetrics {
     pub peers_refused: Family<ReasonLabel, Counter>,
     /// Edge pod/address claims refused because the apiserver disagrees.
     pub claims_refused: Family<KindLabel, Counter>,
+    /// Edges told to move to another replica while draining (SIGTERM).
+    pub edges_moved: Counter,
+    /// Every stream this replica serves now, of any kind, as the entry (local
+    /// or relayed) or as the holder of a peer's relay: what a drain waits
+    /// for. Not exported (`streams_open` has them by kind).
+    pub streams_open_any: Gauge,
     /// Relayed streams, by this replica's role (entry: the request landed
     /// here; holder: the edge is held here).
     pub relayed_streams: Family<RoleLabel, Counter>,
@@ -70,8 +76,6 @@ pub struct CloudMetrics {
     pub route_waits: Family<ResultLabel, Counter>,
     /// (node, peer) pairs learnt from peers.
     pub remote_edges: Gauge,
-    /// Edges told to move to another replica while draining (SIGTERM).
-    pub edges_moved: Counter,
 }
 
 impl CloudMetrics {
@@ -93,6 +97,8 @@ impl CloudMetrics {
             peers_up: Gauge::default(),
             peers_refused: Family::default(),
             claims_refused: Family::default(),
+            edges_moved: Counter::default(),
+            streams_open_any: Gauge::default(),
             relayed_streams: Family::default(),
             relayed_bytes: ByteCounters::default(),
             relays_refused: Family::default(),
@@ -100,7 +106,6 @@ impl CloudMetrics {
             stale_routes: Counter::default(),
             route_waits: Family::default(),
             remote_edges: Gauge::default(),
-            edges_moved: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("tether_cloud");
         r.register(
@@ -258,7 +263,8 @@ impl CloudMetrics {
         self.streams_total.get_or_create(&label).inc();
         let gauge = self.streams_open.get_or_create(&label).clone();
         gauge.inc();
-        OpenStream(gauge)
+        self.streams_open_any.inc();
+        OpenStream(gauge, self.streams_open_any.clone())
     }
 
     pub fn refuse(&self, reason: &'static str) {
@@ -280,11 +286,12 @@ impl CloudMetrics {
     }
 }
 
-/// Decrements `streams_open` when the stream's relay ends.
-pub struct OpenStream(Gauge);
+/// Decrements `streams_open` (and `streams_open_any`) when the stream's relay ends.
+pub struct OpenStream(Gauge, Gauge);
 
 impl Drop for OpenStream {
     fn drop(&mut self) {
         self.0.dec();
+        self.1.dec();
     }
 }

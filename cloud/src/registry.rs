@@ -255,6 +255,18 @@ impl Tables {
             self.remote.remove(node);
         }
         self.index_remote(&old.record, false);
+        // Held nowhere now: its pods are remembered as departed, so a request
+        // for them is "edge not connected" (502), as for a local edge.
+        if !self.remote.contains_key(node) && !self.sessions.contains_key(node) {
+            for (ns, pod) in &old.record.pods {
+                let key = (ns.clone(), pod.clone());
+                self.departed.insert(key.clone(), node.to_string());
+                self.node_departed
+                    .entry(node.to_string())
+                    .or_default()
+                    .push(key);
+            }
+        }
         if let Some(set) = self.remote_by_replica.get_mut(&instance) {
             set.remove(node);
             if set.is_empty() {
@@ -619,6 +631,11 @@ impl Registry {
                     let node = record.node.clone();
                     t.remove_remote(instance, &node);
                     t.index_remote(&record, true);
+                    for key in t.node_departed.remove(&node).unwrap_or_default() {
+                        if t.departed.get(&key) == Some(&node) {
+                            t.departed.remove(&key);
+                        }
+                    }
                     t.remote.entry(node.clone()).or_default().push(RemoteEdge {
                         replica: link.replica.clone(),
                         conn: link.conn.clone(),

@@ -630,3 +630,234 @@ mod tests {
         );
     }
 }
+
+/// A QUIC connection pair on loopback, for tests of what crosses the peer link.
+#[cfg(test)]
+pub(crate) mod testlink {
+    use std::sync::Arc;
+
+    use rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
+
+    /// (dialler's connection, listener's connection), kept alive by the endpoints.
+    pub async fn pair() -> (quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>) {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let der = CertificateDer::from(cert.cert.der().to_vec());
+        let key = PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der());
+        let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![der.clone()], key.into())
+            .unwrap();
+        server.alpn_protocols = vec![b"t".to_vec()];
+        let sc = quinn::ServerConfig::with_crypto(Arc::new(
+            quinn::crypto::rustls::QuicServerConfig::try_from(server).unwrap(),
+        ));
+        let listener = quinn::Endpoint::server(sc, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).unwrap();
+        let mut client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        client.alpn_protocols = vec![b"t".to_vec()];
+        let mut dialler = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
+            quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap(),
+        )));
+        let addr = listener.local_addr().unwrap();
+        let (a, b) = tokio::join!(
+            async { dialler.connect(addr, "localhost").unwrap().await.unwrap() },
+            async { listener.accept().await.unwrap().await.unwrap() }
+        );
+        (a, b, vec![dialler, listener])
+    }
+}
+
+#[cfg(test)]
+mod link_tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use prometheus_client::registry::Registry as Prom;
+    use tether_proto::Limits;
+
+    use super::*;
+    use crate::admission::Claim;
+    use crate::peer::{PeerLink, ReplicaId};
+    use crate::registry::{Holder, Registry};
+    use crate::routes::{EdgeRecord, Update};
+    use crate::session::Session;
+
+    fn record(node: &str, pods: &[&str], attached: bool, since_ms: u64) -> EdgeRecord {
+        EdgeRecord {
+            node: node.into(),
+            session: "s".into(),
+            attached,
+            since_ms,
+            pods: pods
+                .iter()
+                .map(|p| ("default".to_string(), p.to_string()))
+                .collect(),
+            addresses: vec![],
+        }
+    }
+
+    fn session(node: &str) -> Arc<Session> {
+        let claim = Claim {
+            token: tether_proto::token::ResumeToken([1; 16]),
+            instance: 1,
+            attempt: 1,
+        };
+        Session::new(node.into(), vec![], Limits::default(), &claim).unwrap()
+    }
+
+    /// Serves one relay for `node` from `registry` and returns the answer.
+    async fn ask(
+        entry: &quinn::Connection,
+        holder: &quinn::Connection,
+        registry: Arc<Registry>,
+        node: &str,
+    ) -> Answer {
+        let metrics = CloudMetrics::register(&mut Prom::default());
+        let holder = holder.clone();
+        tokio::spawn(async move {
+            let (send, mut recv) = holder.accept_bi().await.unwrap();
+            let mut magic = [0u8; 4];
+            recv.read_exact(&mut magic).await.unwrap();
+            assert_eq!(&magic, RELAY_MAGIC);
+            serve(
+                send,
+                recv,
+                registry,
+                metrics,
+                "entry".into(),
+                Duration::from_secs(5),
+            )
+            .await;
+        });
+        let header = RelayHeader {
+            kind: StreamKind::Logs,
+            node: node.into(),
+        };
+        match open(
+            entry,
+            "holder",
+            &header,
+            Duration::from_secs(5),
+            ByteCounters::default(),
+        )
+        .await
+        .unwrap()
+        {
+            Ok(_) => Answer::Open,
+            Err(a) => a,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_replica_relays_only_what_it_holds_itself_never_a_second_hop() {
+        let (entry, holder, _eps) = testlink::pair().await;
+        // The holder side's registry knows edge-x only from a third replica.
+        let registry = Arc::new(Registry::new(Duration::from_secs(60)));
+        let (third, _third_side, _eps2) = testlink::pair().await;
+        let link = PeerLink {
+            addr: third.remote_address(),
+            replica: ReplicaId::new("third"),
+            conn: third,
+        };
+        registry.apply_remote(
+            &link,
+            Update::Upsert(vec![record("edge-x", &["p"], true, 1)]),
+        );
+        assert!(matches!(
+            registry.route_pod("default", "p").unwrap().holder,
+            Holder::Remote { .. }
+        ));
+        let a = ask(&entry, &holder, registry.clone(), "edge-x").await;
+        assert!(matches!(a, Answer::NotHere(_)), "{a:?}");
+        // What it holds itself it serves.
+        registry.insert(session("edge-y"));
+        assert_eq!(ask(&entry, &holder, registry, "edge-y").await, Answer::Open);
+    }
+
+    #[tokio::test]
+    async fn routes_learnt_from_peers_share_the_indices_and_prefer_a_live_holder() {
+        let (c1, _s1, _e1) = testlink::pair().await;
+        let (c2, _s2, _e2) = testlink::pair().await;
+        let peer = |name: &str, conn: quinn::Connection| PeerLink {
+            addr: conn.remote_address(),
+            replica: ReplicaId::new(name),
+            conn,
+        };
+        let (a, b) = (peer("a", c1), peer("b", c2));
+        let r = Registry::new(Duration::from_secs(60));
+        // A pod claimed by edges held on two different replicas: 409, as on one.
+        r.apply_remote(
+            &a,
+            Update::Upsert(vec![record("edge-1", &["dup", "p1"], true, 1)]),
+        );
+        r.apply_remote(
+            &b,
+            Update::Upsert(vec![record("edge-2", &["dup"], true, 1)]),
+        );
+        assert!(matches!(
+            r.route_pod("default", "dup"),
+            Err(crate::registry::RouteError::AmbiguousPod { .. })
+        ));
+        // ... and a local edge claiming it too.
+        let local = session("edge-3");
+        r.insert(local.clone());
+        r.report_pods(
+            &local,
+            vec![tether_proto::handshake::PodRef {
+                namespace: "default".into(),
+                name: "p1".into(),
+                uid: String::new(),
+            }],
+        );
+        assert!(matches!(
+            r.route_pod("default", "p1"),
+            Err(crate::registry::RouteError::AmbiguousPod { .. })
+        ));
+        assert!(matches!(
+            r.route_pod("default", "nope"),
+            Err(crate::registry::RouteError::UnknownPod { .. })
+        ));
+        // The same node on two peers (it moved): the attached holder wins,
+        // the newest if both are.
+        r.apply_remote(
+            &b,
+            Update::Upsert(vec![record("edge-1", &["p9"], false, 5)]),
+        );
+        let who = |r: &Registry| match r.route_node(Some("edge-1"), None, None).unwrap().holder {
+            Holder::Remote { replica, .. } => replica.name,
+            Holder::Local(_) => "local".into(),
+        };
+        assert_eq!(who(&r), "a");
+        r.apply_remote(&b, Update::Upsert(vec![record("edge-1", &["p9"], true, 5)]));
+        assert_eq!(who(&r), "b");
+        // A detached local session loses to a live remote holder of the node.
+        r.apply_remote(&a, Update::Upsert(vec![record("edge-3", &[], true, 9)]));
+        assert!(matches!(
+            r.route_node(Some("edge-3"), None, None).unwrap().holder,
+            Holder::Remote { .. }
+        ));
+        // Everything learnt from a peer goes with it; counts stay right.
+        r.drop_remote(b.replica.instance);
+        assert_eq!(who(&r), "a");
+        assert!(
+            r.route_pod("default", "dup").is_ok(),
+            "edge-1 alone claims it now"
+        );
+        r.apply_remote(&a, Update::Remove(vec!["edge-1".into()]));
+        // Held nowhere now: its pods are "edge not connected" (502), not unknown.
+        assert!(matches!(
+            r.route_pod("default", "dup"),
+            Err(crate::registry::RouteError::PodNodeGone { .. })
+        ));
+        assert_eq!(r.remote_len(), 1);
+    }
+}

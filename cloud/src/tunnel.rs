@@ -213,10 +213,15 @@ pub async fn serve(
         let registry = registry.clone();
         let metrics = metrics.clone();
         let join = join.clone();
+        let draining = draining.clone();
         let remote = incoming.remote_address();
         tokio::spawn(
             async move {
-                if let Err(e) = handle(incoming, pending, &cfg, &registry, &metrics, join).await {
+                if let Err(e) = handle(
+                    incoming, pending, &cfg, &registry, &metrics, join, &draining,
+                )
+                .await
+                {
                     warn!(error = format!("{e:#}"), "edge connection failed");
                 }
                 drop(permit);
@@ -362,6 +367,7 @@ async fn handle(
     registry: &Arc<Registry>,
     metrics: &CloudMetrics,
     join: Option<Arc<JoinCtx>>,
+    draining: &std::sync::atomic::AtomicBool,
 ) -> anyhow::Result<()> {
     let max = cfg.limits.max_frame_bytes as usize;
     let conn = tokio::time::timeout(cfg.handshake_timeout, incoming)
@@ -430,6 +436,20 @@ async fn handle(
         .await;
         return Ok(());
     };
+    if draining.load(std::sync::atomic::Ordering::Relaxed) {
+        // Its handshake began before the drain: refused all the same (the
+        // edge ends its round and dials again from a new source port).
+        metrics.refuse_edge("draining");
+        refuse(
+            &mut send,
+            &conn,
+            RefusalCode::Shutdown,
+            format!("node {node}: this replica is draining; connect to another"),
+            max,
+        )
+        .await;
+        return Ok(());
+    }
     let claim = Claim::of(&hello);
     let Some((session, resumed)) = admit(registry, cfg, &node, &hello, &claim)? else {
         refuse(
@@ -508,6 +528,16 @@ async fn handle(
         "edge connected"
     );
     metrics.edges_connected.inc();
+    if draining.load(std::sync::atomic::Ordering::Relaxed) {
+        // Committed while the drain began (after the drain's list of edges
+        // was taken): move it at once.
+        info!(node = %node, "draining: telling the edge to move (it attached as the drain began)");
+        conn.close(
+            close_code::MOVE.into(),
+            b"this replica is draining: reconnect to another",
+        );
+        metrics.edges_moved.inc();
+    }
     // Counted only now: the edge took this welcome and committed to it.
     if resumed {
         metrics.resumes.inc();

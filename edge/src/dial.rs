@@ -647,12 +647,14 @@ impl Attempt {
                 let e =
                     anyhow::anyhow!("the cloud refused this edge ({:?}): {}", r.code, r.message);
                 match r.code {
-                    RefusalCode::Superseded | RefusalCode::Shutdown => {
-                        Err(AttemptError::Transient(e))
-                    }
-                    RefusalCode::Version | RefusalCode::NodeMismatch | RefusalCode::BadHello => {
-                        Err(AttemptError::Definite(e))
-                    }
+                    RefusalCode::Superseded => Err(AttemptError::Transient(e)),
+                    // A draining replica: the round's other attempts share its
+                    // source port and so reach it too; the next round dials
+                    // from a new port.
+                    RefusalCode::Shutdown
+                    | RefusalCode::Version
+                    | RefusalCode::NodeMismatch
+                    | RefusalCode::BadHello => Err(AttemptError::Definite(e)),
                 }
             }
             Some(other) => Err(AttemptError::Definite(anyhow::anyhow!(

@@ -35,7 +35,10 @@ const TUNNEL: [u16; 2] = [7101, 7102];
 const API: [u16; 2] = [7201, 7202];
 const METRICS: [u16; 2] = [7301, 7302];
 const PEER: [u16; 2] = [7401, 7402];
-const EDGE_METRICS: &str = "127.0.0.1:7500";
+/// Edge `n`'s operations listener.
+fn edge_metrics(n: u16) -> SocketAddr {
+    addr(7499 + n)
+}
 /// Short QUIC timings so a missed crash costs seconds, not half a minute.
 const KEEP_ALIVE: &str = "1s";
 const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -153,7 +156,7 @@ impl Bed {
     fn new(tag: &str) -> Bed {
         let ns = Ns::new(tag);
         let dir = tempfile::tempdir().unwrap();
-        let pki = pki::mint(dir.path(), &["edge-1"]).unwrap();
+        let pki = pki::mint(dir.path(), &["edge-1", "edge-2", "edge-3"]).unwrap();
         let peers = pki::mint_peers(&dir.path().join("peers")).unwrap();
         // Made as an operator would, with tether-certs.
         let reset_key = dir.path().join("reset.key");
@@ -200,6 +203,8 @@ impl Bed {
         .args(self.peers.flags())
         .args(extra)
         .env("TETHER_LOG", "info,tether_cloud=debug")
+        // JSON: the staggering is read from the log's timestamps.
+        .env("TETHER_LOG_FORMAT", "json")
         .env("NO_COLOR", "1")
         .env("RUST_BACKTRACE", "0");
         if shared_key {
@@ -214,15 +219,23 @@ impl Bed {
         p
     }
 
-    /// The kubelet stand-in (its socket in the namespace) and an edge dialling
-    /// the service, waited for until connected.
+    /// The kubelet stand-in (its socket in the namespace) and edge-1
+    /// dialling the service, waited for until connected.
     async fn edge(&self) -> (Kubelet, Proc) {
+        self.edge_n(1).await
+    }
+
+    /// As [`Bed::edge`] for `edge-<n>` (pod `default/p<n>`, metrics on
+    /// port 7499 + n).
+    async fn edge_n(&self, n: u16) -> (Kubelet, Proc) {
+        let node = format!("edge-{n}");
         let listener = netns::run_in(&self.ns.0, || std::net::TcpListener::bind("127.0.0.1:0"))
             .unwrap()
             .unwrap();
         let port = listener.local_addr().unwrap().port();
-        let kubelet = Kubelet::start_on(listener, "edge-1", &["default/p1"]).unwrap();
-        let pair = &self.pki.edges["edge-1"];
+        let kubelet =
+            Kubelet::start_on(listener, &node, &[format!("default/p{n}").as_str()]).unwrap();
+        let pair = &self.pki.edges[&node];
         let mut cmd = self.ns.command("tether-edge");
         cmd.args(["--cloud", SERVICE, "--server-name", pki::CLOUD_SERVER_NAME])
             .arg("--ca")
@@ -237,9 +250,9 @@ impl Bed {
                 "--pods-refresh",
                 "200ms",
                 "--metrics-listen",
-                EDGE_METRICS,
+                &edge_metrics(n).to_string(),
                 "--announce-address",
-                "edge-1.invalid",
+                &format!("{node}.invalid"),
                 "--keep-alive",
                 KEEP_ALIVE,
                 "--idle-timeout",
@@ -248,8 +261,12 @@ impl Bed {
             .env("TETHER_LOG", "info,tether_edge=debug")
             .env("NO_COLOR", "1")
             .env("RUST_BACKTRACE", "0");
-        let mut edge =
-            Proc::spawn("tether-edge", cmd, self.dir.path(), SpawnOptions::default()).unwrap();
+        let name = if n == 1 {
+            "tether-edge".to_string()
+        } else {
+            format!("tether-edge-{n}")
+        };
+        let mut edge = Proc::spawn(&name, cmd, self.dir.path(), SpawnOptions::default()).unwrap();
         edge.wait_line("edge connected", Duration::from_secs(20), |l| {
             l.starts_with("tether-edge connected")
         })
@@ -269,9 +286,14 @@ impl Bed {
             }))
     }
 
-    /// The edge's source address as replica `i`'s `/status` shows it, once
+    /// Edge-1's source address as replica `i`'s `/status` shows it, once
     /// the edge is connected there (bounded wait).
     async fn edge_remote_on(&self, i: usize, within: Duration) -> SocketAddr {
+        self.node_remote_on("edge-1", i, within).await
+    }
+
+    /// As [`Bed::edge_remote_on`] for `node`.
+    async fn node_remote_on(&self, node: &str, i: usize, within: Duration) -> SocketAddr {
         let deadline = Instant::now() + within;
         loop {
             if let Ok((_, body)) = ns_get(&self.ns.0, addr(METRICS[i]), "/status").await {
@@ -279,7 +301,7 @@ impl Bed {
                 let remote = v["nodes"].as_array().and_then(|nodes| {
                     nodes
                         .iter()
-                        .find(|n| n["node"] == "edge-1" && n["connected"] == true)
+                        .find(|n| n["node"] == node && n["connected"] == true)
                         .and_then(|n| n["remote"].as_str())
                         .and_then(|r| r.parse().ok())
                 });
@@ -289,14 +311,14 @@ impl Bed {
             }
             assert!(
                 Instant::now() < deadline,
-                "edge-1 not connected to replica {i} within {within:?}"
+                "{node} not connected to replica {i} within {within:?}"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
     async fn edge_metric(&self, series: &str) -> f64 {
-        let (_, text) = ns_get(&self.ns.0, EDGE_METRICS.parse().unwrap(), "/metrics")
+        let (_, text) = ns_get(&self.ns.0, edge_metrics(1), "/metrics")
             .await
             .unwrap();
         sample(&text, series).unwrap_or(0.0)
@@ -484,4 +506,157 @@ async fn after_kill_9_without_a_shared_key_the_edge_waits_for_the_idle_timeout()
     );
     let log = bed.log("tether-edge");
     assert!(!log.contains("stateless reset"), "{log}");
+}
+
+/// The times (seconds into the UTC day) of the JSON log lines containing
+/// `needle`, in order.
+fn log_times(log: &str, needle: &str) -> Vec<f64> {
+    log.lines()
+        .filter(|l| l.contains(needle))
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            let ts = v["timestamp"].as_str()?;
+            let (_, time) = ts.split_once('T')?;
+            let mut parts = time.trim_end_matches('Z').split(':');
+            let h: f64 = parts.next()?.parse().ok()?;
+            let m: f64 = parts.next()?.parse().ok()?;
+            let s: f64 = parts.next()?.parse().ok()?;
+            Some(h * 3600.0 + m * 60.0 + s)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_moves_edges_staggered_and_a_refused_edge_retries_from_new_ports() {
+    let bed = Bed::new("spread");
+    let spread = Duration::from_secs(3);
+    let extra = ["--shutdown-grace", "20s", "--drain-spread", "3s"];
+    bed.ns.route_service_to(addr(TUNNEL[0]));
+    let mut a = bed.replica(0, true, &extra).await;
+    let _b = bed.replica(1, true, &extra).await;
+    let mut edges = Vec::new();
+    for n in 1..=3 {
+        edges.push(bed.edge_n(n).await);
+        // Attached at A (its commit arrived), not only welcomed.
+        bed.node_remote_on(&format!("edge-{n}"), 0, Duration::from_secs(5))
+            .await;
+    }
+
+    // SIGTERM while the service still sends new flows to A (kube-proxy has
+    // not caught up yet): the first edge moved is refused by A, and retries
+    // from new ports until the service points at B.
+    let term = Instant::now();
+    sigterm(&a);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    bed.ns.route_service_to(addr(TUNNEL[1]));
+
+    // Every edge lands on B, within a bound after its move.
+    for n in 1..=3u16 {
+        let node = format!("edge-{n}");
+        bed.node_remote_on(&node, 1, spread + MOVE_BOUND).await;
+    }
+    let on_b = term.elapsed();
+    let status = a.wait_exit(Duration::from_secs(20)).await.unwrap();
+    assert!(status.success(), "{status:?}");
+    let log_a = bed.log("replica-a");
+    let began = log_times(&log_a, "shutting down: not ready");
+    let moves: Vec<Duration> = log_times(&log_a, "draining: telling the edge to move")
+        .iter()
+        .map(|t| Duration::from_secs_f64(t - began[0]))
+        .collect();
+    eprintln!("edges told to move at {moves:?} after SIGTERM (--drain-spread {spread:?})");
+    assert_eq!(
+        moves.len(),
+        3,
+        "every edge told to move: {moves:?}\n{log_a}"
+    );
+    // Slots at 0, 1 and 2 s: the first at once, the others spread out.
+    assert!(moves[0] < Duration::from_millis(500), "{moves:?}");
+    assert!(moves[1] >= Duration::from_millis(900), "{moves:?}");
+    assert!(moves[2] >= Duration::from_millis(1900), "{moves:?}");
+    assert!(moves[2] < spread, "{moves:?}");
+    let refused = log_a
+        .matches("refusing an edge connection: this replica is draining")
+        .count();
+    eprintln!(
+        "all edges on replica-b {on_b:?} after SIGTERM; A refused {refused} attempts while draining"
+    );
+    assert!(
+        refused >= 1,
+        "the first moved edge was refused by the draining A"
+    );
+    let log1 = bed.log("tether-edge");
+    assert!(log1.contains("told this edge to move"), "{log1}");
+    assert!(
+        log1.contains("cannot reach the cloud"),
+        "refused, then retried: {log1}"
+    );
+    drop(edges);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_keeps_relaying_a_stream_to_an_edge_held_elsewhere() {
+    let bed = Bed::new("relay");
+    let extra = ["--shutdown-grace", "20s", "--drain-spread", "1s"];
+    // The edge is held by B; the apiserver's stream lands on A, which relays it.
+    bed.ns.route_service_to(addr(TUNNEL[1]));
+    let mut a = bed.replica(0, true, &extra).await;
+    let _b = bed.replica(1, true, &extra).await;
+    let (_kubelet, _edge) = bed.edge().await;
+    bed.edge_remote_on(1, Duration::from_secs(10)).await;
+    let client = bed.client(0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let resp = loop {
+        let r = client.follow_log("default/p1").await.unwrap();
+        if r.status() == StatusCode::OK {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "p1 never routable through A");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut body = resp.into_body();
+    tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let (_, m) = ns_get(&bed.ns.0, addr(METRICS[0]), "/metrics")
+        .await
+        .unwrap();
+    assert_eq!(
+        sample(&m, "tether_cloud_relayed_streams_total{role=\"entry\"}"),
+        Some(1.0),
+        "the stream is relayed by A: {m}"
+    );
+
+    let term = Instant::now();
+    sigterm(&a);
+    let flow_until = Instant::now() + Duration::from_secs(2);
+    let mut frames = 0;
+    while Instant::now() < flow_until {
+        match tokio::time::timeout(Duration::from_secs(2), body.frame()).await {
+            Ok(Some(Ok(_))) => frames += 1,
+            other => panic!("the relayed stream through the draining replica broke: {other:?}"),
+        }
+    }
+    assert!(frames >= 10, "only {frames} frames in 2 s after SIGTERM");
+    assert!(
+        a.exited().is_none(),
+        "A must relay its stream until it ends"
+    );
+    let (s, _) = ns_get(&bed.ns.0, addr(METRICS[0]), "/readyz")
+        .await
+        .unwrap();
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+
+    // The stream ends: A exits 0 soon after, well within --shutdown-grace.
+    drop(body);
+    let ended = Instant::now();
+    let status = a.wait_exit(Duration::from_secs(10)).await.unwrap();
+    assert!(status.success(), "{status:?}\n{}", bed.log("replica-a"));
+    eprintln!(
+        "replica-a relayed for {:?} after SIGTERM, exited {:?} after the stream ended",
+        ended - term,
+        ended.elapsed()
+    );
 }

@@ -29,6 +29,7 @@ mod concurrent;
 mod footprint;
 mod kubelet;
 mod measure;
+mod replicas;
 mod scale;
 mod soak;
 mod table;
@@ -73,6 +74,9 @@ struct Plan {
     scale_edges: Vec<usize>,
     /// Exec sessions held open at once through one edge.
     sessions: usize,
+    /// Simulated edges of the replicas scenario, and its bulk log size (MiB).
+    replica_edges: usize,
+    replica_bulk_mib: usize,
 }
 
 impl Plan {
@@ -105,6 +109,8 @@ impl Plan {
                 cellular_window: Duration::from_secs(30),
                 scale_edges: Vec::new(),
                 sessions: 100,
+                replica_edges: 150,
+                replica_bulk_mib: 8,
             };
         }
         Plan {
@@ -155,6 +161,8 @@ impl Plan {
             cellular_window: Duration::from_secs(300),
             scale_edges: vec![1000, 10_000],
             sessions: 1000,
+            replica_edges: 1000,
+            replica_bulk_mib: 64,
         }
     }
 }
@@ -661,7 +669,7 @@ fn args() -> Result<Args> {
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "-h" | "--help" => {
                 println!(
-                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|scale|sessions|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]\n\
+                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|scale|sessions|replicas|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]\n\
                      tether-bench --soak MINUTES [--sessions N] [--out DIR]   (exits non-zero unless 0 sessions lost, 0 bytes lost, RSS within 10 %)"
                 );
                 std::process::exit(0);
@@ -706,6 +714,11 @@ async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
         concurrent::run(r, plan.sessions)
             .await
             .with_context(|| format!("{} concurrent sessions", plan.sessions))?;
+    }
+    if want("replicas") {
+        replicas::run(r, plan.replica_edges, plan.replica_bulk_mib)
+            .await
+            .context("replicas scenario")?;
     }
     if want("scale edges") {
         for n in &plan.scale_edges {

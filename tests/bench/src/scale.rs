@@ -30,11 +30,11 @@ use tether_tests::process::{Proc, SpawnOptions};
 use crate::table::{Cell, Table};
 use crate::Report;
 
-const VALIDITY: Duration = Duration::from_secs(24 * 3600);
+pub(crate) const VALIDITY: Duration = Duration::from_secs(24 * 3600);
 
 /// The cloud's certificate files in `dir`.
-struct CloudFiles {
-    args: Vec<std::ffi::OsString>,
+pub(crate) struct CloudFiles {
+    pub(crate) args: Vec<std::ffi::OsString>,
 }
 
 fn write(dir: &std::path::Path, name: &str, pem: &str) -> Result<std::path::PathBuf> {
@@ -43,7 +43,7 @@ fn write(dir: &std::path::Path, name: &str, pem: &str) -> Result<std::path::Path
     Ok(p)
 }
 
-fn cloud_files(dir: &std::path::Path, ca: &Ca) -> Result<CloudFiles> {
+pub(crate) fn cloud_files(dir: &std::path::Path, ca: &Ca) -> Result<CloudFiles> {
     let lo = [std::net::IpAddr::from([127, 0, 0, 1])];
     let tunnel = ca.issue_server(&[tether_tests::pki::CLOUD_SERVER_NAME], &lo, VALIDITY)?;
     let kubelet = ca.issue_server(&["localhost"], &lo, VALIDITY)?;
@@ -107,7 +107,7 @@ async fn start_cloud(
     Ok((p, port))
 }
 
-fn client_config(ca: &Ca, node: &str) -> Result<quinn::ClientConfig> {
+pub(crate) fn client_config(ca: &Ca, node: &str) -> Result<quinn::ClientConfig> {
     let ck = ca.issue_edge(node, VALIDITY)?;
     let mut roots = rustls::RootCertStore::empty();
     for c in tether_certs::pem::certs_from_pem(&ca.cert_pem, "ca")? {
@@ -133,7 +133,7 @@ fn client_config(ca: &Ca, node: &str) -> Result<quinn::ClientConfig> {
     Ok(c)
 }
 
-fn endpoint() -> Result<quinn::Endpoint> {
+pub(crate) fn endpoint() -> Result<quinn::Endpoint> {
     let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
     s.set_recv_buffer_size(4 << 20)?;
     s.set_send_buffer_size(4 << 20)?;
@@ -237,14 +237,17 @@ async fn establish(
 }
 
 /// One simulated edge: welcomed, hold the connection; again when it closes.
-async fn edge(
+/// With several addresses (replicas behind a load balancer) it starts at the
+/// first and moves to the next one after every lost connection.
+pub(crate) async fn edge(
     ep: quinn::Endpoint,
     cfg: quinn::ClientConfig,
     node: String,
-    addr: std::net::SocketAddr,
+    addrs: Vec<std::net::SocketAddr>,
     welcomes: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
 ) {
+    let mut turn = 0usize;
     let mut delay = Duration::from_millis(100);
     let state = Arc::new(EdgeState {
         token: tether_proto::token::ResumeToken(rand::random()),
@@ -252,6 +255,10 @@ async fn edge(
         attempts: std::sync::atomic::AtomicU64::new(0),
     });
     while !stop.load(Ordering::Relaxed) {
+        let Some(&addr) = addrs.get(turn % addrs.len().max(1)) else {
+            return;
+        };
+        turn += 1;
         if let Some((conn, send, recv)) = establish(&ep, &cfg, &node, addr, &state).await {
             welcomes.fetch_add(1, Ordering::Relaxed);
             delay = Duration::from_millis(100);
@@ -281,7 +288,7 @@ fn cpu_ticks(pid: u32) -> Result<u64> {
         + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0))
 }
 
-async fn wait_count(c: &AtomicUsize, n: usize, limit: Duration) -> Option<Duration> {
+pub(crate) async fn wait_count(c: &AtomicUsize, n: usize, limit: Duration) -> Option<Duration> {
     let t = Instant::now();
     while t.elapsed() < limit {
         if c.load(Ordering::Relaxed) >= n {
@@ -321,7 +328,7 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
             endpoints[i % endpoints.len()].clone(),
             cfg,
             format!("edge-{i}"),
-            addr,
+            vec![addr],
             welcomes.clone(),
             stop.clone(),
         )));

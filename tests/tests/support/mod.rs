@@ -123,6 +123,10 @@ async fn serve(
         Response::new(StreamBody::new(stream).boxed())
     } else if path == "/metrics" || path == "/metrics/resource" {
         Response::new(full(format!("node_name{{node=\"{node}\"}} 1\n")))
+    } else if path == "/metrics/cadvisor" {
+        Response::new(full(format!(
+            "container_cpu_usage_seconds_total{{node=\"{node}\",container=\"c\"}} 1.5\n"
+        )))
     } else if path == "/metrics/probes" {
         let mut r = Response::new(full("probe failure\n"));
         *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;

@@ -1,0 +1,383 @@
+//! Scenario: three `tether-cloud` replicas (issue "Cloud replicas"), on loopback.
+//!
+//! Part 1, real processes ([`tether_tests::cluster`] with three replicas, one real
+//! `tether-edge` + kubelet-sim per replica): the same request sent to the replica that
+//! holds the edge (served locally) and to another (relayed once over the peer link) —
+//! open latency p50/p99 of a small log request (a new TLS connection each, as the
+//! apiserver makes), and one-stream throughput of a large log; relayed ÷ local.
+//!
+//! Part 2, `n` simulated edges (the scale scenario's generator: real QUIC, real
+//! certificates, the edge's handshake) spread over three replicas: time until all are
+//! connected, until every replica knows every edge (route propagation), RSS per replica
+//! and per peer link; then `kill -9` of one replica: its edges move to the next replica
+//! (as a load balancer would send them) — time until they are all welcomed again and
+//! until the survivors route to them.
+//!
+//! Not measured here: the request success rate during a rolling restart (that needs
+//! the edges' load balancer to follow the replicas; the replica test bed in network
+//! namespaces measures it).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tether_certs::Ca;
+use tether_tests::cluster::{sample, Cluster, ClusterSpec, Mode, NodeSpec, PodSpec};
+use tether_tests::process::{Proc, SpawnOptions};
+
+use crate::measure::pct;
+use crate::scale;
+use crate::table::{Cell, Table};
+use crate::Report;
+
+/// Requests per latency sample set.
+const LATENCY_N: usize = 200;
+
+/// Runs both parts and appends their tables.
+pub async fn run(r: &mut Report, n_edges: usize, bulk_mib: usize) -> Result<()> {
+    let rows = real_processes(bulk_mib).await.context("replicas: part 1")?;
+    let mut t = Table::new(&["figure", "local", "relayed", "relayed ÷ local"], 2);
+    for (k, l, rl) in rows {
+        t.row(&k, vec![Cell::Num(l), Cell::Num(rl), Cell::Num(rl / l)]);
+    }
+    r.push(&format!(
+        "\n### Replicas: local vs relayed (3 replicas, real tether-edge + kubelet-sim, loopback)\n\n{}",
+        t.render()
+    ));
+    let rows = simulated(n_edges).await.context("replicas: part 2")?;
+    let mut t = Table::new(&["figure", "value"], 1);
+    for (k, v) in rows {
+        t.row(&k, vec![v]);
+    }
+    r.push(&format!(
+        "\n### Replicas: {n_edges} simulated edges over 3 replicas (loopback)\n\n{}",
+        t.render()
+    ));
+    Ok(())
+}
+
+/// (figure, local, relayed).
+async fn real_processes(bulk_mib: usize) -> Result<Vec<(String, f64, f64)>> {
+    let dir = tempfile::tempdir()?;
+    let nodes: Vec<NodeSpec> = (0..3)
+        .map(|i| NodeSpec {
+            name: format!("edge-{i}"),
+            pods: vec![PodSpec::new("default", &format!("p{i}"), &["c"])],
+        })
+        .collect();
+    let spec = ClusterSpec {
+        mode: Mode::Tunnel,
+        nodes,
+        phantom_pods: Vec::new(),
+        own_process_groups: false,
+        certs_via_cli: false,
+        cri_runtime: None,
+        replicas: 3,
+    };
+    let cluster = Cluster::start(&spec, dir.path()).await?;
+    let result = async {
+        let apis = cluster.kubelet_apis_for("edge-0")?;
+        // edge-0 is held by replica 0 (node i → replica i mod 3).
+        let (local, relayed) = (apis[0], apis[1]);
+        let small = "/containerLogs/default/p0/c?limitBytes=1";
+        let mut lat = (Vec::new(), Vec::new());
+        for i in 0..LATENCY_N * 2 {
+            let via = if i % 2 == 0 { local } else { relayed };
+            let t = Instant::now();
+            let reply = cluster.kubelet_get_via(via, "edge-0", small).await?;
+            if !reply.status.is_success() {
+                bail!("GET {small} via {via}: {}", reply.status);
+            }
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            if i % 2 == 0 {
+                lat.0.push(ms);
+            } else {
+                lat.1.push(ms);
+            }
+        }
+        let log = cluster.log_path("edge-0", "default", "p0", "c")?;
+        let line = "0123456789abcdef".repeat(4) + "\n";
+        let body = line.repeat(bulk_mib * (1 << 20) / line.len());
+        std::fs::write(&log, &body).with_context(|| format!("writing {}", log.display()))?;
+        let big = "/containerLogs/default/p0/c";
+        let mut best = (0.0f64, 0.0f64);
+        for round in 0..3 {
+            for (k, via) in [(0, local), (1, relayed)] {
+                let t = Instant::now();
+                let reply = cluster.kubelet_get_via(via, "edge-0", big).await?;
+                let secs = t.elapsed().as_secs_f64();
+                if reply.body.len() != body.len() {
+                    bail!(
+                        "round {round}: {} of {} bytes via {via}",
+                        reply.body.len(),
+                        body.len()
+                    );
+                }
+                let mbs = body.len() as f64 / secs / 1e6;
+                if k == 0 {
+                    best.0 = best.0.max(mbs);
+                } else {
+                    best.1 = best.1.max(mbs);
+                }
+            }
+        }
+        let rows = vec![
+            (
+                format!("request open p50, {LATENCY_N} requests (ms)"),
+                pct(&lat.0, 0.5),
+                pct(&lat.1, 0.5),
+            ),
+            (
+                format!("request open p99, {LATENCY_N} requests (ms)"),
+                pct(&lat.0, 0.99),
+                pct(&lat.1, 0.99),
+            ),
+            (
+                format!("one stream, {bulk_mib} MiB log, best of 3 (MB/s)"),
+                best.0,
+                best.1,
+            ),
+        ];
+        Ok(rows)
+    }
+    .await;
+    cluster.shutdown().await;
+    result
+}
+
+/// One replica of part 2.
+struct Replica {
+    proc: Proc,
+    tunnel: SocketAddr,
+    metrics: SocketAddr,
+}
+
+async fn spawn_replica(
+    dir: &std::path::Path,
+    files: &scale::CloudFiles,
+    peers: &tether_tests::pki::PeerPki,
+    i: usize,
+    listens: &[SocketAddr],
+    n: usize,
+) -> Result<Replica> {
+    let list = listens
+        .iter()
+        .map(|a| a.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut cmd = tokio::process::Command::new(tether_tests::bins::binary("tether-cloud")?);
+    cmd.args(["--tunnel-listen", "127.0.0.1:0"])
+        .args(["--kubelet-listen", "127.0.0.1:0"])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .args(["--max-edges", &(n + 100).to_string()])
+        .args(["--replica-name", &format!("replica-{i}")])
+        .args(["--peer-listen", &listens[i].to_string()])
+        .args(["--peers", &list])
+        .args(["--peer-resolve-interval", "1s"])
+        .args(&files.args)
+        .args(peers.flags())
+        .env("TETHER_LOG", "warn")
+        .env("RUST_BACKTRACE", "0");
+    let mut proc = Proc::spawn(
+        &format!("tether-cloud-replica-{i}"),
+        cmd,
+        dir,
+        SpawnOptions::default(),
+    )?;
+    let ready = proc
+        .wait_line("tether-cloud ready", Duration::from_secs(20), |l| {
+            l.starts_with("tether-cloud ready")
+        })
+        .await?;
+    let field = |k: &str| -> Result<SocketAddr> {
+        ready
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .and_then(|a| a.parse().ok())
+            .with_context(|| format!("no {k}= in {ready:?}"))
+    };
+    Ok(Replica {
+        tunnel: field("tunnel")?,
+        metrics: field("metrics")?,
+        proc,
+    })
+}
+
+async fn metric(addr: SocketAddr, series: &str) -> f64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fetch = async {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await?;
+        tcp.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            .await?;
+        let mut text = String::new();
+        tcp.read_to_string(&mut text).await?;
+        Ok::<_, std::io::Error>(text)
+    };
+    match tokio::time::timeout(Duration::from_secs(5), fetch).await {
+        Ok(Ok(text)) => sample(&text, series).unwrap_or(0.0),
+        _ => 0.0,
+    }
+}
+
+/// Waits until every replica in `rs` reports `series` ≥ `want`.
+async fn wait_metric(
+    rs: &[&Replica],
+    series: &str,
+    want: f64,
+    limit: Duration,
+) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        let mut all = true;
+        for r in rs {
+            if metric(r.metrics, series).await < want {
+                all = false;
+                break;
+            }
+        }
+        if all {
+            return Some(t.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+fn rss_mib(p: &Proc) -> f64 {
+    p.pid()
+        .and_then(|pid| crate::footprint::status_kb(pid, "VmRSS:").ok())
+        .map(|kb| kb as f64 / 1024.0)
+        .unwrap_or(0.0)
+}
+
+async fn simulated(n: usize) -> Result<Vec<(String, Cell)>> {
+    let dir = tempfile::tempdir()?;
+    let ca = Ca::new("tether-replicas-ca", scale::VALIDITY)?;
+    let files = scale::cloud_files(dir.path(), &ca)?;
+    let peers = tether_tests::pki::mint_peers(&dir.path().join("peers"))?;
+    let listens: Vec<SocketAddr> = (0..3)
+        .map(|_| {
+            std::net::UdpSocket::bind("127.0.0.1:0")
+                .and_then(|s| s.local_addr())
+                .map_err(anyhow::Error::from)
+        })
+        .collect::<Result<_>>()?;
+    let mut cfgs = Vec::with_capacity(n);
+    for i in 0..n {
+        cfgs.push(scale::client_config(&ca, &format!("edge-{i}"))?);
+    }
+    // Replica 0 alone first: its RSS before any peer, then with two peer links.
+    let r0 = spawn_replica(dir.path(), &files, &peers, 0, &listens, n).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_alone = rss_mib(&r0.proc);
+    let r1 = spawn_replica(dir.path(), &files, &peers, 1, &listens, n).await?;
+    let r2 = spawn_replica(dir.path(), &files, &peers, 2, &listens, n).await?;
+    let mut reps = vec![r0, r1, r2];
+    let all: Vec<&Replica> = reps.iter().collect();
+    wait_metric(&all, "tether_cloud_peers_up", 2.0, Duration::from_secs(20))
+        .await
+        .context("the three replicas did not link within 20 s")?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_linked = rss_mib(&reps[0].proc);
+
+    let tunnels: Vec<SocketAddr> = reps.iter().map(|r| r.tunnel).collect();
+    let endpoints: Vec<quinn::Endpoint> =
+        (0..8).map(|_| scale::endpoint()).collect::<Result<_>>()?;
+    let welcomes = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for (i, cfg) in cfgs.into_iter().enumerate() {
+        // Edge i starts at replica i mod 3 and moves to the next when it loses it.
+        let mut order = tunnels.clone();
+        order.rotate_left(i % 3);
+        tasks.push(tokio::spawn(scale::edge(
+            endpoints[i % endpoints.len()].clone(),
+            cfg,
+            format!("edge-{i}"),
+            order,
+            welcomes.clone(),
+            stop.clone(),
+        )));
+        if i % 50 == 49 {
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        }
+    }
+    let result = async {
+        let connected = scale::wait_count(&welcomes, n, Duration::from_secs(120))
+            .await
+            .map(|_| t0.elapsed())
+            .with_context(|| {
+                format!(
+                    "only {} of {n} edges connected within 120 s",
+                    welcomes.load(Ordering::Relaxed)
+                )
+            })?;
+        // Every replica knows the edges the two others hold.
+        let remote = (n - n / 3) as f64 - 1.0;
+        let all: Vec<&Replica> = reps.iter().collect();
+        let routed = wait_metric(
+            &all,
+            "tether_cloud_remote_edges",
+            remote,
+            Duration::from_secs(60),
+        )
+        .await
+        .map(|_| t0.elapsed());
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let rss: Vec<f64> = reps.iter().map(|r| rss_mib(&r.proc)).collect();
+        let mut rows = vec![
+            (
+                format!("connect all {n}: first dial → last welcome (s)"),
+                Cell::Num(connected.as_secs_f64()),
+            ),
+            (
+                "first dial → every replica routes every edge (s)".into(),
+                match routed {
+                    Some(d) => Cell::Num(d.as_secs_f64()),
+                    None => Cell::text("no, within 60 s"),
+                },
+            ),
+            (
+                format!("RSS per replica with {n} edges over 3, mean (MiB)"),
+                Cell::Num(rss.iter().sum::<f64>() / 3.0),
+            ),
+            (
+                "RSS per peer link: replica 0 linked to 2 peers − alone, ÷ 2 (KiB)".into(),
+                Cell::Num((rss_linked - rss_alone) * 1024.0 / 2.0),
+            ),
+        ];
+        // kill -9 of replica 2: its edges go to replica 0 (the next in their order).
+        let before = welcomes.load(Ordering::Relaxed);
+        let moved = n / 3;
+        let killed = Instant::now();
+        let mut gone = reps.remove(2);
+        gone.proc.kill().await;
+        let back = scale::wait_count(&welcomes, before + moved, Duration::from_secs(120)).await;
+        rows.push((
+            format!("kill -9 of a replica: its {moved} edges welcomed elsewhere (s)"),
+            match back {
+                Some(_) => Cell::Num(killed.elapsed().as_secs_f64()),
+                None => Cell::text(format!(
+                    "no: {} of {moved} within 120 s",
+                    welcomes.load(Ordering::Relaxed) - before
+                )),
+            },
+        ));
+        Ok(rows)
+    }
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for t in &tasks {
+        t.abort();
+    }
+    for ep in &endpoints {
+        ep.close(0u32.into(), b"bench done");
+    }
+    for mut r in reps {
+        r.proc.terminate(Duration::from_secs(5)).await;
+    }
+    result
+}
