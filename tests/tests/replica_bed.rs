@@ -21,12 +21,14 @@
 //!   exit 0, restarted, back) under 10 requests/s through the TCP service: no request
 //!   is answered wrongly and the success rate is reported (it is not 100 % yet: relays
 //!   to a replica that exits and requests landing on it as it gets SIGTERM fail with
-//!   clear 502s, sometimes a reset — the `FIGURE roll failure` lines); then `kill -9` of
-//!   the replica holding edge-1: its edges serve again through every survivor within
-//!   a bound.
+//!   clear 502s, sometimes a reset or a hang — the `FIGURE roll failure` lines); then
+//!   `kill -9` of the replica holding edge-1: its edges serve again through every
+//!   survivor within a bound.
 //!
 //! Needs root, `ip`, `nft`, kubectl and the workspace binaries
-//! (`cargo build --workspace --bins`). Figures are printed as `FIGURE …` lines.
+//! (`cargo build --workspace --bins`). Figures are printed as `FIGURE …` lines (run
+//! with `--nocapture`); `TETHER_E2E_KEEP=1` keeps every run directory (process logs,
+//! `TETHER_E2E_LOG` sets their filter).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -386,9 +388,10 @@ fn tempdir() -> tempfile::TempDir {
         .unwrap()
 }
 
-/// Keeps the run directory of a failed test (process logs), and says where.
+/// Keeps the run directory of a failed test (process logs), or of any test with
+/// `TETHER_E2E_KEEP=1`, and says where.
 fn keep_on_failure(dir: tempfile::TempDir, ok: bool) {
-    if !ok {
+    if !ok || std::env::var_os("TETHER_E2E_KEEP").is_some_and(|v| v == "1") {
         let p = dir.keep();
         eprintln!("run directory kept: {}", p.display());
     }
@@ -726,8 +729,12 @@ async fn a_cut_peer_link_gives_clear_502s_for_the_edges_behind_it_only_and_heals
         );
         Ok::<_, anyhow::Error>(())
     };
-    if let Err(e) = run.await {
-        fail(bed, dir, e);
+    match run.await {
+        Err(e) => fail(bed, dir, e),
+        Ok(()) => {
+            drop(bed);
+            keep_on_failure(dir, true);
+        }
     }
 }
 
@@ -923,8 +930,12 @@ async fn a_moved_edge_has_a_bounded_stale_route_window_and_no_wrong_answer() {
         );
         Ok::<_, anyhow::Error>(())
     };
-    if let Err(e) = run.await {
-        fail(bed, dir, e);
+    match run.await {
+        Err(e) => fail(bed, dir, e),
+        Ok(()) => {
+            drop(bed);
+            keep_on_failure(dir, true);
+        }
     }
 }
 
@@ -1077,7 +1088,11 @@ async fn a_rolling_restart_never_misroutes_then_kill_9_edges_serve_again() {
         );
         Ok::<_, anyhow::Error>(())
     };
-    if let Err(e) = run.await {
-        fail(bed, dir, e);
+    match run.await {
+        Err(e) => fail(bed, dir, e),
+        Ok(()) => {
+            drop(bed);
+            keep_on_failure(dir, true);
+        }
     }
 }
