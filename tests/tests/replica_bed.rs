@@ -636,8 +636,30 @@ fn fail(bed: Bed, dir: tempfile::TempDir, e: anyhow::Error) -> ! {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_peer_link_gives_clear_502s_for_the_edges_behind_it_only_and_heals() {
+    peer_cut(true).await;
+}
+
+/// The same split with edge reports trusted (no apiserver): the pods of an edge held
+/// behind the cut are departed (502), not unknown (404).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_peer_link_gives_502s_not_404s_when_edge_reports_are_trusted() {
+    peer_cut(false).await;
+}
+
+/// Cuts the peer link between replicas 0 and 1 and checks every route through every
+/// replica until the 502s are steady, then heals it; `authority`: routing by
+/// apiserver-sim (else by the edges' reports).
+async fn peer_cut(authority: bool) {
     let dir = tempdir();
-    let mut bed = fault_bed(dir.path(), &[]).await;
+    let mut spec = three_edges();
+    spec.authority = authority;
+    let mut bed = Bed::start(spec, &dir.path().join("bed")).await.unwrap();
+    write_logs(&bed);
+    let mode = if authority {
+        "routing by the apiserver"
+    } else {
+        "edge reports trusted"
+    };
     // Replica 0 holds edge-1, replica 1 edge-2: cut the link between them.
     let unreachable = |i: usize, j: usize| (i, j) == (0, 1) || (i, j) == (1, 0);
     let run = async {
@@ -685,7 +707,7 @@ async fn a_cut_peer_link_gives_clear_502s_for_the_edges_behind_it_only_and_heals
             }
         }
         eprintln!(
-            "FIGURE peer cut: first 502 after {:?} (replica-0 for edge-2) and {:?} (replica-1 for edge-1); \
+            "FIGURE peer cut ({mode}): first 502 after {:?} (replica-0 for edge-2) and {:?} (replica-1 for edge-1); \
              slowest 502 answer {slowest_502:?} (peer timeout {PEER_TIMEOUT:?}, route wait {ROUTE_WAIT:?}); \
              {rounds} rounds of 9 requests, every other route served right",
             first_502[0].unwrap_or_default(),
@@ -724,7 +746,7 @@ async fn a_cut_peer_link_gives_clear_502s_for_the_edges_behind_it_only_and_heals
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         eprintln!(
-            "FIGURE peer cut healed: every edge served through every replica {:?} after the heal",
+            "FIGURE peer cut healed ({mode}): every edge served through every replica {:?} after the heal",
             healed.elapsed()
         );
         Ok::<_, anyhow::Error>(())
