@@ -796,6 +796,39 @@ fn steady_requests(
     })
 }
 
+/// `kubectl exec pN -- echo` for each edge in turn, one after the other, until `stop`:
+/// `Ok`, or why not (`WRONG …` when another answer than the pod's came back).
+fn exec_loop(
+    k: Kubectl,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<std::result::Result<(), String>>> {
+    tokio::spawn(async move {
+        let mut out = Vec::new();
+        let mut n = 0usize;
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            let pod = format!("p{}", n % 3 + 1);
+            let word = format!("hi-{pod}-{n}");
+            n += 1;
+            let r = k
+                .run(&["exec", &pod, "-c", "c1", "--", "echo", &word], None, T)
+                .await;
+            out.push(match r {
+                Ok(o) if o.code == Some(0) && o.stdout_text() == format!("{word}\n") => Ok(()),
+                Ok(o) if o.code == Some(0) => {
+                    Err(format!("WRONG exec {pod}: stdout {:?}", o.stdout_text()))
+                }
+                Ok(o) => Err(format!(
+                    "exec {pod}: exit {:?}: {}",
+                    o.code,
+                    o.stderr.trim()
+                )),
+                Err(e) => Err(format!("exec {pod}: {e:#}")),
+            });
+        }
+        out
+    })
+}
+
 /// Summary of steady requests: (total, right, clear errors, hung or broken, wrong ones).
 fn tally(results: &[(Duration, usize, Outcome)]) -> (usize, usize, usize, usize, Vec<String>) {
     let right = results.iter().filter(|r| r.2 == Outcome::Right).count();
@@ -979,6 +1012,9 @@ async fn a_rolling_restart_never_misroutes_then_kill_9_edges_serve_again() {
             Duration::from_millis(100),
             stop.clone(),
         );
+        // And real `kubectl exec`s, one after the other, all along.
+        let k = kubectl_for(&bed, &kubectl::under_test().await?.remove(0))?;
+        let execs = exec_loop(k, stop.clone());
         // A steady state first, and after (the rate is over the whole run).
         tokio::time::sleep(Duration::from_secs(1)).await;
         let rolled = Instant::now();
@@ -1056,6 +1092,17 @@ async fn a_rolling_restart_never_misroutes_then_kill_9_edges_serve_again() {
             right * 4 >= total * 3,
             "only {right} of {total} requests succeeded during the roll"
         );
+        let execs = execs.await?;
+        let ok = execs.iter().filter(|e| e.is_ok()).count();
+        eprintln!(
+            "FIGURE rolling restart: {} kubectl exec meanwhile, {ok} succeeded",
+            execs.len()
+        );
+        for e in execs.iter().filter_map(|e| e.as_ref().err()) {
+            eprintln!("FIGURE roll exec failure: {e}");
+            ensure!(!e.starts_with("WRONG"), "{e}");
+        }
+        ensure!(ok > 0, "no kubectl exec succeeded during the roll");
 
         // kill -9 of the replica holding edge-1: the endpoint leaves the services and
         // its UDP conntrack entries go (kube-proxy); its edges must serve again soon.
