@@ -24,7 +24,13 @@
 #              kubelet port reaches the "cloud", a changed target replaces the
 #              rule, watch follows and cleans up on SIGTERM, remove leaves no
 #              rule; for nft, iptables (nft) and iptables-legacy, IPv4 and IPv6;
-#              plus the reason the target is a pod IP and not a ClusterIP
+#              plus the reason the target is a pod IP and not a ClusterIP; and
+#              the spread over several replicas: connections land on each of
+#              three listeners, a removed target gets no new connection, the
+#              set changes atomically under load, apply twice with N targets
+#              is byte-identical; watch follows a name's addresses (the
+#              headless Service, here via the namespace's /etc/hosts) and
+#              deletes the conntrack entries of a target that left
 #   dnat-e2e   the whole path with the real binaries (built if missing): an
 #              apiserver stand-in (curl with the apiserver's client
 #              certificate, verifying the serving certificate like
@@ -77,6 +83,7 @@ step_tools() {
 	have ip || need+=(iproute2)
 	have systemd-analyze || need+=(systemd)
 	have getent || need+=(libc-bin)
+	have conntrack || need+=(conntrack)
 	have curl || need+=(curl)
 	have python3 || need+=(python3 python3-venv)
 	if [ "${#need[@]}" -gt 0 ]; then
@@ -86,7 +93,7 @@ step_tools() {
 		timeout 600 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null ||
 			fail "apt-get install ${need[*]} failed"
 	fi
-	for t in shellcheck nft iptables iptables-legacy ip6tables ip systemd-analyze getent curl python3 timeout; do
+	for t in shellcheck nft iptables iptables-legacy ip6tables ip systemd-analyze getent conntrack curl python3 timeout; do
 		have "$t" || fail "required tool '$t' is still missing"
 	done
 	local stamp="$VENV/.reqs"
@@ -217,8 +224,24 @@ psc = pod.get("securityContext", {})
 check(psc.get("runAsNonRoot") is True and psc.get("runAsUser", 0) != 0, "pod runs as non-root")
 check(psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", "pod seccomp RuntimeDefault")
 check(pod.get("automountServiceAccountToken") is True, "the service account token is mounted (to watch pods and nodes)")
-check(dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate", "one replica, Recreate")
+replicas = dep["spec"]["replicas"]
+strategy = dep["spec"]["strategy"]
+check(replicas == 3 and strategy["type"] == "RollingUpdate"
+      and strategy.get("rollingUpdate", {}).get("maxUnavailable") == 0
+      and strategy.get("rollingUpdate", {}).get("maxSurge") == 1,
+      "three replicas, RollingUpdate with maxUnavailable 0 and maxSurge 1")
+check(dep["spec"].get("minReadySeconds", 0) >= 10, "minReadySeconds >= 10 (peers and DNAT helpers know a new replica before the next goes)")
+anti = pod.get("affinity", {}).get("podAntiAffinity", {}).get("preferredDuringSchedulingIgnoredDuringExecution", [])
+check(any(t["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+          and t["podAffinityTerm"].get("labelSelector", {}).get("matchLabels", {})
+          and all(labels.get(k) == v for k, v in t["podAffinityTerm"]["labelSelector"]["matchLabels"].items())
+          for t in anti), "preferred pod anti-affinity by hostname against its own pods")
 [c] = pod["containers"]
+cenv = {e["name"]: e for e in c.get("env", [])}
+unknown = sorted(n for n in cenv if n not in cloud_env)
+check(not unknown, f"container env names are tether-cloud variables (unknown: {unknown})")
+check(cenv.get("TETHER_REPLICA_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name",
+      "TETHER_REPLICA_NAME is the pod name (downward API)")
 sc = c.get("securityContext", {})
 check(sc.get("readOnlyRootFilesystem") is True, "read-only root filesystem")
 check(sc.get("allowPrivilegeEscalation") is False, "no privilege escalation")
@@ -229,27 +252,33 @@ ports = {p["name"]: p for p in c["ports"]}
 check(ports.get("tunnel", {}).get("protocol") == "UDP" and ports["tunnel"]["containerPort"] == 10004, "container port tunnel 10004/UDP")
 check(ports.get("kubelet-api", {}).get("containerPort") == 10003, "container port kubelet-api 10003/TCP")
 check(ports.get("metrics", {}).get("containerPort") == 9090, "container port metrics 9090/TCP")
-listen = {k: cm["data"].get(k, "") for k in ("TETHER_TUNNEL_LISTEN", "TETHER_KUBELET_LISTEN", "TETHER_METRICS_LISTEN")}
+check(ports.get("peer", {}).get("protocol") == "UDP" and ports["peer"]["containerPort"] == 10005, "container port peer 10005/UDP")
+listen = {k: cm["data"].get(k, "") for k in ("TETHER_TUNNEL_LISTEN", "TETHER_KUBELET_LISTEN", "TETHER_METRICS_LISTEN", "TETHER_PEER_LISTEN")}
 check(listen["TETHER_TUNNEL_LISTEN"].endswith(":10004") and listen["TETHER_KUBELET_LISTEN"].endswith(":10003")
-      and listen["TETHER_METRICS_LISTEN"].endswith(":9090"), "listen addresses agree with the container ports")
+      and listen["TETHER_METRICS_LISTEN"].endswith(":9090") and listen["TETHER_PEER_LISTEN"].endswith(":10005"),
+      "listen addresses agree with the container ports")
 for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
     g = c.get(probe, {}).get("httpGet", {})
     check(g.get("path") == path and g.get("port") in ("metrics", 9090), f"{probe} GET {path} on the metrics port")
 grace = dep["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
 sg = cm["data"].get("TETHER_SHUTDOWN_GRACE", "30s")
-check(sg.endswith("s") and int(sg[:-1]) + 5 <= grace, f"terminationGracePeriodSeconds ({grace}) exceeds TETHER_SHUTDOWN_GRACE ({sg})")
+ds_ = cm["data"].get("TETHER_DRAIN_SPREAD", "")
+check(sg.endswith("s") and ds_.endswith("s") and int(sg[:-1]) + int(ds_[:-1]) + 5 <= grace,
+      f"terminationGracePeriodSeconds ({grace}) exceeds TETHER_DRAIN_SPREAD ({ds_}) + TETHER_SHUTDOWN_GRACE ({sg}) + 5s")
 mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
 secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-check({"tether-cloud-tunnel", "tether-edge-ca", "tether-cloud-kubelet-serving", "tether-apiserver-client-ca"} <= set(secrets.values()),
-      "the four Secrets are mounted (tunnel, edge CA, kubelet serving, apiserver client CA)")
+check({"tether-cloud-tunnel", "tether-edge-ca", "tether-cloud-kubelet-serving", "tether-apiserver-client-ca", "tether-cloud-peer"} <= set(secrets.values()),
+      "the five Secrets are mounted (tunnel, edge CA, kubelet serving, apiserver client CA, peer)")
 check(all(m.get("readOnly") for m in c["volumeMounts"]), "every mount read-only")
-for key in ("TETHER_TUNNEL_CERT", "TETHER_TUNNEL_KEY", "TETHER_EDGE_CA", "TETHER_KUBELET_CERT", "TETHER_KUBELET_KEY", "TETHER_APISERVER_CLIENT_CA"):
+for key in ("TETHER_TUNNEL_CERT", "TETHER_TUNNEL_KEY", "TETHER_EDGE_CA", "TETHER_KUBELET_CERT", "TETHER_KUBELET_KEY", "TETHER_APISERVER_CLIENT_CA",
+            "TETHER_PEER_CERT", "TETHER_PEER_KEY", "TETHER_PEER_CA", "TETHER_RESET_KEY_FILE"):
     path = cm["data"].get(key, "")
     check(any(path.startswith(mp.rstrip("/") + "/") and n in secrets for n, mp in mounts.items()), f"{key}={path} lies in a Secret mount")
 
 # Services agree with the pod
 svcs = {d["metadata"]["name"]: d for d in cloud_docs if d["kind"] == "Service"}
-want = {"tether-cloud-tunnel": ("UDP", 10004), "tether-cloud-kubelet-api": ("TCP", 10003), "tether-cloud-metrics": ("TCP", 9090)}
+want = {"tether-cloud-tunnel": ("UDP", 10004), "tether-cloud-kubelet-api": ("TCP", 10003), "tether-cloud-metrics": ("TCP", 9090),
+        "tether-cloud-peers": ("UDP", 10005)}
 for name, (proto, port) in want.items():
     s = svcs.get(name)
     if not s:
@@ -258,7 +287,24 @@ for name, (proto, port) in want.items():
     [p] = s["spec"]["ports"]
     tp = ports.get(p["targetPort"]) if isinstance(p["targetPort"], str) else None
     check(p["protocol"] == proto and p["port"] == port and tp and tp.get("protocol", "TCP") == proto, f"Service {name} {port}/{proto} -> named container port")
-check(svcs["tether-cloud-kubelet-api"]["spec"].get("clusterIP") == "None", "kubelet-api Service is headless (the DNAT follows the pod IP)")
+check(svcs["tether-cloud-kubelet-api"]["spec"].get("clusterIP") == "None"
+      and svcs["tether-cloud-kubelet-api"]["spec"].get("publishNotReadyAddresses") is False,
+      "kubelet-api Service is headless and lists ready pods only (the DNAT spreads over the ready replicas' IPs)")
+peers = svcs.get("tether-cloud-peers", {}).get("spec", {})
+check(peers.get("clusterIP") == "None" and peers.get("publishNotReadyAddresses") is True,
+      "peer Service is headless and lists not-ready (draining) replicas too")
+check(cm["data"].get("TETHER_PEER_DNS") == f"tether-cloud-peers.tether-system.svc:{peers.get('ports', [{}])[0].get('port')}",
+      f"TETHER_PEER_DNS ({cm['data'].get('TETHER_PEER_DNS')}) names the peer Service and its port")
+tun = svcs.get("tether-cloud-tunnel", {}).get("spec", {})
+check(tun.get("sessionAffinity", "None") == "None" and tun.get("externalTrafficPolicy") == "Cluster",
+      "tunnel Service: no ClientIP affinity, externalTrafficPolicy Cluster (moving edges land on ready replicas)")
+
+# PodDisruptionBudget
+pdb = one(cloud_docs, "PodDisruptionBudget", "tether-cloud")
+pspec = pdb.get("spec", {})
+check(all(labels.get(k) == v for k, v in pspec.get("selector", {}).get("matchLabels", {"-": "-"}).items()),
+      "PodDisruptionBudget selects the tether-cloud pods")
+check(pspec.get("maxUnavailable") == 1 and "minAvailable" not in pspec, "PodDisruptionBudget: maxUnavailable 1 (one replica at a time)")
 
 # NetworkPolicy
 np = one(cloud_docs, "NetworkPolicy", "tether-cloud")
@@ -267,11 +313,17 @@ rules = {(p["protocol"], p["port"]): r for r in np["spec"]["ingress"] for p in r
 check(("TCP", 10003) in rules and all("ipBlock" in f for f in rules[("TCP", 10003)].get("from", [None])), "10003/TCP only from ipBlocks (control-plane hosts)")
 check(("UDP", 10004) in rules and not rules[("UDP", 10004)].get("from"), "10004/UDP from anywhere")
 check(("TCP", 9090) in rules and all("namespaceSelector" in f for f in rules[("TCP", 9090)].get("from", [None])), "9090/TCP only from the monitoring namespace")
+def only_cloud_pods(peers_):
+    return bool(peers_) and all(set(f) == {"podSelector"} and f["podSelector"].get("matchLabels")
+                                and all(labels.get(k) == v for k, v in f["podSelector"]["matchLabels"].items()) for f in peers_)
+check(("UDP", 10005) in rules and only_cloud_pods(rules[("UDP", 10005)].get("from")), "10005/UDP (peer link) only from tether-cloud pods")
 egress = np["spec"].get("egress") or []
-check("Egress" in np["spec"]["policyTypes"] and len(egress) == 1
-      and egress[0].get("ports") == [{"protocol": "TCP", "port": 6443}]
-      and all("ipBlock" in t for t in egress[0].get("to", [None])),
-      "egress only to the apiserver (6443/TCP, ipBlocks)")
+eg = {tuple(sorted((p["protocol"], p["port"]) for p in e.get("ports", []))): e for e in egress}
+check("Egress" in np["spec"]["policyTypes"] and len(egress) == 3
+      and all("ipBlock" in t for t in eg.get((("TCP", 6443),), {}).get("to", [None]))
+      and only_cloud_pods(eg.get((("UDP", 10005),), {}).get("to"))
+      and all("namespaceSelector" in t for t in eg.get((("TCP", 53), ("UDP", 53)), {}).get("to", [None])),
+      "egress only to the apiserver (6443/TCP, ipBlocks), the peers (10005/UDP, tether-cloud pods), DNS (53)")
 
 # DNAT DaemonSet
 ds = one(dnat_docs, "DaemonSet", "tether-dnat")
@@ -288,6 +340,9 @@ kapi = svcs["tether-cloud-kubelet-api"]
 check(args.get("to") == f'{kapi["metadata"]["name"]}.{kapi["metadata"]["namespace"]}.svc:{kapi["spec"]["ports"][0]["port"]}',
       f"DaemonSet --to ({args.get('to')}) names the kubelet-api Service")
 check(args.get("kubelet-port") == "10350", "DaemonSet catches the edge kubelet port 10350")
+check(int(args.get("interval", "10")) <= 5, f"DaemonSet re-reads the ready replicas at least every 5 s (--interval {args.get('interval')})")
+check(int(args.get("conntrack-flush-after", "0")) > grace,
+      f"DaemonSet deletes a replica's conntrack entries only after its terminationGracePeriodSeconds ({args.get('conntrack-flush-after')} > {grace})")
 
 # systemd units and edge.env use only variables tether-edge reads
 unit_env = set()
@@ -317,9 +372,12 @@ for key, kind, writable in (("TETHER_JOIN_STORE", "persistentVolumeClaim", True)
     n, m = mount_of(jcm["data"].get(key, ""))
     check(n is not None and kind in jvols.get(n, {}) and bool(m.get("readOnly")) != writable,
           f"deploy/join: {key} lies in a {'writable ' if writable else ''}{kind} mount")
-pvcs = {d["metadata"]["name"] for d in join_docs if d["kind"] == "PersistentVolumeClaim"}
-check(jvols.get("join-store", {}).get("persistentVolumeClaim", {}).get("claimName") in pvcs, "deploy/join: the store's PVC exists")
-check(len(jdep["spec"]["template"]["spec"]["containers"]) == 1 and len(jc["ports"]) == 3, "deploy/join: patches merged into the one container")
+pvcs = {d["metadata"]["name"]: d for d in join_docs if d["kind"] == "PersistentVolumeClaim"}
+jclaim = jvols.get("join-store", {}).get("persistentVolumeClaim", {}).get("claimName")
+check(jclaim in pvcs, "deploy/join: the store's PVC exists")
+check(jdep["spec"].get("replicas", 1) == 1 or pvcs.get(jclaim, {}).get("spec", {}).get("accessModes") == ["ReadWriteMany"],
+      "deploy/join: with several replicas the store's PVC is ReadWriteMany (every replica mounts it)")
+check(len(jdep["spec"]["template"]["spec"]["containers"]) == 1 and len(jc["ports"]) == 4, "deploy/join: patches merged into the one container (4 ports)")
 
 for o in oks:
     print(f"ok: {o}")
@@ -480,6 +538,11 @@ remove_namespaces() {
 	for n in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$NS_PREFIX" || true); do
 		ip netns del "$n" 2>/dev/null || true
 	done
+	# Per-namespace files `ip netns exec` binds over /etc (the dnat step's hosts).
+	for n in /etc/netns/"$NS_PREFIX"*; do
+		[ -d "$n" ] && rm -rf "$n"
+	done
+	rmdir /etc/netns 2>/dev/null || true
 }
 
 step_cleanup() {
@@ -534,7 +597,11 @@ dnat_setup() {
 	ip -n "$NS_CP" addr add 10.244.0.1/24 dev "${NS_PREFIX}a"
 	ip -n "$NS_CP" addr add fd00:7e7::1/64 dev "${NS_PREFIX}a" nodad
 	ip -n "$NS_CLOUD" addr add 10.244.0.5/24 dev "${NS_PREFIX}b"
+	# Two more "replicas" for the spread (each with its own listener on 10023).
+	ip -n "$NS_CLOUD" addr add 10.244.0.6/24 dev "${NS_PREFIX}b"
+	ip -n "$NS_CLOUD" addr add 10.244.0.7/24 dev "${NS_PREFIX}b"
 	ip -n "$NS_CLOUD" addr add fd00:7e7::5/64 dev "${NS_PREFIX}b" nodad
+	ip -n "$NS_CLOUD" addr add fd00:7e7::6/64 dev "${NS_PREFIX}b" nodad
 	# The edge node's address as the apiserver knows it (documentation ranges).
 	ip -n "$NS_CLOUD" addr add 198.51.100.7/32 dev lo
 	ip -n "$NS_CLOUD" addr add 2001:db8::7/128 dev lo
@@ -557,6 +624,9 @@ def serve(family, addr, port, tag):
 for fam, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
     for port, tag in ((10003, "cloud"), (10013, "cloud-2"), (10350, "direct")):
         threading.Thread(target=serve, args=(fam, addr, port, tag), daemon=True).start()
+# Three replicas' kubelet-API listeners, one per pod address.
+for last in (5, 6, 7):
+    threading.Thread(target=serve, args=(socket.AF_INET, f"10.244.0.{last}", 10023, f"r{last}"), daemon=True).start()
 print("listening", flush=True)
 threading.Event().wait()
 PY
@@ -615,9 +685,176 @@ $snap2"
 	expect_probe "$node" 10350 direct "after remove the node's port is the node's again"
 }
 
+# Opens N connections to node:10350 from the control-plane namespace and
+# prints how many each listener answered ("r5=31 r6=29 r7=30"; "-": none).
+spread() {
+	in_cp timeout 60 python3 - "$1" <<'PY'
+import collections, socket, sys
+c = collections.Counter()
+for _ in range(int(sys.argv[1])):
+    try:
+        s = socket.create_connection(("198.51.100.7", 10350), timeout=1.5)
+        c[s.recv(64).decode().strip() or "-"] += 1
+        s.close()
+    except OSError:
+        c["-"] += 1
+print(" ".join(f"{k}={v}" for k, v in sorted(c.items())))
+PY
+}
+
+# count_of TAG "r5=31 r6=29": 31 (0 when absent).
+count_of() {
+	local kv
+	for kv in $2; do
+		if [ "${kv%%=*}" = "$1" ]; then
+			echo "${kv#*=}"
+			return
+		fi
+	done
+	echo 0
+}
+
+# expect_spread N "r5 r6 r7" MIN WHAT: N connections, each listed tag gets at
+# least MIN, no other tag (and no failure) any.
+expect_spread() {
+	local n=$1 want=$2 min=$3 what=$4 got tag kv
+	got=$(spread "$n")
+	for tag in $want; do
+		[ "$(count_of "$tag" "$got")" -ge "$min" ] || fail "$what: $n connections gave '$got'; expected >= $min on each of $want"
+	done
+	for kv in $got; do
+		case " $want " in *" ${kv%%=*} "*) ;; *) fail "$what: $n connections gave '$got': ${kv%%=*} must get none" ;; esac
+	done
+	echo "  ok: $what ($n connections: $got)"
+}
+
+# Conntrack entries of connections translated to ADDR (any state).
+ct_count() {
+	in_cp conntrack -L -p tcp --reply-src "$1" 2>/dev/null | grep -c . || true
+}
+
+# Several replicas, one backend (IPv4): spread, removal, atomic change, idempotence.
+dnat_spread() {
+	local label=$1 backend=$2 per_rule=$3 h="$ROOT/deploy/dnat/tether-dnat.sh"
+	local t3="10.244.0.7:10023,10.244.0.5:10023,10.244.0.6:10023" t2="10.244.0.6:10023,10.244.0.5:10023"
+	local snap1 snap2 n want3=1 want2=1
+	# nft: one rule with a numgen map; iptables: one statistic rule per target.
+	if [ "$per_rule" = 1 ]; then
+		want3=3
+		want2=2
+	fi
+	echo "-- $label: three replicas"
+	in_cp "$h" apply --kubelet-port 10350 --to "$t3" --backend "$backend" 2>/dev/null
+	snap1=$(ruleset)
+	n=$(count_dnat)
+	[ "$n" = "$want3" ] || fail "$label: $n DNAT rules for 3 targets, expected $want3: $snap1"
+	# The same set in another order (DNS answers rotate) is the same rule.
+	in_cp "$h" apply --kubelet-port 10350 --to "10.244.0.5:10023,10.244.0.6:10023,10.244.0.7:10023" --backend "$backend" 2>"$WORK/apply2.err"
+	grep -q unchanged "$WORK/apply2.err" || fail "$label: second apply with 3 targets was not 'unchanged': $(cat "$WORK/apply2.err")"
+	snap2=$(ruleset)
+	[ "$snap1" = "$snap2" ] || fail "$label: second apply with 3 targets changed the ruleset:
+--- first
+$snap1
+--- second
+$snap2"
+	echo "  ok: apply twice with 3 targets (in another order): 'unchanged', ruleset byte-identical"
+	# P(a listener gets < 10 of 90) is about 1e-6.
+	expect_spread 90 "r5 r6 r7" 10 "connections land on each of the 3 replicas"
+	in_cp timeout 20 python3 - >"$WORK/load.out" 2>&1 <<'PY' &
+import socket, time
+ok = bad = 0
+end = time.monotonic() + 2
+while time.monotonic() < end:
+    try:
+        s = socket.create_connection(("198.51.100.7", 10350), timeout=1.5)
+        if s.recv(64).decode().strip().startswith("r"):
+            ok += 1
+        else:
+            bad += 1
+        s.close()
+    except OSError:
+        bad += 1
+print(f"ok={ok} bad={bad}")
+PY
+	local lpid=$!
+	PIDS+=("$lpid")
+	sleep 0.3
+	in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>/dev/null
+	in_cp "$h" apply --kubelet-port 10350 --to "$t3" --backend "$backend" 2>/dev/null
+	in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>/dev/null
+	wait "$lpid" || fail "$label: the load during the change failed: $(cat "$WORK/load.out")"
+	grep -Eq '^ok=[1-9][0-9]* bad=0$' "$WORK/load.out" || fail "$label: connections failed while the set changed: $(cat "$WORK/load.out")"
+	echo "  ok: the set changes atomically: no connection failed while it switched 3 -> 2 -> 3 -> 2 ($(cat "$WORK/load.out"))"
+	n=$(count_dnat)
+	[ "$n" = "$want2" ] || fail "$label: $n DNAT rules for 2 targets, expected $want2: $(ruleset)"
+	expect_spread 60 "r5 r6" 10 "10.244.0.7 removed: no new connection reaches it"
+	snap1=$(ruleset)
+	in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>&1 | grep unchanged >/dev/null ||
+		fail "$label: second apply with 2 targets was not 'unchanged'"
+	[ "$snap1" = "$(ruleset)" ] || fail "$label: second apply with 2 targets changed the ruleset"
+	echo "  ok: apply twice with 2 targets: ruleset byte-identical"
+	in_cp "$h" remove 2>/dev/null
+	[ "$(count_tether)" = 0 ] || fail "$label: remove left rules: $(ruleset)"
+}
+
+# Polls (<= 10 s) until "$@" succeeds; fails with WHAT otherwise.
+wait_until() {
+	local what=$1 _
+	shift
+	for _ in $(seq 100); do
+		"$@" && return 0
+		sleep 0.1
+	done
+	fail "$what: not within 10 s"
+}
+targets_in_rules() { [ "$(ruleset | grep -Eo '10\.244\.0\.[567][ :.]+10023' | sort -u | wc -l)" = "$1" ]; }
+no_ct_for() { [ "$(ct_count "$1")" = 0 ]; }
+
+# watch with a name: the headless Service's ready addresses, played by the
+# control-plane namespace's /etc/hosts (`ip netns exec` binds
+# /etc/netns/NS/hosts over it; rewritten in place, so the running watch
+# sees each change). A target that leaves gets no new connection, and its
+# conntrack entries are deleted after --conntrack-flush-after.
+dnat_watch_follows() {
+	local backend=$1 h="$ROOT/deploy/dnat/tether-dnat.sh" name=tether-cloud-kubelet-api.tether-system.svc
+	local hosts="/etc/netns/$NS_CP/hosts" t0 t1 n
+	echo "-- watch follows the ready set of a name ($backend)"
+	in_cp conntrack -F >/dev/null 2>&1 || true
+	mkdir -p "/etc/netns/$NS_CP"
+	printf '127.0.0.1 localhost\n10.244.0.7 %s\n10.244.0.5 %s\n10.244.0.6 %s\n' "$name" "$name" "$name" >"$hosts"
+	ip netns exec "$NS_CP" timeout 60 "$h" watch --kubelet-port 10350 --to "$name:10023" --interval 1 \
+		--conntrack-flush-after 2 --backend "$backend" 2>"$WORK/watch-$backend.err" &
+	local wpid=$!
+	PIDS+=("$wpid")
+	wait_until "watch ($backend) did not program the name's 3 addresses: $(cat "$WORK/watch-$backend.err")" targets_in_rules 3
+	expect_spread 60 "r5 r6 r7" 5 "watch ($backend): a name with 3 addresses spreads over all 3"
+	n=$(ct_count 10.244.0.7)
+	[ "$n" -ge 1 ] || fail "watch ($backend): no conntrack entry for 10.244.0.7 after connections to it"
+	# The replica at .7 turns not ready: it drops out of the name.
+	printf '127.0.0.1 localhost\n10.244.0.5 %s\n10.244.0.6 %s\n' "$name" "$name" >"$hosts"
+	t0=$(date +%s%N)
+	wait_until "watch ($backend) did not drop 10.244.0.7: $(ruleset)" targets_in_rules 2
+	t1=$(date +%s%N)
+	echo "  ok: watch ($backend): 10.244.0.7 left the name; the rules followed in $(((t1 - t0) / 1000000)) ms (--interval 1)"
+	expect_spread 60 "r5 r6" 10 "watch ($backend): no new connection reaches the replica that left"
+	wait_until "watch ($backend): conntrack entries of 10.244.0.7 not deleted ($(ct_count 10.244.0.7) left): $(cat "$WORK/watch-$backend.err")" no_ct_for 10.244.0.7
+	t1=$(date +%s%N)
+	# The log line follows the deletion: wait for it too.
+	wait_until "watch ($backend): no log of the conntrack deletion: $(cat "$WORK/watch-$backend.err")" \
+		grep -q 'conntrack: .* deleted for 10.244.0.7:10023' "$WORK/watch-$backend.err"
+	[ "$(ct_count 10.244.0.5)" -ge 1 ] || fail "watch ($backend): the entries of the replicas that stayed were deleted too"
+	echo "  ok: watch ($backend): its $n conntrack entries deleted $(((t1 - t0) / 1000000)) ms after it left (--conntrack-flush-after 2); the others' kept"
+	kill -TERM "$wpid"
+	wait "$wpid" 2>/dev/null || true
+	[ "$(count_tether)" = 0 ] || fail "watch ($backend) left rules after SIGTERM: $(ruleset)"
+	# TIME_WAIT entries of this round would blur the next one's counts.
+	in_cp conntrack -F >/dev/null 2>&1 || true
+	echo "  ok: watch ($backend): SIGTERM removes the rules"
+}
+
 step_dnat() {
 	dnat_setup
-	local h="$ROOT/deploy/dnat/tether-dnat.sh"
+	local h="$ROOT/deploy/dnat/tether-dnat.sh" snap _ wpid
 
 	dnat_cycle "nft, IPv4" nft 198.51.100.7 10.244.0.5 10.244.0.5:10003 10.244.0.5:10013
 	dnat_cycle "nft, IPv6" nft 2001:db8::7 fd00:7e7::5 '[fd00:7e7::5]:10003' '[fd00:7e7::5]:10013'
@@ -626,21 +863,36 @@ step_dnat() {
 	TETHER_DNAT_IPTABLES=iptables-legacy TETHER_DNAT_IP6TABLES=ip6tables-legacy \
 		dnat_cycle "iptables-legacy, IPv4" iptables 198.51.100.7 10.244.0.5 10.244.0.5:10003 10.244.0.5:10013
 
+	dnat_spread "nft, IPv4" nft 0
+	for b in nft iptables; do
+		in_cp "$h" apply --kubelet-port 10350 --to '[fd00:7e7::6]:10003,[fd00:7e7::5]:10003' --backend "$b" 2>/dev/null
+		snap=$(ruleset)
+		in_cp "$h" apply --kubelet-port 10350 --to '[fd00:7e7::5]:10003,[fd00:7e7::6]:10003' --backend "$b" 2>&1 | grep unchanged >/dev/null ||
+			fail "$b, IPv6: second apply with 2 targets was not 'unchanged'"
+		[ "$snap" = "$(ruleset)" ] || fail "$b, IPv6: second apply with 2 targets changed the ruleset"
+		for _ in 1 2 3 4 5 6; do expect_probe 2001:db8::7 10350 cloud "$b, IPv6, 2 targets: connection served" >/dev/null; done
+		echo "  ok: $b, IPv6: 2 targets applied, re-apply byte-identical, 6 of 6 connections served"
+		in_cp "$h" remove 2>/dev/null
+	done
+	dnat_spread "iptables (nft variant), IPv4" iptables 1
+	TETHER_DNAT_IPTABLES=iptables-legacy TETHER_DNAT_IP6TABLES=ip6tables-legacy \
+		dnat_spread "iptables-legacy, IPv4" iptables 1
+
 	echo "-- --dst and --prerouting"
 	in_cp "$h" apply --kubelet-port 10350 --to 10.244.0.5:10003 --dst 203.0.113.0/24 --prerouting --backend nft 2>/dev/null
 	expect_probe 198.51.100.7 10350 direct "--dst limits the rule to the listed node addresses"
-	in_cp nft list table inet tether | grep -q 'hook prerouting' || fail "--prerouting added no prerouting chain"
+	in_cp nft list table inet tether | grep 'hook prerouting' >/dev/null || fail "--prerouting added no prerouting chain"
 	echo "  ok: --prerouting adds the prerouting chain"
 	in_cp "$h" apply --kubelet-port 10350 --to 10.244.0.5:10003 --dst 198.51.100.0/24 --backend nft 2>/dev/null
 	expect_probe 198.51.100.7 10350 cloud "a matching --dst is caught"
-	in_cp nft list table inet tether | grep -q 'hook prerouting' && fail "dropping --prerouting left the chain"
+	in_cp nft list table inet tether | grep 'hook prerouting' >/dev/null && fail "dropping --prerouting left the chain"
 	echo "  ok: dropping --prerouting removes the chain"
 
 	echo "-- several kubelet ports (KubeEdge HA tunnel ports while migrating)"
 	local b
 	for b in nft iptables; do
 		in_cp "$h" apply --kubelet-port 10350,10351 --to 10.244.0.5:10003 --backend "$b" 2>/dev/null
-		in_cp "$h" apply --kubelet-port 10350,10351 --to 10.244.0.5:10003 --backend "$b" 2>&1 | grep -q unchanged ||
+		in_cp "$h" apply --kubelet-port 10350,10351 --to 10.244.0.5:10003 --backend "$b" 2>&1 | grep unchanged >/dev/null ||
 			fail "$b: a second apply with two ports was not 'unchanged'"
 		[ "$(count_dnat)" = 1 ] || fail "$b: $(count_dnat) DNAT rules for two ports: $(ruleset)"
 		expect_probe 198.51.100.7 10350 cloud "$b: port 10350 caught"
@@ -659,7 +911,7 @@ step_dnat() {
 
 	echo "-- names are resolved"
 	in_cp "$h" apply --kubelet-port 10350 --to localhost:10003 --backend nft 2>/dev/null
-	in_cp nft list table inet tether | grep -q 'dnat ip to 127.0.0.1:10003' || fail "--to localhost:10003 did not resolve to 127.0.0.1"
+	in_cp nft list table inet tether | grep 'dnat ip to 127.0.0.1:10003' >/dev/null || fail "--to localhost:10003 did not resolve to 127.0.0.1"
 	echo "  ok: --to localhost:10003 -> 127.0.0.1:10003"
 	in_cp "$h" remove 2>/dev/null
 
@@ -671,6 +923,16 @@ step_dnat() {
 	done
 	[ "$(count_dnat)" = 0 ] || fail "a refused apply left rules"
 	echo "  ok: 5 malformed invocations refused, nothing applied"
+	if in_cp "$h" apply --kubelet-port 10350 --to 10.244.0.5:10023,10.244.0.6:10023,10.244.0.7:10023 --max-targets 2 \
+		2>"$WORK/max.err"; then
+		fail "apply accepted 3 targets with --max-targets 2"
+	fi
+	grep -q 'more addresses than --max-targets 2' "$WORK/max.err" || fail "--max-targets: unclear error: $(cat "$WORK/max.err")"
+	[ "$(count_dnat)" = 0 ] || fail "apply over --max-targets left rules"
+	if in_cp "$h" apply --kubelet-port 10350 --to '10.244.0.5:10023,[fd00:7e7::5]:10003' >/dev/null 2>&1; then
+		fail "apply accepted IPv4 and IPv6 targets in one rule"
+	fi
+	echo "  ok: 3 targets over --max-targets 2, and mixed IPv4/IPv6 targets, refused; nothing applied"
 
 	echo "-- watch (the DaemonSet's mode) applies, and removes on SIGTERM"
 	# Started without a wrapper function, so that $! is the process that
@@ -689,6 +951,38 @@ step_dnat() {
 	wait "$wpid" 2>/dev/null || true
 	[ "$(count_dnat)" = 0 ] || fail "watch left the rule after SIGTERM: $(cat "$WORK/watch.err")"
 	echo "  ok: after SIGTERM no rule is left"
+
+	local b
+	for b in nft iptables; do
+		dnat_watch_follows "$b"
+	done
+
+	echo "-- without the conntrack tool, watch still follows the set, and says what it skips"
+	mkdir -p "/etc/netns/$NS_CP"
+	local name=tether-cloud-kubelet-api.tether-system.svc
+	printf '127.0.0.1 localhost\n10.244.0.5 %s\n10.244.0.6 %s\n' "$name" "$name" >"/etc/netns/$NS_CP/hosts"
+	TETHER_DNAT_CONNTRACK=/nonexistent/conntrack ip netns exec "$NS_CP" timeout 60 "$h" watch --kubelet-port 10350 \
+		--to "$name:10023" --interval 1 --conntrack-flush-after 1 --backend nft 2>"$WORK/watch-noct.err" &
+	wpid=$!
+	PIDS+=("$wpid")
+	wait_until "watch without conntrack did not program 2 addresses: $(cat "$WORK/watch-noct.err")" targets_in_rules 2
+	printf '127.0.0.1 localhost\n10.244.0.5 %s\n' "$name" >"/etc/netns/$NS_CP/hosts"
+	wait_until "watch without conntrack did not drop 10.244.0.6: $(ruleset)" targets_in_rules 1
+	expect_spread 20 "r5" 20 "without conntrack: the set still follows the name"
+	wait_until "watch without conntrack did not warn" grep -q 'warning: no conntrack tool' "$WORK/watch-noct.err"
+	sleep 1.5
+	kill -0 "$wpid" 2>/dev/null || fail "watch without conntrack exited: $(cat "$WORK/watch-noct.err")"
+	[ "$(grep -c 'no conntrack tool' "$WORK/watch-noct.err")" = 1 ] || fail "watch without conntrack warned more than once"
+	echo "  ok: one warning ('$(grep -o 'no conntrack tool[^(]*' "$WORK/watch-noct.err")…'), watch runs on"
+	# No ready replica at all: the name does not resolve; the last rule stays.
+	printf '127.0.0.1 localhost\n' >"/etc/netns/$NS_CP/hosts"
+	wait_until "watch did not notice the name no longer resolves: $(cat "$WORK/watch-noct.err")" \
+		grep -q 'keeping the current rules: .* does not resolve' "$WORK/watch-noct.err"
+	targets_in_rules 1 || fail "watch changed the rules when the name stopped resolving: $(ruleset)"
+	expect_probe 198.51.100.7 10350 r5 "a name that stops resolving (no ready replica) keeps the last rule"
+	kill -TERM "$wpid"
+	wait "$wpid" 2>/dev/null || true
+	[ "$(count_tether)" = 0 ] || fail "watch without conntrack left rules after SIGTERM"
 
 	echo "-- why the target is the pod IP, not a ClusterIP"
 	# A kube-proxy-like rule: ClusterIP 10.96.0.50:10003 -> pod 10.244.0.5:10003.

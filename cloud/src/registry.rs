@@ -22,7 +22,10 @@
 //! [`Target`] that is either a local session or a peer replica to relay to,
 //! and a pod or address two edges claim is ambiguous wherever they are held.
 //! A node held in several places (it moved and the old holder has not let go
-//! yet) goes to the holder with a live connection, the newest if several.
+//! yet) goes to the holder with a live connection that attached last —
+//! this replica's own session included, so a replica whose edge died without
+//! a word relays to where the edge came back rather than waiting for its idle
+//! timeout. (Attach times are the holders' clocks: replicas need NTP.)
 //! [`Registry::local_session`] never looks at the peers' edges: it is what a
 //! relayed request is served from, so a relay never goes a second hop.
 
@@ -155,12 +158,71 @@ struct Tables {
     remote_addresses: HashMap<String, BTreeMap<String, usize>>,
     /// peer instance → the nodes it holds.
     remote_by_replica: HashMap<u64, BTreeSet<String>>,
+    /// Which local nodes changed, by change number (one entry per node, its
+    /// latest), so a peer is told only what changed since it last heard.
+    change_seq: u64,
+    changed: BTreeMap<u64, String>,
+    node_change: HashMap<String, u64>,
+    /// Changes up to this number were forgotten (the log is bounded): a peer
+    /// behind it gets a full comparison instead.
+    forgotten_through: u64,
 }
 
+/// Entries the change log keeps beyond one per local session.
+const CHANGE_LOG_SLACK: usize = 1024;
+
 impl Tables {
-    /// Who should serve `node`: a holder with a live connection (local
-    /// first, then the peer that attached it last), else one within its
-    /// grace period (local first).
+    /// Records that local `node` changed.
+    fn mark(&mut self, node: &str) {
+        self.change_seq += 1;
+        let seq = self.change_seq;
+        if let Some(old) = self.node_change.insert(node.to_string(), seq) {
+            self.changed.remove(&old);
+        }
+        self.changed.insert(seq, node.to_string());
+        let keep = self.sessions.len() + CHANGE_LOG_SLACK;
+        while self.changed.len() > keep {
+            let Some((old, n)) = self.changed.pop_first() else {
+                break;
+            };
+            self.node_change.remove(&n);
+            self.forgotten_through = old;
+        }
+    }
+
+    /// What peers are told about local session `s`.
+    fn record_of(&self, s: &Arc<Session>) -> EdgeRecord {
+        let since_ms = s
+            .connected_since()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let pods = self
+            .node_pods
+            .get(&s.node)
+            .map(|v| {
+                v.iter()
+                    .map(|p| (p.namespace.clone(), p.name.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        EdgeRecord {
+            node: s.node.clone(),
+            session: s.id.to_string(),
+            attached: s.connection().is_some(),
+            since_ms,
+            pods,
+            addresses: self
+                .node_addresses
+                .get(&s.node)
+                .cloned()
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Who should serve `node`: the holder with a live connection that
+    /// attached it last (here or on a peer; here on a tie), else, the same
+    /// way, one within its grace period.
     fn holder(&self, node: &str) -> Option<Target> {
         let local = self.sessions.get(node);
         let remote = self.remote.get(node).map(Vec::as_slice).unwrap_or(&[]);
@@ -182,16 +244,27 @@ impl Tables {
             node: node.to_string(),
             holder: Holder::Local(s.clone()),
         };
-        if let Some(s) = local.filter(|s| s.connection().is_some()) {
-            return Some(local_target(s));
+        let since_ms = |s: &Arc<Session>| {
+            s.connected_since()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0)
+        };
+        // The newest attach wins, wherever it is: an edge that died without a
+        // word (kill -9, power cut) still looks attached to its old holder
+        // until the idle timeout, but its new connection is newer.
+        for attached in [true, false] {
+            let here = local.filter(|s| s.connection().is_some() == attached);
+            match (here, newest(attached)) {
+                (Some(s), Some(r)) if r.record.since_ms > since_ms(s) => {
+                    return Some(remote_target(r))
+                }
+                (Some(s), _) => return Some(local_target(s)),
+                (None, Some(r)) => return Some(remote_target(r)),
+                (None, None) => {}
+            }
         }
-        if let Some(r) = newest(true) {
-            return Some(remote_target(r));
-        }
-        if let Some(s) = local {
-            return Some(local_target(s));
-        }
-        newest(false).map(remote_target)
+        None
     }
 
     /// Nodes claiming pod `key`, here and on peers.
@@ -421,8 +494,9 @@ impl Registry {
     }
 
     fn insert_locked(&self, t: &mut Tables, session: Arc<Session>) -> Option<Arc<Session>> {
-        self.touch();
         let node = session.node.clone();
+        t.mark(&node);
+        self.touch();
         let old = t.sessions.insert(node.clone(), session.clone());
         let addresses = self.vet_addresses(&node, session.addresses());
         Self::index_addresses(t, &node, addresses);
@@ -448,6 +522,7 @@ impl Registry {
         }
         let addresses = self.vet_addresses(&session.node, addresses);
         Self::index_addresses(&mut t, &session.node, addresses);
+        t.mark(&session.node);
         self.touch();
     }
 
@@ -535,6 +610,7 @@ impl Registry {
                 .or_default()
                 .insert(node.clone());
         }
+        t.mark(&node);
         t.node_pods.insert(node, pods);
         self.touch();
     }
@@ -560,13 +636,13 @@ impl Registry {
             t.departed.insert(key.clone(), node.clone());
             t.node_departed.entry(node.clone()).or_default().push(key);
         }
+        t.mark(&node);
         self.touch();
         true
     }
 
-    /// Tells the peers and waiting requests that a local session changed
-    /// (also called by the tunnel when a connection attaches or is lost).
-    pub fn touch(&self) {
+    /// Wakes the route publishers and waiting requests (after a `mark`).
+    fn touch(&self) {
         self.local_changes.send_modify(|v| *v = v.wrapping_add(1));
         self.any_changes.send_modify(|v| *v = v.wrapping_add(1));
     }
@@ -587,38 +663,40 @@ impl Registry {
         self.tables().sessions.get(node).cloned()
     }
 
-    /// This replica's edges as its peers are told of them.
-    pub fn local_records(&self) -> HashMap<String, EdgeRecord> {
+    /// This replica's edges as its peers are told of them, and the change
+    /// number they are current as of.
+    pub fn local_records(&self) -> (u64, HashMap<String, EdgeRecord>) {
         let t = self.tables();
-        t.sessions
+        let records = t
+            .sessions
             .values()
-            .map(|s| {
-                let since_ms = s
-                    .connected_since()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_millis() as u64)
-                    .unwrap_or(0);
-                let pods = t
-                    .node_pods
-                    .get(&s.node)
-                    .map(|v| {
-                        v.iter()
-                            .map(|p| (p.namespace.clone(), p.name.clone()))
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                let addresses = t.node_addresses.get(&s.node).cloned().unwrap_or_default();
-                let r = EdgeRecord {
-                    node: s.node.clone(),
-                    session: s.id.to_string(),
-                    attached: s.connection().is_some(),
-                    since_ms,
-                    pods,
-                    addresses,
-                };
-                (s.node.clone(), r)
-            })
-            .collect()
+            .map(|s| (s.node.clone(), t.record_of(s)))
+            .collect();
+        (t.change_seq, records)
+    }
+
+    /// The local nodes changed after change number `after`, each with its
+    /// record now (`None`: no longer held here), and the current number; `None`
+    /// for the list if the log no longer reaches back that far.
+    #[allow(clippy::type_complexity)]
+    pub fn changed_since(&self, after: u64) -> (u64, Option<Vec<(String, Option<EdgeRecord>)>>) {
+        let t = self.tables();
+        if after < t.forgotten_through {
+            return (t.change_seq, None);
+        }
+        let list = t
+            .changed
+            .range(after + 1..)
+            .map(|(_, node)| (node.clone(), t.sessions.get(node).map(|s| t.record_of(s))))
+            .collect();
+        (t.change_seq, Some(list))
+    }
+
+    /// Tells the peers and waiting requests that local `node` changed (the
+    /// tunnel calls it when a connection attaches or is lost).
+    pub fn touch_node(&self, node: &str) {
+        self.tables().mark(node);
+        self.touch();
     }
 
     /// Applies one update from the peer behind `link`.
@@ -1169,5 +1247,41 @@ mod tests {
             r.route_pod("x", "y"),
             Err(RouteError::UnknownPod { .. })
         ));
+    }
+
+    #[test]
+    fn peers_are_told_only_what_changed_and_a_lagging_one_gets_everything() {
+        let r = Registry::new(Duration::from_secs(1));
+        let (s0, all) = r.local_records();
+        assert!(all.is_empty());
+        let a = session("edge-a", &[]);
+        let b = session("edge-b", &[]);
+        r.insert(a.clone());
+        r.insert(b.clone());
+        let (s1, list) = r.changed_since(s0);
+        let nodes: Vec<_> = list
+            .unwrap()
+            .into_iter()
+            .map(|(n, rec)| (n, rec.is_some()))
+            .collect();
+        assert_eq!(
+            nodes,
+            [("edge-a".to_string(), true), ("edge-b".to_string(), true)]
+        );
+        // Only b changes: only b is listed; a removal lists the node without a record.
+        r.touch_node("edge-b");
+        r.remove(&b);
+        let (s2, list) = r.changed_since(s1);
+        let list = list.unwrap();
+        assert_eq!(list.len(), 1, "one entry per node, its latest");
+        assert_eq!(list[0].0, "edge-b");
+        assert!(list[0].1.is_none());
+        assert_eq!(r.changed_since(s2).1.unwrap().len(), 0);
+        // The log is bounded: far behind, the answer is "compare everything".
+        for i in 0..(CHANGE_LOG_SLACK + 10) {
+            r.touch_node(&format!("gone-{i}"));
+        }
+        assert!(r.changed_since(s0).1.is_none());
+        assert!(r.changed_since(r.local_records().0).1.unwrap().is_empty());
     }
 }

@@ -845,6 +845,38 @@ mod link_tests {
             r.route_node(Some("edge-3"), None, None).unwrap().holder,
             Holder::Remote { .. }
         ));
+        // Both "live": the newer attach wins, here or there (an edge killed
+        // without a word still looks attached to its old holder).
+        let (c3, _s3, _e3) = testlink::pair().await;
+        let live = session("edge-4");
+        let claim = Claim {
+            token: tether_proto::token::ResumeToken([1; 16]),
+            instance: 1,
+            attempt: 1,
+        };
+        live.attach_connection(c3, &claim).unwrap();
+        r.insert(live.clone());
+        let attached_ms = live
+            .connected_since()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        r.apply_remote(
+            &a,
+            Update::Upsert(vec![record("edge-4", &[], true, attached_ms - 1000)]),
+        );
+        assert!(matches!(
+            r.route_node(Some("edge-4"), None, None).unwrap().holder,
+            Holder::Local(_)
+        ));
+        r.apply_remote(
+            &a,
+            Update::Upsert(vec![record("edge-4", &[], true, attached_ms + 1000)]),
+        );
+        assert!(matches!(
+            r.route_node(Some("edge-4"), None, None).unwrap().holder,
+            Holder::Remote { .. }
+        ));
         // Everything learnt from a peer goes with it; counts stay right.
         r.drop_remote(b.replica.instance);
         assert_eq!(who(&r), "a");
@@ -858,6 +890,6 @@ mod link_tests {
             r.route_pod("default", "dup"),
             Err(crate::registry::RouteError::PodNodeGone { .. })
         ));
-        assert_eq!(r.remote_len(), 1);
+        assert_eq!(r.remote_len(), 2, "edge-3 and edge-4 from a");
     }
 }

@@ -20,8 +20,10 @@
 //! route and decides again when its table changes (bounded by
 //! `--route-wait`). The window is measured by the replicas test.
 //!
-//! The publisher diffs its current table against what it last sent, so a
-//! slow peer never receives a backlog, only the latest state. A subscription
+//! The publisher sends only the nodes changed since it last sent (the
+//! registry keeps a bounded log of which nodes changed, one entry per node),
+//! each as it is now, so a slow peer never receives a backlog, only the
+//! latest state, and a burst costs work in the changed nodes, not in all. A subscription
 //! that ends (the link closes, a bad message, a message over
 //! `--peer-max-message-bytes`) drops everything learnt from that peer; the
 //! subscriber subscribes again while the link lives.
@@ -172,7 +174,9 @@ pub async fn read_update<R: AsyncRead + Unpin>(
 }
 
 /// Publisher: serves one subscription (its magic already read) with this
-/// replica's local edges until the subscriber goes away.
+/// replica's local edges until the subscriber goes away: the whole table,
+/// then only the nodes that changed (from the registry's change log; a full
+/// comparison if the log no longer reaches back to what was sent).
 pub async fn publish(
     mut send: quinn::SendStream,
     registry: Arc<Registry>,
@@ -182,18 +186,45 @@ pub async fn publish(
 ) -> Result<(), RoutesError> {
     let mut changes = registry.local_changes();
     let mut sent: HashMap<String, EdgeRecord> = HashMap::new();
+    let mut seen: Option<u64> = None;
     debug!(%peer, "peer subscribed to this replica's routes");
     loop {
         changes.borrow_and_update();
-        let now = registry.local_records();
-        let (up, gone) = diff(&sent, &now);
+        let delta = seen.map(|after| registry.changed_since(after));
+        let (seq, up, gone) = match delta {
+            Some((seq, Some(list))) => {
+                let mut up = Vec::new();
+                let mut gone = Vec::new();
+                for (node, record) in list {
+                    match record {
+                        Some(r) if sent.get(&node) != Some(&r) => {
+                            sent.insert(node, r.clone());
+                            up.push(r);
+                        }
+                        Some(_) => {}
+                        None => {
+                            if sent.remove(&node).is_some() {
+                                gone.push(node);
+                            }
+                        }
+                    }
+                }
+                (seq, up, gone)
+            }
+            _ => {
+                let (seq, now) = registry.local_records();
+                let (up, gone) = diff(&sent, &now);
+                sent = now;
+                (seq, up, gone)
+            }
+        };
+        seen = Some(seq);
         for msg in encode(up, gone, max)? {
             tokio::time::timeout(timeout, send.write_all(&msg))
                 .await
                 .map_err(|_| RoutesError::Timeout(timeout))?
                 .map_err(std::io::Error::from)?;
         }
-        sent = now;
         tokio::select! {
             r = changes.changed() => if r.is_err() { return Ok(()) },
             _ = send.stopped() => return Ok(()),

@@ -587,7 +587,7 @@ async fn handle(
     }
     metrics.sessions.set(registry.len() as i64);
     // Peers learn the edge is attached here (and requests waiting for it go on).
-    registry.touch();
+    registry.touch_node(&session.node);
     // A renewal never outlives the presented certificate's own lifetime:
     // a short-lived certificate stays short-lived.
     let renew_for = join.as_ref().map(|j| {
@@ -632,7 +632,7 @@ async fn handle(
         session.end(ResetCode::Shutdown, &format!("edge {node} shut down"));
         metrics.sessions.set(registry.len() as i64);
     } else if session.connection_lost(gen) {
-        registry.touch();
+        registry.touch_node(&session.node);
         info!(node = %node, session = %session.id, reason = %conn.close_reason().map(|r| r.to_string()).unwrap_or_default(), grace = ?cfg.grace, streams = session.open_streams(), "edge disconnected; keeping its streams for a resume");
         expire_unless_resumed(registry.clone(), session, gen, cfg.grace);
     }

@@ -1,34 +1,63 @@
 #!/usr/bin/env bash
 # tether-dnat.sh — the control-plane DNAT rule that sends the kube-apiserver's
 # connections to edge kubelets (node address : kubelet port, 10350 by the
-# edge convention) to tether-cloud's kubelet-API listener (TCP 10003).
+# edge convention) to tether-cloud's kubelet-API listeners (TCP 10003),
+# spread at random over the ready replicas.
 #
-#   tether-dnat.sh apply  --kubelet-port PORT[,PORT...] --to CLOUD:10003 [--backend auto|nft|iptables]
-#                         [--dst CIDR[,CIDR...]] [--prerouting]
+#   tether-dnat.sh apply  --kubelet-port PORT[,PORT...] --to CLOUD:10003[,CLOUD:10003...]
+#                         [--backend auto|nft|iptables] [--dst CIDR[,CIDR...]] [--prerouting]
+#                         [--max-targets N]
 #   tether-dnat.sh watch  (the options of apply) [--interval SECONDS] [--keep-on-exit]
+#                         [--conntrack-flush-after SECONDS]
 #   tether-dnat.sh status [--backend auto|nft|iptables]
 #   tether-dnat.sh remove [--backend auto|nft|iptables]
 #
 # The rule lives in Tether's own objects and nowhere else:
 #   nft:      table `inet tether`, chain `output` (type nat hook output), and
-#             chain `prerouting` with --prerouting;
+#             chain `prerouting` with --prerouting; several targets are one
+#             rule `dnat to numgen random mod N map { 0 : ADDR . PORT, ... }`
+#             (one random draw per new connection);
 #   iptables: chain TETHER-DNAT in the nat table, referenced once from OUTPUT
 #             (and once from PREROUTING with --prerouting); ip6tables for an
-#             IPv6 target.
+#             IPv6 target. Several targets are N rules, the i-th (from 0)
+#             taken with `-m statistic --mode random --probability 1/(N-i)`
+#             and the last without, so each gets 1/N of the connections.
 # `apply` converges: when the rules in place already match what is asked, it
-# changes nothing (no rule is added twice, no handle changes); otherwise it
-# replaces Tether's rules in one transaction (nft -f / iptables-restore
-# --noflush). It also removes Tether rules left in the other backend, so there
-# is only ever one. `remove` deletes everything Tether added and nothing else;
-# running it again is a no-op. `status` exits 0 when a Tether DNAT is in place,
-# 3 when none is.
+# changes nothing (no rule is added twice, no handle changes: the ruleset is
+# byte-identical); otherwise it replaces Tether's rules in one transaction
+# (nft -f / iptables-restore --noflush), so a connection never meets a
+# half-written rule set. The targets are sorted and de-duplicated first: the
+# same set in another order (DNS answers rotate) is the same rule. It also
+# removes Tether rules left in the other backend, so there is only ever one.
+# `remove` deletes everything Tether added and nothing else; running it again
+# is a no-op. `status` exits 0 when a Tether DNAT is in place, 3 when none is.
 #
 # --kubelet-port is 10350 for edge nodes; a list (10350,10351,10352) also
 # catches the per-cloudcore ports of a KubeEdge HA setup while migrating.
 #
-# CLOUD may be an IPv4 address, [IPv6] or a DNS name (resolved once per apply,
-# and again every --interval by `watch`, so the rule follows a pod IP behind a
-# headless Service).
+# Each CLOUD may be an IPv4 address, [IPv6] or a DNS name; a name stands for
+# every address it resolves to (IPv4 if it has any, else IPv6), resolved
+# once per apply and again every --interval by `watch`. So with the headless
+# Service tether-cloud-kubelet-api, which answers the READY replicas' pod IPs
+# only, the rule follows the ready set: a replica that turns ready joins the
+# spread, a draining one (SIGTERM, /readyz 503) stops getting new
+# connections, while its established ones keep their conntrack entry and run
+# on. All targets are of one address family. At most --max-targets (64)
+# addresses.
+#
+# Stale conntrack entries (watch): when an address has been out of the
+# target set for --conntrack-flush-after seconds (60; 0: never), `watch`
+# deletes the conntrack entries of connections translated to it (`conntrack
+# -D --reply-src ADDR --reply-port-src PORT`). The delay is longer than the
+# cloud's terminationGracePeriodSeconds (50), so a draining replica's open
+# apiserver streams run to their end first; after it the replica has been
+# killed, and the next packet of a connection it held meets this rule again,
+# lands on a live replica, and is answered with a reset: the apiserver sees
+# the failure at once instead of retransmitting into a dead pod IP until TCP
+# gives up (minutes). Without the `conntrack` tool (package conntrack) this
+# step is skipped with a warning, and such connections fail only that slowly.
+# A replica that stays alive but not ready for longer than the delay loses
+# its open streams the same way.
 #
 # The target must be an address that needs no further NAT on this host: a pod
 # IP, a host-network address or an external load-balancer address. A Service
@@ -38,7 +67,8 @@
 #
 # Environment: TETHER_DNAT_BACKEND (default auto: nft when `nft` exists, else
 # iptables); TETHER_DNAT_IPTABLES / TETHER_DNAT_IP6TABLES (default iptables /
-# ip6tables; e.g. iptables-legacy on hosts whose kube-proxy uses legacy).
+# ip6tables; e.g. iptables-legacy on hosts whose kube-proxy uses legacy);
+# TETHER_DNAT_CONNTRACK (default conntrack).
 set -euo pipefail
 
 readonly PROG=tether-dnat
@@ -51,6 +81,7 @@ readonly EXIT_NOT_APPLIED=3
 
 IPT=${TETHER_DNAT_IPTABLES:-iptables}
 IP6T=${TETHER_DNAT_IP6TABLES:-ip6tables}
+CONNTRACK=${TETHER_DNAT_CONNTRACK:-conntrack}
 
 log() { printf '%s %s: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$PROG" "$*" >&2; }
 die() {
@@ -76,6 +107,8 @@ dst=""
 prerouting=0
 interval=10
 keep_on_exit=0
+max_targets=64
+flush_after=60
 
 parse_args() {
 	[ $# -gt 0 ] || {
@@ -98,11 +131,19 @@ parse_args() {
 		--interval) interval=${2:?--interval needs a value}; shift 2 ;;
 		--interval=*) interval=${1#*=}; shift ;;
 		--keep-on-exit) keep_on_exit=1; shift ;;
+		--max-targets) max_targets=${2:?--max-targets needs a value}; shift 2 ;;
+		--max-targets=*) max_targets=${1#*=}; shift ;;
+		--conntrack-flush-after) flush_after=${2:?--conntrack-flush-after needs a value}; shift 2 ;;
+		--conntrack-flush-after=*) flush_after=${1#*=}; shift ;;
 		-h | --help) usage; exit 0 ;;
 		*) die "unknown option $1 (see --help)" ;;
 		esac
 	done
 	case $backend in auto | nft | iptables) ;; *) die "--backend must be auto, nft or iptables, not '$backend'" ;; esac
+	if ! [[ $max_targets =~ ^[0-9]+$ ]] || [ "$max_targets" -lt 1 ] || [ "$max_targets" -gt 1024 ]; then
+		die "--max-targets must be a whole number from 1 to 1024, not '$max_targets'"
+	fi
+	[[ $flush_after =~ ^[0-9]+$ ]] || die "--conntrack-flush-after must be a whole number of seconds (0: never), not '$flush_after'"
 }
 
 is_port() { [[ $1 =~ ^[0-9]{1,5}$ ]] && [ "$1" -ge 1 ] && [ "$1" -le 65535 ]; }
@@ -122,51 +163,83 @@ check_kubelet_ports() {
 is_ipv4() { [[ $1 =~ ^([0-9]{1,3}\.){3}[0-9]{1,3}$ ]]; }
 is_ipv6() { [[ $1 =~ ^[0-9A-Fa-f:.]+$ ]] && [[ $1 == *:* ]]; }
 
-resolved_ip=""
+# The resolved targets: "ADDR PORT" lines, sorted and unique, one family.
+targets=()
 resolved_family=""
-resolved_port=""
 
-# Splits --to into host and port and resolves the host to one address.
-resolve_to() {
-	local host port addrs
-	case $to in
+# Splits one HOST:PORT of --to; prints "HOST PORT".
+split_target() {
+	local t=$1 host port
+	case $t in
 	\[*\]:*)
-		host=${to%%]:*}
+		host=${t%%]:*}
 		host=${host#[}
-		port=${to##*]:}
+		port=${t##*]:}
 		;;
-	*:*:*) die "--to $to: write an IPv6 address as [ADDR]:PORT" ;;
+	*:*:*) die "--to $t: write an IPv6 address as [ADDR]:PORT" ;;
 	*:*)
-		host=${to%:*}
-		port=${to##*:}
+		host=${t%:*}
+		port=${t##*:}
 		;;
-	*) die "--to $to: expected HOST:PORT" ;;
+	*) die "--to $t: expected HOST:PORT" ;;
 	esac
-	is_port "$port" || die "--to $to: '$port' is not a port"
-	[ -n "$host" ] || die "--to $to: empty host"
-	if is_ipv4 "$host"; then
-		resolved_family=4
-		resolved_ip=$host
-	elif is_ipv6 "$host"; then
-		resolved_family=6
-		resolved_ip=$host
-	else
-		addrs=$(getent ahostsv4 "$host" 2>/dev/null | awk '{print $1}' | sort -u || true)
-		resolved_family=4
-		if [ -z "$addrs" ]; then
-			addrs=$(getent ahostsv6 "$host" 2>/dev/null | awk '{print $1}' | grep -v '^::ffff:' | sort -u || true)
-			resolved_family=6
+	is_port "$port" || die "--to $t: '$port' is not a port"
+	[ -n "$host" ] || die "--to $t: empty host"
+	printf '%s %s\n' "$host" "$port"
+}
+
+# Resolves every HOST:PORT of --to (a name to all its addresses) into
+# `targets`. Returns 1 (after logging) when a name does not resolve, 2 when
+# there are more addresses than --max-targets.
+resolve_to() {
+	local t host port addrs a fam lines=() families=""
+	local -a items
+	IFS=, read -r -a items <<<"$to"
+	[ "${#items[@]}" -ge 1 ] || die "--to is empty"
+	for t in "${items[@]}"; do
+		read -r host port < <(split_target "$t") || die "--to $t: expected HOST:PORT"
+		if is_ipv4 "$host"; then
+			fam=4
+			addrs=$host
+		elif is_ipv6 "$host"; then
+			fam=6
+			addrs=$host
+		else
+			addrs=$(getent ahostsv4 "$host" 2>/dev/null | awk '{print $1}' | LC_ALL=C sort -u || true)
+			fam=4
+			if [ -z "$addrs" ]; then
+				addrs=$(getent ahostsv6 "$host" 2>/dev/null | awk '{print $1}' | grep -v '^::ffff:' | LC_ALL=C sort -u || true)
+				fam=6
+			fi
+			[ -n "$addrs" ] || {
+				log "cannot resolve $host"
+				return 1
+			}
 		fi
-		[ -n "$addrs" ] || {
-			log "cannot resolve $host"
-			return 1
-		}
-		resolved_ip=$(printf '%s\n' "$addrs" | head -n1)
-		if [ "$(printf '%s\n' "$addrs" | wc -l)" -gt 1 ]; then
-			log "warning: $host has several addresses ($(printf '%s' "$addrs" | tr '\n' ' ')); using $resolved_ip"
-		fi
+		case $families in *"$fam"*) ;; *) families="$families$fam" ;; esac
+		while IFS= read -r a; do
+			[ -n "$a" ] && lines+=("$a $port")
+		done <<<"$addrs"
+	done
+	[ "${#families}" = 1 ] || die "--to $to: mixes IPv4 and IPv6 targets; one rule serves one family"
+	resolved_family=$families
+	mapfile -t targets < <(printf '%s\n' "${lines[@]}" | LC_ALL=C sort -u)
+	if [ "${#targets[@]}" -gt "$max_targets" ]; then
+		log "--to $to gives ${#targets[@]} addresses, more than --max-targets $max_targets"
+		return 2
 	fi
-	resolved_port=$port
+}
+
+# A target as nft/iptables write a DNAT destination: ADDR:PORT or [ADDR]:PORT.
+target_dest() {
+	local addr=${1% *} port=${1#* }
+	if [ "$resolved_family" = 6 ]; then printf '[%s]:%s' "$addr" "$port"; else printf '%s:%s' "$addr" "$port"; fi
+}
+
+targets_text() {
+	local t out=""
+	for t in "${targets[@]}"; do out="$out${out:+,}$(target_dest "$t")"; done
+	printf '%s' "$out"
 }
 
 check_dst() {
@@ -185,8 +258,8 @@ check_dst() {
 # A short, stable fingerprint of what is asked; stored in the rule comments
 # so that `apply` can tell "already in place" from "different".
 spec_id() {
-	printf 'v1 port=%s to=%s:%s family=%s dst=%s prerouting=%s' \
-		"$kubelet_port" "$resolved_ip" "$resolved_port" "$resolved_family" "${dst:-any}" "$prerouting" |
+	printf 'v2 port=%s to=%s family=%s dst=%s prerouting=%s' \
+		"$kubelet_port" "$(targets_text)" "$resolved_family" "${dst:-any}" "$prerouting" |
 		sha256sum | cut -c1-16
 }
 
@@ -212,18 +285,26 @@ pick_backend() {
 nft_present() { nft list table "$NFT_FAMILY" "$NFT_TABLE" >/dev/null 2>&1; }
 
 nft_rule() {
-	local comment=$1 match="" proto=ip to_addr=$resolved_ip
-	if [ "$resolved_family" = 6 ]; then
-		proto=ip6
-		to_addr="[$resolved_ip]"
-	fi
+	local comment=$1 match="" proto=ip dest i sep=""
+	[ "$resolved_family" = 6 ] && proto=ip6
 	if [ -n "$dst" ]; then
 		match="$proto daddr { ${dst//,/, } } "
 	fi
 	local ports=$kubelet_port
 	[ "${#kubelet_ports[@]}" -gt 1 ] && ports="{ ${kubelet_port//,/, } }"
-	printf 'meta nfproto ipv%s %stcp dport %s counter dnat %s to %s:%s comment "%s"' \
-		"$resolved_family" "$match" "$ports" "$proto" "$to_addr" "$resolved_port" "$comment"
+	if [ "${#targets[@]}" = 1 ]; then
+		dest=$(target_dest "${targets[0]}")
+	else
+		# One random draw per new connection, looked up in an anonymous map.
+		dest="numgen random mod ${#targets[@]} map {"
+		for i in "${!targets[@]}"; do
+			dest="$dest$sep $i : ${targets[$i]% *} . ${targets[$i]#* }"
+			sep=,
+		done
+		dest="$dest }"
+	fi
+	printf 'meta nfproto ipv%s %stcp dport %s counter dnat %s to %s comment "%s"' \
+		"$resolved_family" "$match" "$ports" "$proto" "$dest" "$comment"
 }
 
 nft_apply() {
@@ -327,26 +408,27 @@ ipt_apply() {
 	rules=$("$ipt" -w 5 -t nat -S "$IPT_CHAIN" 2>/dev/null | grep -- "^-A $IPT_CHAIN " || true)
 	n_rules=$(printf '%s' "$rules" | grep -c . || true)
 	n_ids=$(printf '%s' "$rules" | grep -c -- "tether-dnat spec=$id" || true)
-	local want=1
-	if [ -n "$dst" ]; then
-		IFS=, read -r -a cidrs <<<"$dst"
-		want=${#cidrs[@]}
-	fi
+	local cidrs=("") n=${#targets[@]}
+	[ -n "$dst" ] && IFS=, read -r -a cidrs <<<"$dst"
+	local want=$((${#cidrs[@]} * n))
 	if ! ipt_chain_present "$ipt" || [ "$n_rules" != "$want" ] || [ "$n_ids" != "$want" ]; then
 		restore="*nat
 :$IPT_CHAIN - [0:0]"
-		local to_addr=$resolved_ip match_port="-m tcp --dport $kubelet_port"
-		[ "$resolved_family" = 6 ] && to_addr="[$resolved_ip]"
+		local match_port="-m tcp --dport $kubelet_port" i stat match_dst
 		[ "${#kubelet_ports[@]}" -gt 1 ] && match_port="-m multiport --dports $kubelet_port"
-		if [ -n "$dst" ]; then
-			for c in "${cidrs[@]}"; do
+		for c in "${cidrs[@]}"; do
+			match_dst=""
+			[ -n "$c" ] && match_dst="-d $c "
+			for i in "${!targets[@]}"; do
+				# Rule i takes 1/(N-i) of what the rules before it left: 1/N each.
+				stat=""
+				if [ "$i" -lt $((n - 1)) ]; then
+					stat="-m statistic --mode random --probability $(awk -v d=$((n - i)) 'BEGIN { printf "%.10f", 1 / d }') "
+				fi
 				restore="$restore
--A $IPT_CHAIN -d $c -p tcp $match_port -m comment --comment \"tether-dnat spec=$id\" -j DNAT --to-destination $to_addr:$resolved_port"
+-A $IPT_CHAIN ${match_dst}-p tcp $match_port -m comment --comment \"tether-dnat spec=$id\" ${stat}-j DNAT --to-destination $(target_dest "${targets[$i]}")"
 			done
-		else
-			restore="$restore
--A $IPT_CHAIN -p tcp $match_port -m comment --comment \"tether-dnat spec=$id\" -j DNAT --to-destination $to_addr:$resolved_port"
-		fi
+		done
 		restore="$restore
 COMMIT"
 		# --noflush: only TETHER-DNAT (declared above, so flushed and refilled) changes.
@@ -404,16 +486,68 @@ ipt_status() {
 }
 
 # ---------------------------------------------------------------------------
+# Stale conntrack entries (watch)
+
+# When each address that left the target set left it: "ADDR PORT" -> epoch s.
+declare -A left_at=()
+warned_no_conntrack=0
+
+# Deletes the conntrack entries of connections translated to "ADDR PORT".
+conntrack_flush() {
+	local addr=${1% *} port=${1#* } fam=ipv4 out rc=0
+	[ "$resolved_family" = 6 ] && fam=ipv6
+	if ! have "$CONNTRACK"; then
+		if [ "$warned_no_conntrack" = 0 ]; then
+			log "warning: no conntrack tool: connections to replicas that left keep their stale entries" \
+				"(they fail only when TCP gives up); install the conntrack package"
+			warned_no_conntrack=1
+		fi
+		return 0
+	fi
+	# Exit 1 with "0 flow entries" is "nothing to delete".
+	out=$("$CONNTRACK" -D -f "$fam" -p tcp --reply-src "$addr" --reply-port-src "$port" 2>&1) || rc=$?
+	case $out in
+	*"flow entries have been deleted"* | *"flow entry has been deleted"*)
+		log "conntrack: $(printf '%s' "$out" | grep -o '[0-9]* flow entr[a-z]* ha[a-z]* been deleted' | head -n1) for $(target_dest "$1"), out of the targets for ${flush_after}s"
+		;;
+	*) [ "$rc" = 0 ] || log "warning: conntrack -D for $(target_dest "$1") failed: $out" ;;
+	esac
+}
+
+# After a convergence step: note the addresses that left (prev -> targets),
+# forget those that came back, and flush those gone for --conntrack-flush-after.
+track_left() {
+	local now t
+	now=$(date +%s)
+	declare -A cur=()
+	for t in "${targets[@]}"; do cur[$t]=1; done
+	for t in "$@"; do
+		if [ -z "${cur[$t]:-}" ] && [ -z "${left_at[$t]:-}" ]; then left_at[$t]=$now; fi
+	done
+	for t in "${!left_at[@]}"; do
+		if [ -n "${cur[$t]:-}" ]; then
+			unset "left_at[$t]"
+		elif [ $((now - left_at[$t])) -ge "$flush_after" ]; then
+			conntrack_flush "$t"
+			unset "left_at[$t]"
+		fi
+	done
+}
+
+# ---------------------------------------------------------------------------
 # Commands
 
 require_root() {
 	[ "$(id -u)" = 0 ] || die "must run as root (or with CAP_NET_ADMIN)"
 }
 
-# One convergence step. Returns 0 when rules were changed, 1 when unchanged.
+# One convergence step. Returns 0 when rules were changed, 1 when unchanged,
+# 2 when --to does not resolve, 3 when it gives more than --max-targets.
 converge() {
 	local id
-	resolve_to || return 2
+	local r=0
+	resolve_to || r=$?
+	[ "$r" = 0 ] || return $((r + 1)) # 2: does not resolve, 3: too many
 	check_dst
 	id=$(spec_id)
 	local rc=1
@@ -432,9 +566,9 @@ converge() {
 }
 
 describe() {
-	local t=$resolved_ip
-	[ "$resolved_family" = 6 ] && t="[$resolved_ip]"
-	printf 'tcp dport %s%s -> %s:%s (%s%s)' "$kubelet_port" "${dst:+ to $dst}" "$t" "$resolved_port" "$backend" \
+	local spread=""
+	[ "${#targets[@]}" -gt 1 ] && spread="random over ${#targets[@]}: "
+	printf 'tcp dport %s%s -> %s%s (%s%s)' "$kubelet_port" "${dst:+ to $dst}" "$spread" "$(targets_text)" "$backend" \
 		"$([ "$prerouting" = 1 ] && echo ', output+prerouting' || echo ', output')"
 }
 
@@ -448,6 +582,7 @@ cmd_apply() {
 	case $rc in
 	0) log "applied: $(describe)" ;;
 	1) log "unchanged: $(describe)" ;;
+	3) die "--to $to: more addresses than --max-targets $max_targets; nothing changed" ;;
 	*) die "could not resolve --to $to" ;;
 	esac
 }
@@ -474,16 +609,23 @@ cmd_watch() {
 	}
 	trap on_exit TERM INT
 	log "watching: every ${interval}s, $to"
-	local rc last=""
+	local rc last="" prev=()
 	while :; do
 		rc=0
 		converge || rc=$?
 		case $rc in
 		0) log "applied: $(describe)" ;;
 		1) [ "$last" = ok ] || log "in place: $(describe)" ;;
+		3) log "keeping the current rules: $to gives more addresses than --max-targets $max_targets" ;;
 		*) log "keeping the current rules: $to does not resolve (is tether-cloud ready?)" ;;
 		esac
-		if [ "$rc" -le 1 ]; then last=ok; else last=err; fi
+		if [ "$rc" -le 1 ]; then
+			last=ok
+			if [ "$flush_after" -gt 0 ]; then track_left "${prev[@]}"; fi
+			prev=("${targets[@]}")
+		else
+			last=err
+		fi
 		sleep "$interval" &
 		sleeper=$!
 		wait "$sleeper" || true

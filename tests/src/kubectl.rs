@@ -133,6 +133,9 @@ pub struct Kubectl {
     pub kubeconfig: PathBuf,
     /// `HOME` for its runs, and where streaming runs put their stderr logs.
     pub home: PathBuf,
+    /// Run inside this network namespace (`ip netns exec`), e.g. next to an apiserver
+    /// that listens only there; `None`: this process's namespace.
+    pub netns: Option<String>,
 }
 
 impl Kubectl {
@@ -143,13 +146,40 @@ impl Kubectl {
             bin,
             kubeconfig: kubeconfig.to_path_buf(),
             home: home.to_path_buf(),
+            netns: None,
         })
     }
 
-    /// The command line `kubectl --kubeconfig K ARGS` with the environment set.
+    /// The same kubectl, run inside network namespace `ns`.
+    pub fn in_netns(mut self, ns: &str) -> Self {
+        self.netns = Some(ns.to_string());
+        self
+    }
+
+    /// The program and leading arguments: kubectl itself, or `ip netns exec NS kubectl`
+    /// (which execs kubectl, so the child's pid is kubectl's).
+    fn program(&self) -> (std::ffi::OsString, Vec<std::ffi::OsString>) {
+        match &self.netns {
+            None => (self.bin.path.clone().into(), Vec::new()),
+            Some(ns) => (
+                "ip".into(),
+                vec![
+                    "netns".into(),
+                    "exec".into(),
+                    ns.into(),
+                    self.bin.path.clone().into(),
+                ],
+            ),
+        }
+    }
+
+    /// The command line `kubectl --kubeconfig K ARGS` with the environment set (inside
+    /// [`Kubectl::netns`], if set).
     pub fn command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(&self.bin.path);
-        cmd.arg("--kubeconfig")
+        let (program, lead) = self.program();
+        let mut cmd = Command::new(program);
+        cmd.args(lead)
+            .arg("--kubeconfig")
             .arg(&self.kubeconfig)
             .args(args)
             .env("HOME", &self.home)
@@ -160,8 +190,10 @@ impl Kubectl {
 
     /// Same as [`Kubectl::command`], as a std command (for a pty).
     pub fn std_command(&self, args: &[&str]) -> std::process::Command {
-        let mut cmd = std::process::Command::new(&self.bin.path);
-        cmd.arg("--kubeconfig")
+        let (program, lead) = self.program();
+        let mut cmd = std::process::Command::new(program);
+        cmd.args(lead)
+            .arg("--kubeconfig")
             .arg(&self.kubeconfig)
             .args(args)
             .env("HOME", &self.home)
@@ -257,4 +289,18 @@ impl Kubectl {
             },
         )
     }
+}
+
+/// Waits (bounded by `limit`) for a `kubectl port-forward` run to print
+/// `Forwarding from 127.0.0.1:PORT -> …`, and returns that local port.
+pub async fn forwarded_port(proc: &mut Proc, limit: Duration) -> Result<u16> {
+    const PREFIX: &str = "Forwarding from 127.0.0.1:";
+    let line = proc
+        .wait_line(&format!("`{PREFIX}…`"), limit, |l| l.starts_with(PREFIX))
+        .await?;
+    line.trim_start_matches(PREFIX)
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("no local port in {line:?}"))
 }

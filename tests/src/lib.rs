@@ -22,6 +22,8 @@
 //!   it, reading what it prints and resizing its window.
 //! - [`podhttp`]: a tiny HTTP server "behind the pod" for port-forward, and a client.
 //! - [`netns`]: `tether-cloud` inside a link emulator's namespaces (fault tests, bench).
+//! - [`replicabed`]: three cloud replicas in network namespaces behind nftables
+//!   random-DNAT services, edges behind NAT, apiserver-sim and kubectl (replica tests).
 //! - [`report`]: running named cases concurrently under a time bound and summarising
 //!   the results per kubectl version.
 //!
@@ -38,12 +40,19 @@ pub mod podhttp;
 pub mod probe;
 pub mod process;
 pub mod pty;
+pub mod replicabed;
 pub mod report;
 
 /// SHA-256 of `data`, lower-case hex: how the suite compares large payloads.
 pub fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest;
     hex::encode(sha2::Sha256::digest(data))
+}
+
+/// `<prefix> line 001\n`, `<prefix> line 002\n`, … for `range`: the container logs the
+/// suites write and expect back.
+pub fn numbered_lines(prefix: &str, range: std::ops::RangeInclusive<u32>) -> String {
+    range.map(|i| format!("{prefix} line {i:03}\n")).collect()
 }
 
 /// `n` random bytes.

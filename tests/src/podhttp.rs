@@ -66,6 +66,18 @@ impl PodHttpServer {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding the pod HTTP server")?;
+        Self::serve(listener)
+    }
+
+    /// Starts the server on `listener`, bound already (e.g. inside a network namespace).
+    pub fn start_on(listener: std::net::TcpListener) -> Result<PodHttpServer> {
+        listener
+            .set_nonblocking(true)
+            .context("making the pod HTTP listener non-blocking")?;
+        Self::serve(TcpListener::from_std(listener).context("registering the listener")?)
+    }
+
+    fn serve(listener: TcpListener) -> Result<PodHttpServer> {
         let port = listener.local_addr().context("local address")?.port();
         let served = Arc::new(AtomicU64::new(0));
         let counter = served.clone();
@@ -101,10 +113,22 @@ pub struct HttpClient {
 impl HttpClient {
     /// Connects to `addr`.
     pub async fn connect(addr: SocketAddr) -> Result<HttpClient> {
+        Self::connect_with(addr, std::net::TcpStream::connect).await
+    }
+
+    /// Connects to `addr` with `dial` (a blocking connect, e.g. made inside a network
+    /// namespace), bounded like [`HttpClient::connect`].
+    pub async fn connect_with(
+        addr: SocketAddr,
+        dial: impl FnOnce(SocketAddr) -> std::io::Result<std::net::TcpStream> + Send + 'static,
+    ) -> Result<HttpClient> {
         let fut = async {
-            let tcp = TcpStream::connect(addr)
+            let tcp = tokio::task::spawn_blocking(move || dial(addr))
                 .await
+                .context("connect task")?
                 .with_context(|| format!("connecting to {addr}"))?;
+            tcp.set_nonblocking(true).context("non-blocking socket")?;
+            let tcp = TcpStream::from_std(tcp).context("registering the socket")?;
             let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
                 .await
                 .context("HTTP/1.1 handshake")?;

@@ -82,6 +82,20 @@ impl KubeletClient {
         host: &str,
         path: &str,
     ) -> Result<Reply> {
+        self.get_from(None, addr, server_name, host, path).await
+    }
+
+    /// [`KubeletClient::get`] with the TCP connection made from inside network
+    /// namespace `netns` (`None`: this process's), e.g. towards a service address that
+    /// only exists there.
+    pub async fn get_from(
+        &self,
+        netns: Option<&str>,
+        addr: SocketAddr,
+        server_name: &str,
+        host: &str,
+        path: &str,
+    ) -> Result<Reply> {
         let name = match server_name.parse::<IpAddr>() {
             Ok(ip) => ServerName::IpAddress(ip.into()),
             Err(_) => ServerName::try_from(server_name.to_string())
@@ -92,9 +106,24 @@ impl KubeletClient {
             .body(Empty::<Bytes>::new())
             .with_context(|| format!("building GET {path}"))?;
         let fut = async {
-            let tcp = TcpStream::connect(addr)
-                .await
-                .with_context(|| format!("connecting to {addr}"))?;
+            let tcp = match netns {
+                None => TcpStream::connect(addr).await,
+                Some(ns) => {
+                    let ns = ns.to_string();
+                    tokio::task::spawn_blocking(move || {
+                        linkemu::netns::run_in(&ns, || std::net::TcpStream::connect(addr))
+                            .map_err(std::io::Error::other)?
+                    })
+                    .await
+                    .map_err(std::io::Error::other)
+                    .and_then(|r| r)
+                    .and_then(|t| {
+                        t.set_nonblocking(true)?;
+                        TcpStream::from_std(t)
+                    })
+                }
+            }
+            .with_context(|| format!("connecting to {addr}"))?;
             let tls = self
                 .connector
                 .connect(name, tcp)

@@ -186,6 +186,35 @@ impl Proc {
         }
     }
 
+    /// Waits at most `limit` until the child printed at least `n` stdout lines in all;
+    /// returns them all. Fails when it exits first or the limit passes, quoting stderr.
+    pub async fn wait_lines(&mut self, n: usize, limit: Duration) -> Result<Vec<String>> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let lines = self.lines();
+            if lines.len() >= n {
+                return Ok(lines);
+            }
+            if let Some(status) = self.exited() {
+                bail!(
+                    "{} exited ({status}) after {} of {n} lines: {lines:?}; stderr: {}",
+                    self.name,
+                    lines.len(),
+                    self.stderr_tail(10)
+                );
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!(
+                    "{} printed {} of {n} lines within {limit:?}: {lines:?}; stderr: {}",
+                    self.name,
+                    lines.len(),
+                    self.stderr_tail(10)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
     /// Writes `data` to the child's stdin (spawned with `stdin: true`).
     pub async fn write_stdin(&mut self, data: &[u8]) -> Result<()> {
         let stdin = self

@@ -344,17 +344,7 @@ async fn port_forward(k: &Kubectl) -> Result<()> {
         &["port-forward", "p1", &format!(":{}", server.port)],
         false,
     )?;
-    let line = proc
-        .wait_line("Forwarding from", Duration::from_secs(20), |l| {
-            l.starts_with("Forwarding from 127.0.0.1:")
-        })
-        .await?;
-    let local: u16 = line
-        .trim_start_matches("Forwarding from 127.0.0.1:")
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
-        .with_context(|| format!("no port in {line:?}"))?;
+    let local = tether_tests::kubectl::forwarded_port(&mut proc, Duration::from_secs(20)).await?;
     let mut c = HttpClient::connect(([127, 0, 0, 1], local).into()).await?;
     let body = c.request(Method::GET, "/hello/cri", Bytes::new()).await?;
     ensure!(

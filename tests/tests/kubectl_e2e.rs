@@ -33,10 +33,9 @@ use tether_tests::bins;
 use tether_tests::cluster::{Cluster, ClusterSpec, Mode, NodeSpec, PodSpec};
 use tether_tests::kubectl::{self, clip, Kubectl, KubectlBin};
 use tether_tests::podhttp::{HttpClient, PodHttpServer};
-use tether_tests::process::Proc;
 use tether_tests::pty::PtySession;
 use tether_tests::report::{self, Case, CaseResult};
-use tether_tests::{random_bytes, sha256_hex};
+use tether_tests::{numbered_lines, random_bytes, sha256_hex};
 
 /// Bound on an ordinary kubectl run.
 const T: Duration = Duration::from_secs(30);
@@ -395,10 +394,6 @@ async fn prepare(cluster: Cluster, bin: KubectlBin, dir: &Path) -> Result<Ctx> {
     })
 }
 
-fn numbered_lines(prefix: &str, range: std::ops::RangeInclusive<u32>) -> String {
-    range.map(|i| format!("{prefix} line {i:03}\n")).collect()
-}
-
 /// Which method the apiserver stand-in used towards the kubelet for a request whose
 /// kubelet URL contains `needle` (POST = SPDY, GET = WebSocket for exec).
 fn proxied_method(ctx: &Ctx, needle: &str) -> Option<String> {
@@ -622,34 +617,6 @@ async fn logs_timestamps(ctx: Arc<Ctx>) -> Result<()> {
     Ok(())
 }
 
-/// Waits (bounded) until `proc` printed at least `n` lines; returns them all.
-async fn wait_lines(proc: &mut Proc, n: usize, limit: Duration) -> Result<Vec<String>> {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        let lines = proc.lines();
-        if lines.len() >= n {
-            return Ok(lines);
-        }
-        if let Some(status) = proc.exited() {
-            bail!(
-                "{} exited ({status}) after {} of {n} lines: {lines:?}; stderr: {}",
-                proc.name(),
-                lines.len(),
-                proc.stderr_tail(10)
-            );
-        }
-        if tokio::time::Instant::now() >= deadline {
-            bail!(
-                "{} printed {} of {n} lines within {limit:?}: {lines:?}; stderr: {}",
-                proc.name(),
-                lines.len(),
-                proc.stderr_tail(10)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
 fn append(path: &Path, text: &str) -> Result<()> {
     use std::io::Write;
     let mut f = std::fs::OpenOptions::new()
@@ -666,7 +633,7 @@ async fn logs_follow(ctx: Arc<Ctx>) -> Result<()> {
         .k
         .spawn("logs-follow", &["logs", "-f", "p1", "-c", "follow"], false)?;
     let mut want: Vec<String> = (1..=3).map(|i| format!("follow line {i:03}")).collect();
-    let got = wait_lines(&mut proc, want.len(), Duration::from_secs(20)).await?;
+    let got = proc.wait_lines(want.len(), Duration::from_secs(20)).await?;
     ensure!(got == want, "before appending: got {got:?}, want {want:?}");
     let mut next = 4u32;
     for batch in 0..6 {
@@ -682,7 +649,7 @@ async fn logs_follow(ctx: Arc<Ctx>) -> Result<()> {
     tokio::time::sleep(Duration::from_millis(350)).await;
     append(&path, "in-two\n")?;
     want.push("follow line split-in-two".into());
-    let got = wait_lines(&mut proc, want.len(), Duration::from_secs(20)).await?;
+    let got = proc.wait_lines(want.len(), Duration::from_secs(20)).await?;
     // Anything doubled would show up a little later: give it the chance.
     tokio::time::sleep(Duration::from_millis(800)).await;
     let got_after = proc.lines();
@@ -758,19 +725,7 @@ async fn port_forward(ctx: Arc<Ctx>) -> Result<()> {
         &["port-forward", "p1", &format!(":{}", server.port)],
         false,
     )?;
-    let line = proc
-        .wait_line(
-            "`Forwarding from 127.0.0.1:…`",
-            Duration::from_secs(20),
-            |l| l.starts_with("Forwarding from 127.0.0.1:"),
-        )
-        .await?;
-    let local: u16 = line
-        .trim_start_matches("Forwarding from 127.0.0.1:")
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
-        .with_context(|| format!("no local port in {line:?}"))?;
+    let local = kubectl::forwarded_port(&mut proc, Duration::from_secs(20)).await?;
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], local));
 
     // Several requests on one kept-alive connection.
