@@ -149,6 +149,11 @@ pub struct CloudArgs {
     /// stormed); an edge with open streams moves when they end. `0s`: all at once.
     #[arg(long, env = "TETHER_DRAIN_SPREAD", default_value = "10s", value_parser = parse_duration)]
     pub drain_spread: Duration,
+    /// With peers, on SIGTERM, the least time the replica keeps serving (not
+    /// ready) before it exits, so load balancers and the DNAT helpers stop
+    /// sending it new connections first (a preStop delay built in).
+    #[arg(long, env = "TETHER_SHUTDOWN_DELAY", default_value = "5s", value_parser = parse_duration)]
+    pub shutdown_delay: Duration,
     /// Secret file (at least 32 bytes of key material, e.g. from
     /// `tether-certs reset-key`) shared by every replica: the stateless-reset
     /// key of the edge listener, so any replica answers a packet for an edge
@@ -333,6 +338,7 @@ pub struct CloudConfig {
     pub metrics_listen: SocketAddr,
     pub shutdown_grace: Duration,
     pub drain_spread: Duration,
+    pub shutdown_delay: Duration,
     /// The shared stateless-reset key's file, when set.
     pub reset_key_file: Option<PathBuf>,
     pub reset_interval: Duration,
@@ -510,6 +516,7 @@ impl CloudArgs {
             metrics_listen: self.metrics_listen,
             shutdown_grace: self.shutdown_grace,
             drain_spread: self.drain_spread,
+            shutdown_delay: self.shutdown_delay,
             reset_key_file: self.reset_key_file,
             reset_interval: self.reset_interval,
             join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {

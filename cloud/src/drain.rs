@@ -82,8 +82,8 @@ async fn move_one(s: &Session, at: Instant, deadline: Instant, metrics: &CloudMe
         let Some(conn) = s.connection() else {
             return false;
         };
-        let streams = s.open_streams();
-        if streams == 0 {
+        // No stream can start between this check and the close.
+        if s.try_begin_move() {
             info!(node = %s.node, remote = %conn.remote_address(), "draining: telling the edge to move");
             conn.close(
                 close_code::MOVE.into(),
@@ -93,7 +93,7 @@ async fn move_one(s: &Session, at: Instant, deadline: Instant, metrics: &CloudMe
             return true;
         }
         if Instant::now() >= deadline {
-            debug!(node = %s.node, streams, "draining: the edge's streams outlived --shutdown-grace");
+            debug!(node = %s.node, streams = s.open_streams(), "draining: the edge's streams outlived --shutdown-grace");
             return false;
         }
         tokio::time::sleep(STREAMS_POLL.min(deadline - Instant::now())).await;

@@ -86,6 +86,7 @@ pub struct Cloud {
     shutting_down: Arc<AtomicBool>,
     shutdown_grace: std::time::Duration,
     drain_spread: std::time::Duration,
+    shutdown_delay: std::time::Duration,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
 }
 
@@ -152,12 +153,14 @@ impl Cloud {
                     metrics.clone(),
                     registry.clone(),
                 );
+                let seen = members.clone();
                 tasks.spawn(peer::serve(
                     ep,
                     me,
                     pc.clone(),
                     registry.clone(),
                     metrics.clone(),
+                    Arc::new(move |addr, replica| seen.seen(addr, replica)),
                 ));
                 tasks.spawn(members.clone().run());
                 (Some(addr), Some(members))
@@ -210,6 +213,7 @@ impl Cloud {
             shutting_down,
             shutdown_grace: cfg.shutdown_grace,
             drain_spread: cfg.drain_spread,
+            shutdown_delay: cfg.shutdown_delay,
             tasks,
         })
     }
@@ -236,7 +240,8 @@ impl Cloud {
         let open =
             |r: &registry::Registry| r.sessions().iter().map(|s| s.open_streams()).sum::<usize>();
         info!(streams = open(&self.registry), grace = ?self.shutdown_grace, spread = ?self.drain_spread, "shutting down: not ready, moving edges, draining open streams");
-        let deadline = tokio::time::Instant::now() + self.shutdown_grace;
+        let started = tokio::time::Instant::now();
+        let deadline = started + self.shutdown_grace;
         let moved =
             drain::move_edges(&self.registry, self.drain_spread, deadline, &self.metrics).await;
         info!(moved, "edges told to move");
@@ -248,6 +253,13 @@ impl Cloud {
         {
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
+        // With peers, keep answering until the load balancers have taken this
+        // replica out (requests that still land here are routed to where the
+        // edges went): at least --shutdown-delay after the SIGTERM. A lone
+        // replica has nowhere to send them.
+        if self.members.is_some() {
+            tokio::time::sleep_until(started + self.shutdown_delay).await;
+        }
         for s in self.registry.sessions() {
             s.end(
                 tether_proto::frame::ResetCode::Shutdown,
@@ -258,6 +270,10 @@ impl Cloud {
             tether_proto::handshake::close_code::SHUTDOWN.into(),
             b"cloud shutting down",
         );
+        // The peers learn at once that this replica's edges are gone.
+        if let Some(m) = &self.members {
+            m.close().await;
+        }
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
             .await;
         self.tasks.abort_all();

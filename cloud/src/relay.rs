@@ -483,9 +483,12 @@ pub async fn serve(
                 let a = match &e {
                     OpenError::TooManyStreams { .. } => Answer::TooManyStreams(e.to_string()),
                     OpenError::Ended { .. } => Answer::Ended(e.to_string()),
+                    // The entry routes again and finds the edge where it went.
+                    OpenError::Moving { .. } => Answer::NotHere(e.to_string()),
                 };
                 metrics.relay_refused(match a {
                     Answer::TooManyStreams(_) => "too_many_streams",
+                    Answer::NotHere(_) => "moving",
                     _ => "ended",
                 });
                 let _ = send.write_all(&answer(a)).await;
