@@ -18,7 +18,7 @@
 //!   answered wrongly (cleanly moved: none fails; after the edge's `kill -9` its old
 //!   connection routes requests into a hang until the idle timeout — reported);
 //! - a rolling restart of all three replicas (SIGTERM, not ready, out of the services,
-//!   exit 0, restarted, back) under 10 requests/s through the TCP service plus
+//!   exit 0, restarted, back) under 20 requests/s through the TCP service plus
 //!   back-to-back kubectl execs: every request succeeds, none is answered wrongly
 //!   (failures, if any, are printed as `FIGURE roll failure` lines); then
 //!   `kill -9` of the replica holding edge-1: its edges serve again through every
@@ -1026,12 +1026,12 @@ async fn a_rolling_restart_never_misroutes_then_kill_9_edges_serve_again() {
     .await;
     let all: Vec<usize> = (0..REPLICAS).collect();
     let run = async {
-        // 10 requests a second through the TCP service, for each edge in turn.
+        // 20 requests a second through the TCP service, for each edge in turn.
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let load = steady_requests(
             bed.prober(),
             (0..3).map(|j| (api_service(), j)).collect(),
-            Duration::from_millis(100),
+            Duration::from_millis(50),
             stop.clone(),
         );
         // And real `kubectl exec`s, one after the other, all along.
@@ -1096,7 +1096,7 @@ async fn a_rolling_restart_never_misroutes_then_kill_9_edges_serve_again() {
         let results = load.await?;
         let (total, right, clear, hung, wrong) = tally(&results);
         eprintln!(
-            "FIGURE rolling restart of 3 replicas in {roll:?}: {total} requests at 10/s, {right} \
+            "FIGURE rolling restart of 3 replicas in {roll:?}: {total} requests at 20/s, {right} \
              succeeded ({:.1} %), {clear} clear errors, {hung} hung or broken, {} wrong",
             100.0 * right as f64 / total.max(1) as f64,
             wrong.len()
