@@ -297,17 +297,7 @@ fn map_read_error(e: io::Error) -> io::Error {
         Some(quinn::ReadError::ConnectionLost(_)) => ResetCode::SessionLost,
         _ => return e,
     };
-    let kind = match code {
-        ResetCode::Cancelled => io::ErrorKind::ConnectionAborted,
-        _ => io::ErrorKind::ConnectionReset,
-    };
-    io::Error::new(
-        kind,
-        StreamReset {
-            code,
-            message: format!("over the peer link: {e}"),
-        },
-    )
+    StreamReset::io_error(code, &format!("over the peer link: {e}"))
 }
 
 impl AsyncWrite for RelayIo {
