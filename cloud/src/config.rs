@@ -13,9 +13,6 @@ use tether_proto::Limits;
 
 use crate::identity::AllowedIdentity;
 
-/// `--drain-min` of a replica with peers, unless set.
-pub const DEFAULT_DRAIN_MIN_WITH_PEERS: Duration = Duration::from_secs(3);
-
 /// Command-line flags of `tether-cloud`.
 #[derive(Debug, Parser)]
 #[command(
@@ -152,12 +149,11 @@ pub struct CloudArgs {
     /// stormed); an edge with open streams moves when they end. `0s`: all at once.
     #[arg(long, env = "TETHER_DRAIN_SPREAD", default_value = "10s", value_parser = parse_duration)]
     pub drain_spread: Duration,
-    /// On SIGTERM, keep serving apiserver requests for at least this long
-    /// (capped by `--shutdown-grace`), relayed to where the edges went:
-    /// load balancers stop sending new connections to a not-ready replica
-    /// only after a few seconds. Default: 3s with peers, 0s alone.
-    #[arg(long, env = "TETHER_DRAIN_MIN", value_parser = parse_duration)]
-    pub drain_min: Option<Duration>,
+    /// With peers, on SIGTERM, the least time the replica keeps serving (not
+    /// ready) before it exits, so load balancers and the DNAT helpers stop
+    /// sending it new connections first (a preStop delay built in).
+    #[arg(long, env = "TETHER_SHUTDOWN_DELAY", default_value = "5s", value_parser = parse_duration)]
+    pub shutdown_delay: Duration,
     /// Secret file (at least 32 bytes of key material, e.g. from
     /// `tether-certs reset-key`) shared by every replica: the stateless-reset
     /// key of the edge listener, so any replica answers a packet for an edge
@@ -342,7 +338,7 @@ pub struct CloudConfig {
     pub metrics_listen: SocketAddr,
     pub shutdown_grace: Duration,
     pub drain_spread: Duration,
-    pub drain_min: Duration,
+    pub shutdown_delay: Duration,
     /// The shared stateless-reset key's file, when set.
     pub reset_key_file: Option<PathBuf>,
     pub reset_interval: Duration,
@@ -520,11 +516,7 @@ impl CloudArgs {
             metrics_listen: self.metrics_listen,
             shutdown_grace: self.shutdown_grace,
             drain_spread: self.drain_spread,
-            drain_min: self.drain_min.unwrap_or(if peer.is_some() {
-                DEFAULT_DRAIN_MIN_WITH_PEERS
-            } else {
-                Duration::ZERO
-            }),
+            shutdown_delay: self.shutdown_delay,
             reset_key_file: self.reset_key_file,
             reset_interval: self.reset_interval,
             join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {
@@ -591,25 +583,6 @@ mod tests {
         assert_eq!(c.drain_spread, Duration::from_secs(10));
         assert_eq!(c.reset_key_file, None);
         assert_eq!(c.reset_interval, Duration::from_millis(1));
-        assert_eq!(
-            c.drain_min,
-            Duration::ZERO,
-            "alone: nowhere else to serve from"
-        );
-        let peers = [
-            "--peer-listen",
-            "127.0.0.1:7000",
-            "--peer-cert",
-            "p.crt",
-            "--peer-key",
-            "p.key",
-            "--peer-ca",
-            "ca.crt",
-        ];
-        let c = config(&peers).unwrap();
-        assert_eq!(c.drain_min, DEFAULT_DRAIN_MIN_WITH_PEERS);
-        let c = config(&[&peers[..], &["--drain-min", "0s"]].concat()).unwrap();
-        assert_eq!(c.drain_min, Duration::ZERO);
         let c = config(&["--drain-spread", "0s", "--reset-key-file", "/s/reset.key"]).unwrap();
         assert_eq!(c.drain_spread, Duration::ZERO);
         assert_eq!(c.reset_key_file, Some(PathBuf::from("/s/reset.key")));

@@ -42,7 +42,7 @@ pub fn slot(i: usize, n: usize, spread: Duration) -> Duration {
 /// streams have ended; returns when all were told, or at `deadline` (those
 /// still carrying streams are left to the caller). Returns how many moved.
 pub async fn move_edges(
-    registry: &Arc<Registry>,
+    registry: &Registry,
     spread: Duration,
     deadline: Instant,
     metrics: &CloudMetrics,
@@ -63,8 +63,7 @@ pub async fn move_edges(
     for (i, s) in sessions.into_iter().enumerate() {
         let at = (start + slot(i, n, spread)).min(deadline);
         let metrics = metrics.clone();
-        let registry = registry.clone();
-        tasks.spawn(async move { move_one(&registry, &s, at, deadline, &metrics).await });
+        tasks.spawn(async move { move_one(&s, at, deadline, &metrics).await });
     }
     let mut moved = 0;
     while let Some(r) = tasks.join_next().await {
@@ -77,57 +76,28 @@ pub async fn move_edges(
 
 /// Moves one edge at `at`, or as soon after as its streams have ended;
 /// `false` if `deadline` came first or the edge had already gone.
-async fn move_one(
-    registry: &Registry,
-    s: &Arc<Session>,
-    at: Instant,
-    deadline: Instant,
-    metrics: &CloudMetrics,
-) -> bool {
+async fn move_one(s: &Session, at: Instant, deadline: Instant, metrics: &CloudMetrics) -> bool {
     tokio::time::sleep_until(at).await;
     loop {
         let Some(conn) = s.connection() else {
             return false;
         };
-        let streams = s.open_streams();
-        if streams == 0 {
+        // No stream can start between this check and the close.
+        if s.try_begin_move() {
             info!(node = %s.node, remote = %conn.remote_address(), "draining: telling the edge to move");
-            tell_to_move(registry, s, &conn, metrics);
+            conn.close(
+                close_code::MOVE.into(),
+                b"this replica is draining: reconnect to another",
+            );
+            metrics.edges_moved.inc();
             return true;
         }
         if Instant::now() >= deadline {
-            debug!(node = %s.node, streams, "draining: the edge's streams outlived --shutdown-grace");
+            debug!(node = %s.node, streams = s.open_streams(), "draining: the edge's streams outlived --shutdown-grace");
             return false;
         }
         tokio::time::sleep(STREAMS_POLL.min(deadline - Instant::now())).await;
     }
-}
-
-/// Closes the edge's connection with `MOVE`, and forgets its session at
-/// once: the edge starts a new one on the replica it reaches next, and a
-/// request or a peer's relay for it must not wait here for a resume that
-/// never comes (it is routed again, or waits `--route-wait` for the edge to
-/// show up elsewhere). The session had no open stream; one racing to open is
-/// reset with a clear error.
-pub fn tell_to_move(
-    registry: &Registry,
-    s: &Arc<Session>,
-    conn: &quinn::Connection,
-    metrics: &CloudMetrics,
-) {
-    conn.close(
-        close_code::MOVE.into(),
-        b"this replica is draining: reconnect to another",
-    );
-    registry.remove(s);
-    s.end(
-        tether_proto::frame::ResetCode::Shutdown,
-        &format!(
-            "edge {} moved to another replica (this one is draining)",
-            s.node
-        ),
-    );
-    metrics.edges_moved.inc();
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::metrics::{ResultLabel, RoleLabel};
 use crate::registry::{Holder, Target};
-use crate::relay::{self, Answer, EdgeIo, RelayHeader, Resetter};
+use crate::relay::{self, Answer, EdgeIo, RelayError, RelayHeader, Resetter};
 
 use crate::authz::{attributes, bearer_token, Refusal, Reviewer, User};
 use crate::config::CloudConfig;
@@ -454,6 +454,7 @@ impl Forwarder {
                     Err(e @ OpenError::TooManyStreams { .. }) => {
                         Err(refused(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))
                     }
+                    Err(e @ OpenError::Moving { .. }) => Err(Opened::Stale(e.to_string())),
                     Err(e @ OpenError::Ended { .. }) => {
                         Err(refused(StatusCode::BAD_GATEWAY, e.to_string()))
                     }
@@ -494,12 +495,22 @@ impl Forwarder {
                         StatusCode::SERVICE_UNAVAILABLE,
                         format!("replica {}: {m}", replica.name),
                     )),
-                    Ok(Err(Answer::Ended(m))) => Err(refused(
-                        StatusCode::BAD_GATEWAY,
-                        format!("replica {}: {m}", replica.name),
-                    )),
+                    // The holder ended the session (it is shutting down): the
+                    // edge comes back elsewhere; route again within --route-wait.
+                    Ok(Err(Answer::Ended(m))) => {
+                        Err(Opened::Stale(format!("replica {}: {m}", replica.name)))
+                    }
                     Ok(Err(Answer::Open)) => {
                         Err(refused(StatusCode::BAD_GATEWAY, "unreachable".into()))
+                    }
+                    // The link closed under us (the holder exited): its routes
+                    // go with it; route again within --route-wait.
+                    Err(e @ (RelayError::Connection(_) | RelayError::Io(_))) => {
+                        info!(node = %target.node, replica = %replica.name, error = %e, "the holding replica went away");
+                        Err(Opened::Stale(format!(
+                            "replica {} went away: {e}",
+                            replica.name
+                        )))
                     }
                     Err(e) => {
                         warn!(node = %target.node, replica = %replica.name, error = %e, "relay to the holding replica failed");

@@ -86,7 +86,7 @@ pub struct Cloud {
     shutting_down: Arc<AtomicBool>,
     shutdown_grace: std::time::Duration,
     drain_spread: std::time::Duration,
-    drain_min: std::time::Duration,
+    shutdown_delay: std::time::Duration,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
 }
 
@@ -153,12 +153,14 @@ impl Cloud {
                     metrics.clone(),
                     registry.clone(),
                 );
+                let seen = members.clone();
                 tasks.spawn(peer::serve(
                     ep,
                     me,
                     pc.clone(),
                     registry.clone(),
                     metrics.clone(),
+                    Arc::new(move |addr, replica| seen.seen(addr, replica)),
                 ));
                 tasks.spawn(members.clone().run());
                 (Some(addr), Some(members))
@@ -211,7 +213,7 @@ impl Cloud {
             shutting_down,
             shutdown_grace: cfg.shutdown_grace,
             drain_spread: cfg.drain_spread,
-            drain_min: cfg.drain_min,
+            shutdown_delay: cfg.shutdown_delay,
             tasks,
         })
     }
@@ -231,7 +233,7 @@ impl Cloud {
     /// replica have ended (see [`drain`]); let open streams — local, relayed
     /// to other replicas' edges, or relayed here by them — finish for up to
     /// `--shutdown-grace` (the kubelet-API listener and the peer links keep
-    /// serving meanwhile, for at least `--drain-min`); then close every edge connection left with the
+    /// serving meanwhile); then close every edge connection left with the
     /// shutdown code and stop.
     pub async fn shutdown(mut self) {
         self.shutting_down.store(true, Ordering::Relaxed);
@@ -240,10 +242,6 @@ impl Cloud {
         info!(streams = open(&self.registry), grace = ?self.shutdown_grace, spread = ?self.drain_spread, "shutting down: not ready, moving edges, draining open streams");
         let started = tokio::time::Instant::now();
         let deadline = started + self.shutdown_grace;
-        // Load balancers take a moment to stop sending new connections to a
-        // replica that turned not-ready: serve them (relayed to where the
-        // edges went) for at least --drain-min.
-        let stay_until = (started + self.drain_min).min(deadline);
         let moved =
             drain::move_edges(&self.registry, self.drain_spread, deadline, &self.metrics).await;
         info!(moved, "edges told to move");
@@ -251,13 +249,24 @@ impl Cloud {
         // requests still being routed, are not in this registry's sessions:
         // the gauge of every served request and stream has them.
         let served = |m: &metrics::CloudMetrics| m.streams_open_any.get().max(0) as usize;
-        loop {
-            let now = tokio::time::Instant::now();
-            let busy = open(&self.registry) > 0 || served(&self.metrics) > 0;
-            if !(busy && now < deadline || now < stay_until) {
-                break;
-            }
+        while (open(&self.registry) > 0 || served(&self.metrics) > 0)
+            && tokio::time::Instant::now() < deadline
+        {
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        // With peers, keep answering until the load balancers have taken this
+        // replica out (requests that still land here are routed to where the
+        // edges went): at least --shutdown-delay after the SIGTERM. A lone
+        // replica has nowhere to send them.
+        if self.members.is_some() {
+            tokio::time::sleep_until(started + self.shutdown_delay).await;
+            // Requests that landed meanwhile finish too (still being routed,
+            // or streaming), within --shutdown-grace.
+            while (open(&self.registry) > 0 || served(&self.metrics) > 0)
+                && tokio::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
         }
         for s in self.registry.sessions() {
             s.end(
@@ -269,6 +278,10 @@ impl Cloud {
             tether_proto::handshake::close_code::SHUTDOWN.into(),
             b"cloud shutting down",
         );
+        // The peers learn at once that this replica's edges are gone.
+        if let Some(m) = &self.members {
+            m.close().await;
+        }
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
             .await;
         self.tasks.abort_all();

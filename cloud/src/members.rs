@@ -95,6 +95,38 @@ impl Members {
         })
     }
 
+    /// Closes every peer link at once (the end of a shutdown), so the peers
+    /// drop this replica's edges now rather than after `--peer-timeout`;
+    /// waits (bounded) for the closes to go out.
+    pub async fn close(&self) {
+        self.endpoint
+            .close(peer::close_code::LEFT.into(), b"replica shut down");
+        let _ = tokio::time::timeout(self.cfg.timeout, self.endpoint.wait_idle()).await;
+    }
+
+    /// A peer dialled us from `addr` as `replica`: if our own link to that
+    /// address is to an older instance (the peer restarted at the same
+    /// address), that link is stale — close it and dial again now, rather
+    /// than after `--peer-timeout`.
+    pub fn seen(self: &Arc<Self>, addr: SocketAddr, replica: &ReplicaId) {
+        let mut table = self.table();
+        let stale = matches!(
+            table.get(&addr),
+            Some(Candidate::Up { link, .. }) if link.replica.instance != replica.instance
+        );
+        if !stale {
+            return;
+        }
+        if let Some(Candidate::Up { link, .. }) = table.get(&addr) {
+            info!(peer = %replica.name, %addr, "peer restarted; dialling its new instance");
+            link.conn
+                .close(peer::close_code::LEFT.into(), b"replaced by a restart");
+        }
+        table.insert(addr, Candidate::Dialling);
+        self.publish(&table);
+        tokio::spawn(self.clone().dial(addr));
+    }
+
     /// This replica.
     pub fn me(&self) -> &ReplicaId {
         &self.me

@@ -262,18 +262,24 @@ pub async fn dial(
 /// Accepts peer connections until the endpoint closes. A connection that is
 /// not a peer's is refused and logged; a peer's streams are served until it
 /// closes.
+/// Told who dialled from where, after its hello.
+pub type OnHello = Arc<dyn Fn(SocketAddr, &ReplicaId) + Send + Sync>;
+
+/// `on_hello` is told who dialled from where (so a restarted peer is seen at once).
 pub async fn serve(
     endpoint: quinn::Endpoint,
     me: ReplicaId,
     cfg: PeerConfig,
     registry: Arc<Registry>,
     metrics: CloudMetrics,
+    on_hello: OnHello,
 ) -> anyhow::Result<()> {
     let timeout = cfg.timeout;
     while let Some(incoming) = endpoint.accept().await {
         let me = me.clone();
         let metrics = metrics.clone();
         let registry = registry.clone();
+        let on_hello = on_hello.clone();
         let max = cfg.max_message_bytes;
         tokio::spawn(async move {
             let remote = incoming.remote_address();
@@ -281,6 +287,7 @@ pub async fn serve(
                 Ok(Ok((replica, conn))) => {
                     if replica.instance != me.instance {
                         info!(%remote, peer = %replica.name, "peer connected");
+                        on_hello(remote, &replica);
                     }
                     serve_streams(&conn, &replica.name, registry, metrics, max, timeout).await;
                     let why = conn.closed().await;

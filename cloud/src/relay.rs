@@ -297,17 +297,7 @@ fn map_read_error(e: io::Error) -> io::Error {
         Some(quinn::ReadError::ConnectionLost(_)) => ResetCode::SessionLost,
         _ => return e,
     };
-    let kind = match code {
-        ResetCode::Cancelled => io::ErrorKind::ConnectionAborted,
-        _ => io::ErrorKind::ConnectionReset,
-    };
-    io::Error::new(
-        kind,
-        StreamReset {
-            code,
-            message: format!("over the peer link: {e}"),
-        },
-    )
+    StreamReset::io_error(code, &format!("over the peer link: {e}"))
 }
 
 impl AsyncWrite for RelayIo {
@@ -483,9 +473,12 @@ pub async fn serve(
                 let a = match &e {
                     OpenError::TooManyStreams { .. } => Answer::TooManyStreams(e.to_string()),
                     OpenError::Ended { .. } => Answer::Ended(e.to_string()),
+                    // The entry routes again and finds the edge where it went.
+                    OpenError::Moving { .. } => Answer::NotHere(e.to_string()),
                 };
                 metrics.relay_refused(match a {
                     Answer::TooManyStreams(_) => "too_many_streams",
+                    Answer::NotHere(_) => "moving",
                     _ => "ended",
                 });
                 let _ = send.write_all(&answer(a)).await;

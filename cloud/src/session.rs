@@ -46,6 +46,10 @@ pub enum OpenError {
     TooManyStreams { node: String, open: usize },
     #[error("edge {node}'s session has ended: {reason}")]
     Ended { node: String, reason: String },
+    /// This replica is draining and told the edge to move: its next streams
+    /// go through whichever replica the edge reaches next.
+    #[error("edge {node} is moving to another replica (this one is draining)")]
+    Moving { node: String },
 }
 
 /// Why a committed connection was not attached.
@@ -75,6 +79,8 @@ pub struct Session {
     streams: Mutex<HashMap<StreamId, Arc<SharedStream>>>,
     next_stream: AtomicU64,
     next_gen: AtomicU64,
+    /// Set once the edge is told to move (drain): no new stream starts here.
+    moving: std::sync::atomic::AtomicBool,
 }
 
 impl Session {
@@ -103,6 +109,7 @@ impl Session {
             streams: Mutex::new(HashMap::new()),
             next_stream: AtomicU64::new(1),
             next_gen: AtomicU64::new(1),
+            moving: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -140,6 +147,19 @@ impl Session {
         let mut v: Vec<_> = self.streams().keys().copied().collect();
         v.sort_unstable();
         v
+    }
+
+    /// If no stream is open, marks the session as moving — from then on
+    /// [`Session::open_stream`] refuses with [`OpenError::Moving`] — and
+    /// returns true. Atomic with stream opening, so no stream can start
+    /// between the check and the edge being told to move.
+    pub fn try_begin_move(&self) -> bool {
+        let streams = self.streams();
+        if !streams.is_empty() {
+            return false;
+        }
+        self.moving.store(true, Ordering::Relaxed);
+        true
     }
 
     pub fn open_streams(&self) -> usize {
@@ -254,6 +274,11 @@ impl Session {
         let shared = SharedStream::new(StreamState::new(id, StreamLimits::from(&self.limits)));
         {
             let mut streams = self.streams();
+            if self.moving.load(Ordering::Relaxed) {
+                return Err(OpenError::Moving {
+                    node: self.node.clone(),
+                });
+            }
             if streams.len() >= self.limits.max_streams_per_edge as usize {
                 return Err(OpenError::TooManyStreams {
                     node: self.node.clone(),

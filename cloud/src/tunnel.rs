@@ -575,7 +575,11 @@ async fn handle(
         // Committed while the drain began (after the drain's list of edges
         // was taken): move it at once.
         info!(node = %node, "draining: telling the edge to move (it attached as the drain began)");
-        crate::drain::tell_to_move(registry, &session, &conn, metrics);
+        conn.close(
+            close_code::MOVE.into(),
+            b"this replica is draining: reconnect to another",
+        );
+        metrics.edges_moved.inc();
     }
     // Counted only now: the edge took this welcome and committed to it.
     if resumed {

@@ -289,6 +289,11 @@ impl StreamReset {
         e.get_ref()
             .and_then(|inner| inner.downcast_ref::<StreamReset>())
     }
+
+    /// The I/O error a reset stream returns (what [`StreamReset::from_io`] reads).
+    pub fn io_error(code: ResetCode, message: &str) -> io::Error {
+        reset_error(code, message)
+    }
 }
 
 fn reset_error(code: ResetCode, message: &str) -> io::Error {

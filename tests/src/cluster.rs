@@ -420,9 +420,9 @@ impl Cluster {
                         .arg("--peer-resolve-interval")
                         .arg("1s")
                         // No load balancer to wait for here: the harness stops
-                        // the replicas within its STOP_GRACE (the drain's
-                        // minimum is tested in tests/tests/rolling.rs).
-                        .args(["--drain-min", "0s"])
+                        // the replicas within its STOP_GRACE (the delay is
+                        // tested in tests/tests/rolling.rs and replica_bed.rs).
+                        .args(["--shutdown-delay", "0s"])
                         .args(peers.flags());
                 }
                 starting.push(Proc::spawn(&name, cmd, &logs, opts)?);

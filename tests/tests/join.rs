@@ -175,25 +175,18 @@ async fn edge_joins_with_a_token_then_serves() {
 
     // The joined edge connects with its new certificate and serves requests.
     let kubelet = Kubelet::start("edge-7", &["default/p7"]).await.unwrap();
-    let mut cmd = tokio::process::Command::new(binary("tether-edge").unwrap());
-    cmd.args(["--cloud", &tunnel, "--server-name", "tether-cloud"])
-        .arg("--ca")
-        .arg(d.join("edge/ca.crt"))
-        .arg("--cert")
-        .arg(d.join("edge/node.crt"))
-        .arg("--key")
-        .arg(d.join("edge/node.key"))
-        .args([
-            "--kubelet-url",
-            &format!("http://{}", kubelet.addr),
-            "--metrics-listen",
-            "127.0.0.1:0",
+    let mut edge = spawn_edge(
+        d,
+        &tunnel,
+        kubelet.addr,
+        "tether-edge",
+        &[
             "--pods-refresh",
             "200ms",
-        ])
-        .args(["--announce-address", "edge-7.invalid"])
-        .env("RUST_BACKTRACE", "0");
-    let mut edge = Proc::spawn("tether-edge", cmd, d, SpawnOptions::default()).unwrap();
+            "--announce-address",
+            "edge-7.invalid",
+        ],
+    );
     let line = edge
         .wait_line("edge connected", Duration::from_secs(20), |l| {
             l.starts_with("tether-edge connected")
@@ -265,23 +258,13 @@ async fn edge_joins_with_a_token_then_serves() {
     assert_eq!(r.status, StatusCode::OK);
     // The renewed key and certificate form a working pair: a restarted edge connects with them.
     edge.kill().await;
-    let mut cmd = tokio::process::Command::new(binary("tether-edge").unwrap());
-    cmd.args(["--cloud", &tunnel, "--server-name", "tether-cloud"])
-        .arg("--ca")
-        .arg(d.join("edge/ca.crt"))
-        .arg("--cert")
-        .arg(d.join("edge/node.crt"))
-        .arg("--key")
-        .arg(d.join("edge/node.key"))
-        .args([
-            "--kubelet-url",
-            &format!("http://{}", kubelet.addr),
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ])
-        .args(["--announce-address", "edge-7.invalid"])
-        .env("RUST_BACKTRACE", "0");
-    let mut edge = Proc::spawn("tether-edge-2", cmd, d, SpawnOptions::default()).unwrap();
+    let mut edge = spawn_edge(
+        d,
+        &tunnel,
+        kubelet.addr,
+        "tether-edge-2",
+        &["--announce-address", "edge-7.invalid"],
+    );
     edge.wait_line(
         "edge reconnected with the renewed certificate",
         Duration::from_secs(20),
@@ -311,22 +294,7 @@ async fn edge_joins_with_a_token_then_serves() {
     edge.kill().await;
     // The cloud looks at the store at most once a second.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let mut cmd = tokio::process::Command::new(binary("tether-edge").unwrap());
-    cmd.args(["--cloud", &tunnel, "--server-name", "tether-cloud"])
-        .arg("--ca")
-        .arg(d.join("edge/ca.crt"))
-        .arg("--cert")
-        .arg(d.join("edge/node.crt"))
-        .arg("--key")
-        .arg(d.join("edge/node.key"))
-        .args([
-            "--kubelet-url",
-            &format!("http://{}", kubelet.addr),
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ])
-        .env("RUST_BACKTRACE", "0");
-    let edge = Proc::spawn("tether-edge-3", cmd, d, SpawnOptions::default()).unwrap();
+    let edge = spawn_edge(d, &tunnel, kubelet.addr, "tether-edge-3", &[]);
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
         let log = std::fs::read_to_string(d.join("tether-cloud.log")).unwrap();
@@ -349,6 +317,33 @@ async fn edge_joins_with_a_token_then_serves() {
         "a revoked certificate must not connect"
     );
     drop(kubelet);
+}
+
+/// `tether-edge` with the joined certificate, dialling `tunnel`, for `kubelet`.
+fn spawn_edge(
+    d: &Path,
+    tunnel: &str,
+    kubelet: std::net::SocketAddr,
+    name: &str,
+    extra: &[&str],
+) -> Proc {
+    let mut cmd = tokio::process::Command::new(binary("tether-edge").unwrap());
+    cmd.args(["--cloud", tunnel, "--server-name", "tether-cloud"])
+        .arg("--ca")
+        .arg(d.join("edge/ca.crt"))
+        .arg("--cert")
+        .arg(d.join("edge/node.crt"))
+        .arg("--key")
+        .arg(d.join("edge/node.key"))
+        .args([
+            "--kubelet-url",
+            &format!("http://{kubelet}"),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .args(extra)
+        .env("RUST_BACKTRACE", "0");
+    Proc::spawn(name, cmd, d, SpawnOptions::default()).unwrap()
 }
 
 fn pair(pki: &Path, name: &str) -> tether_tests::pki::Pair {

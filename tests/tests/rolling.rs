@@ -667,12 +667,12 @@ async fn sigterm_keeps_relaying_a_stream_to_an_edge_held_elsewhere() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_serves_new_requests_for_drain_min_then_exits() {
+async fn sigterm_serves_new_requests_for_shutdown_delay_then_exits() {
     let bed = Bed::new("min");
     let min = Duration::from_secs(2);
-    let extra = ["--shutdown-grace", "20s", "--drain-min", "2s"];
-    // A holds no edge: without --drain-min it would exit at once, while the
-    // load balancer may still send it requests.
+    let extra = ["--shutdown-grace", "20s", "--shutdown-delay", "2s"];
+    // A holds no edge: without --shutdown-delay it would exit at once, while
+    // the load balancer may still send it requests.
     bed.ns.route_service_to(addr(TUNNEL[1]));
     let mut a = bed.replica(0, true, &extra).await;
     let _b = bed.replica(1, true, &extra).await;
@@ -701,10 +701,13 @@ async fn sigterm_serves_new_requests_for_drain_min_then_exits() {
         served += 1;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(a.exited().is_none(), "A must stay for --drain-min");
+    assert!(a.exited().is_none(), "A must stay for --shutdown-delay");
     let status = a.wait_exit(Duration::from_secs(10)).await.unwrap();
     assert!(status.success(), "{status:?}");
     let exited = term.elapsed();
-    eprintln!("replica-a served {served} new requests after SIGTERM, exited after {exited:?} (--drain-min {min:?})");
-    assert!(exited >= min, "exited after {exited:?}, before --drain-min");
+    eprintln!("replica-a served {served} new requests after SIGTERM, exited after {exited:?} (--shutdown-delay {min:?})");
+    assert!(
+        exited >= min,
+        "exited after {exited:?}, before --shutdown-delay"
+    );
 }
