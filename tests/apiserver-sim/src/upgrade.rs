@@ -70,6 +70,19 @@ pub async fn proxy(
         return Response::from_parts(parts, body::boxed(incoming));
     }
 
+    let negotiated = ["sec-websocket-protocol", "x-stream-protocol-version"]
+        .iter()
+        .find_map(|h| resp.headers().get(*h))
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .unwrap_or_default();
+    eprintln!(
+        "apiserver-sim: passing through {}: kubelet negotiated {} {negotiated}",
+        loc.log_url(),
+        resp.headers()
+            .get(header::UPGRADE)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .unwrap_or_default(),
+    );
     let kubelet_upgrade = hyper::upgrade::on(&mut resp);
     let mut to_client = Response::new(body::empty());
     *to_client.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
