@@ -22,7 +22,8 @@ use kubelet_sim::websocket::{self as chan, ChannelMessage, Encoding};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
@@ -371,7 +372,13 @@ where
     };
     sum.why = why;
     if client_open {
-        let _ = tokio::time::timeout(CLOSE_TIMEOUT, ws.close(None)).await;
+        // A normal closure: client-go reads code 1000 as the end of every channel, any
+        // other code (1005 "no status" included) as an error.
+        let normal = CloseFrame {
+            code: CloseCode::Normal,
+            reason: "".into(),
+        };
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, ws.close(Some(normal))).await;
     }
     let _ = tokio::time::timeout(CLOSE_TIMEOUT * 2, session.close()).await;
     Ok(sum)
@@ -455,11 +462,15 @@ mod tests {
         m
     }
 
-    async fn next_data(client: &mut WebSocketStream<tokio::io::DuplexStream>) -> Option<Message> {
+    /// The next binary message, or the close code once the server closed.
+    async fn next_data(
+        client: &mut WebSocketStream<tokio::io::DuplexStream>,
+    ) -> Result<Bytes, Option<CloseCode>> {
         loop {
             match tokio::time::timeout(T, client.next()).await.unwrap() {
-                Some(Ok(m @ Message::Binary(_))) => return Some(m),
-                Some(Ok(Message::Close(_))) | None => return None,
+                Some(Ok(Message::Binary(b))) => return Ok(b),
+                Some(Ok(Message::Close(c))) => return Err(c.map(|c| c.code)),
+                None => return Err(None),
                 Some(Ok(_)) => continue,
                 Some(Err(e)) => panic!("client: {e}"),
             }
@@ -511,12 +522,20 @@ mod tests {
         errch.close();
 
         let mut by_channel: std::collections::HashMap<u8, Vec<u8>> = Default::default();
-        while let Some(Message::Binary(b)) = next_data(&mut client).await {
-            by_channel
-                .entry(b[0])
-                .or_default()
-                .extend_from_slice(&b[1..]);
-        }
+        let close = loop {
+            match next_data(&mut client).await {
+                Ok(b) => by_channel
+                    .entry(b[0])
+                    .or_default()
+                    .extend_from_slice(&b[1..]),
+                Err(code) => break code,
+            }
+        };
+        assert_eq!(
+            close,
+            Some(CloseCode::Normal),
+            "client-go takes only 1000 as a clean end"
+        );
         assert_eq!(by_channel[&chan::STDOUT], b"\x00out\xff");
         assert_eq!(by_channel[&chan::STDERR], b"err");
         assert_eq!(by_channel[&chan::ERROR], status.to_vec());
