@@ -492,6 +492,11 @@ mod tests {
         let mut client = WebSocketStream::from_raw_socket(client_io, Role::Client, None).await;
         let mut kubelet = Session::new(kubelet_far, spdy::Role::Server).unwrap();
         let mut s = accept_all(&mut kubelet, 4).await;
+        let ids: Vec<u32> = ["error", "stdin", "stdout", "stderr"]
+            .iter()
+            .map(|k| s[*k].id)
+            .collect();
+        assert_eq!(ids, [1, 3, 5, 7], "the executor's order, client stream ids");
 
         // stdin: bytes through unchanged (all 256 values), then the v5 close → SPDY FIN.
         let payload: Vec<u8> = (0..=255u8).cycle().take(100_000).collect();
@@ -539,6 +544,12 @@ mod tests {
         assert_eq!(by_channel[&chan::STDOUT], b"\x00out\xff");
         assert_eq!(by_channel[&chan::STDERR], b"err");
         assert_eq!(by_channel[&chan::ERROR], status.to_vec());
+        // The relay closes the SPDY session: the kubelet sees it end, and closes too.
+        assert!(tokio::time::timeout(T, kubelet.accept())
+            .await
+            .unwrap()
+            .is_none());
+        kubelet.close().await;
         let sum = tokio::time::timeout(T, task)
             .await
             .unwrap()
@@ -546,11 +557,6 @@ mod tests {
             .unwrap();
         assert_eq!(sum.stdin, 100_000);
         assert_eq!(sum.why, "kubelet ended its streams");
-        // The relay closed the SPDY session: the kubelet sees no further streams.
-        assert!(tokio::time::timeout(T, kubelet.accept())
-            .await
-            .unwrap()
-            .is_none());
     }
 
     #[tokio::test]
@@ -596,6 +602,18 @@ mod tests {
         assert_eq!(&got[..], b"ls\r");
 
         client.close(None).await.unwrap();
+        // The client went away: the relay closes the SPDY session, so the kubelet's
+        // streams end (stdin first among them) and the kubelet closes its side too.
+        let stdin = s.get_mut("stdin").unwrap();
+        assert!(tokio::time::timeout(T, stdin.read())
+            .await
+            .unwrap()
+            .is_none());
+        assert!(tokio::time::timeout(T, kubelet.accept())
+            .await
+            .unwrap()
+            .is_none());
+        kubelet.close().await;
         let sum = tokio::time::timeout(T, task)
             .await
             .unwrap()
@@ -603,11 +621,5 @@ mod tests {
             .unwrap();
         assert_eq!(sum.why, "client closed");
         assert_eq!(sum.stdin, 3);
-        // The kubelet's stdin stream ends as the session goes away.
-        let stdin = s.get_mut("stdin").unwrap();
-        assert!(tokio::time::timeout(T, stdin.read())
-            .await
-            .unwrap()
-            .is_none());
     }
 }
