@@ -1,7 +1,8 @@
 //! apiserver-sim: a small, faithful kube-apiserver stand-in for Tether's tests. Real
 //! kubectl talks to it over HTTPS; it serves discovery, pods and nodes from flags, and
 //! proxies pods/exec|attach|portforward|log and nodes/proxy to kubelets the way
-//! kube-apiserver does (same kubelet URLs, `Host` headers, SNI and client certificate),
+//! kube-apiserver does (same kubelet URLs, `Host` headers, SNI and client certificate;
+//! exec/attach over WebSocket translated to SPDY by default, [`translate`]),
 //! and answers TokenReview / SubjectAccessReview from a tokens-and-rules file.
 //! This file owns the command line, start-up and the accept loop.
 

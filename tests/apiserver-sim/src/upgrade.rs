@@ -2,7 +2,8 @@
 //! clone the client's request (its `Host` kept, `X-Forwarded-For` added), point it at the
 //! kubelet location, dial with ALPN `http/1.1`, and on `101` splice both connections;
 //! non-101 below 400 is an "invalid upgrade response", ≥400 is copied to the client.
-//! Used for SPDY (kubectl ≤1.29) and WebSocket (≥1.30 exec/attach, legacy protocols).
+//! Used for SPDY (kubectl ≤1.29), nodes/proxy upgrades, and WebSocket exec/attach when
+//! not translated (`--stream-translation passthrough`, or no `v5.channel.k8s.io` offered).
 
 use std::net::SocketAddr;
 
