@@ -270,25 +270,33 @@ where
     K: AsyncRead + AsyncWrite + Send + 'static,
 {
     let session = Session::new(kubelet, spdy::Role::Client)?;
-    let mut stdin = None;
-    let mut resize = None;
-    // Output streams: (their receiver, the WebSocket channel they feed).
-    let mut outputs = Vec::new();
-    for (kind, channel) in streams.stream_types() {
-        let s = tokio::time::timeout(
-            CLOSE_TIMEOUT * 6,
-            session.open_stream(vec![("streamtype".into(), kind.into())], false),
-        )
-        .await
-        .map_err(|_| anyhow::anyhow!("opening SPDY stream {kind} timed out"))??;
-        let (rx, writer) = s.split();
-        match (kind, channel) {
-            ("stdin", _) => stdin = Some(writer),
-            ("resize", _) => resize = Some(writer),
-            (_, Some(ch)) => outputs.push((rx, ch)),
-            _ => {}
+    let mut ws = ws;
+    let (mut stdin, mut resize, outputs) = match open_streams(&session, streams).await {
+        Ok(opened) => opened,
+        Err(e) => {
+            // As kube-apiserver: the failure reaches kubectl as a Status on the error
+            // channel, then a normal close.
+            let status = ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                format!("error opening the kubelet's streams: {e:#}"),
+            )
+            .to_json()
+            .to_string();
+            let _ = tokio::time::timeout(
+                CLOSE_TIMEOUT,
+                ws.send(chan::encode(
+                    Encoding::Binary,
+                    chan::ERROR,
+                    status.as_bytes(),
+                )),
+            )
+            .await;
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, ws.close(Some(normal_close()))).await;
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT * 2, session.close()).await;
+            return Err(e);
         }
-    }
+    };
 
     // Every output stream forwards into one queue; the queue ends when all have ended.
     let (out_tx, mut out_rx) = mpsc::channel::<(u8, Bytes)>(64);
@@ -304,7 +312,6 @@ where
     }
     drop(out_tx);
 
-    let mut ws = ws;
     let mut sum = Summary::default();
     let mut client_open = true;
     let why = loop {
@@ -372,16 +379,48 @@ where
     };
     sum.why = why;
     if client_open {
-        // A normal closure: client-go reads code 1000 as the end of every channel, any
-        // other code (1005 "no status" included) as an error.
-        let normal = CloseFrame {
-            code: CloseCode::Normal,
-            reason: "".into(),
-        };
-        let _ = tokio::time::timeout(CLOSE_TIMEOUT, ws.close(Some(normal))).await;
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, ws.close(Some(normal_close()))).await;
     }
     let _ = tokio::time::timeout(CLOSE_TIMEOUT * 2, session.close()).await;
     Ok(sum)
+}
+
+/// A normal closure: client-go reads code 1000 as the end of every channel, any other
+/// code (1005 "no status" included) as an error.
+fn normal_close() -> CloseFrame {
+    CloseFrame {
+        code: CloseCode::Normal,
+        reason: "".into(),
+    }
+}
+
+/// The streams of one session: stdin and resize writers, output receivers with the
+/// WebSocket channel each feeds.
+type Opened = (
+    Option<spdy::StreamWriter>,
+    Option<spdy::StreamWriter>,
+    Vec<(mpsc::UnboundedReceiver<Bytes>, u8)>,
+);
+
+/// Opens the executor's streams in its order, each waiting for its SYN_REPLY.
+async fn open_streams(session: &Session, streams: Streams) -> anyhow::Result<Opened> {
+    let (mut stdin, mut resize, mut outputs) = (None, None, Vec::new());
+    for (kind, channel) in streams.stream_types() {
+        let s = tokio::time::timeout(
+            CLOSE_TIMEOUT * 6,
+            session.open_stream(vec![("streamtype".into(), kind.into())], false),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("opening SPDY stream {kind} timed out"))??;
+        let (rx, writer) = s.split();
+        match (kind, channel) {
+            ("stdin", _) => stdin = Some(writer),
+            ("resize", _) => resize = Some(writer),
+            (_, Some(ch)) => outputs.push((rx, ch)),
+            _ => {}
+        }
+    }
+    Ok((stdin, resize, outputs))
 }
 
 #[cfg(test)]
@@ -557,6 +596,32 @@ mod tests {
             .unwrap();
         assert_eq!(sum.stdin, 100_000);
         assert_eq!(sum.why, "kubelet ended its streams");
+    }
+
+    #[tokio::test]
+    async fn kubelet_gone_before_the_streams_is_a_status_on_the_error_channel() {
+        let (client_io, server_io) = tokio::io::duplex(64 * 1024);
+        let (kubelet_io, kubelet_far) = tokio::io::duplex(64 * 1024);
+        drop(kubelet_far);
+        let server_ws = WebSocketStream::from_raw_socket(server_io, Role::Server, None).await;
+        let streams = Streams {
+            stdout: true,
+            ..Streams::default()
+        };
+        let task = tokio::spawn(relay(server_ws, kubelet_io, streams, true));
+        let mut client = WebSocketStream::from_raw_socket(client_io, Role::Client, None).await;
+        let b = next_data(&mut client).await.unwrap();
+        assert_eq!(b[0], chan::ERROR);
+        let status: serde_json::Value = serde_json::from_slice(&b[1..]).unwrap();
+        assert_eq!(status["status"], "Failure");
+        assert_eq!(status["reason"], "InternalError");
+        assert!(status["message"]
+            .as_str()
+            .unwrap()
+            .contains("error opening the kubelet's streams"));
+        assert_eq!(next_data(&mut client).await, Err(Some(CloseCode::Normal)));
+        let r = tokio::time::timeout(T, task).await.unwrap().unwrap();
+        assert!(r.is_err());
     }
 
     #[tokio::test]
