@@ -129,6 +129,20 @@ pub fn replicas_from_env() -> Result<usize> {
     }
 }
 
+/// How apiserver-sim carries exec/attach requested over WebSocket:
+/// `TETHER_E2E_APISERVER_STREAMS` = `translate` (default, kube-apiserver ≥1.30's
+/// behaviour: SPDY towards the kubelet) or `passthrough` (the WebSocket upgrade spliced
+/// through untouched).
+pub fn apiserver_streams_from_env() -> Result<&'static str> {
+    match std::env::var("TETHER_E2E_APISERVER_STREAMS").as_deref() {
+        Err(_) | Ok("") | Ok("translate") => Ok("translate"),
+        Ok("passthrough") => Ok("passthrough"),
+        Ok(other) => {
+            bail!("TETHER_E2E_APISERVER_STREAMS={other:?}: expected `translate` or `passthrough`")
+        }
+    }
+}
+
 /// A node of a running cluster.
 pub struct RunningNode {
     pub name: String,
@@ -196,6 +210,8 @@ pub struct Cluster {
     pub cloud: Option<RunningCloud>,
     /// The other replicas, with [`ClusterSpec::replicas`] above one.
     pub more_clouds: Vec<RunningCloud>,
+    /// apiserver-sim's `--stream-translation` (see [`apiserver_streams_from_env`]).
+    pub apiserver_streams: &'static str,
     apiserver: Proc,
     client: KubeletClient,
 }
@@ -495,8 +511,11 @@ impl Cluster {
 
         // The apiserver stand-in.
         let kubeconfig = dir.join("kubeconfig");
+        let apiserver_streams = apiserver_streams_from_env()?;
         let mut cmd = command(&apiserver_bin);
-        cmd.arg("--listen")
+        cmd.arg("--stream-translation")
+            .arg(apiserver_streams)
+            .arg("--listen")
             .arg("127.0.0.1:0")
             .arg("--write-kubeconfig")
             .arg(&kubeconfig)
@@ -542,6 +561,7 @@ impl Cluster {
             nodes,
             cloud,
             more_clouds,
+            apiserver_streams,
             apiserver,
             client,
         };
@@ -683,6 +703,31 @@ impl Cluster {
             v.push(&n.kubelet);
         }
         v
+    }
+
+    /// What the kubelet side of each exec/attach upgrade negotiated so far, from
+    /// apiserver-sim's log: (`translated …` or `passed through …`, count), sorted.
+    pub fn kubelet_stream_protocols(&self) -> Result<Vec<(String, usize)>> {
+        let text = std::fs::read_to_string(self.apiserver.log_path())
+            .with_context(|| format!("reading {}", self.apiserver.log_path().display()))?;
+        let mut counts = std::collections::BTreeMap::<String, usize>::new();
+        for line in text.lines() {
+            let Some((head, proto)) = line.split_once(" kubelet negotiated ") else {
+                continue;
+            };
+            if !(head.contains("/exec/") || head.contains("/attach/")) {
+                continue;
+            }
+            let key = match head.split_once(": client ") {
+                Some((_, client)) if head.starts_with("apiserver-sim: translating") => format!(
+                    "translated: client {}, kubelet {proto}",
+                    client.trim_end_matches(',')
+                ),
+                _ => format!("passed through: kubelet {proto}"),
+            };
+            *counts.entry(key).or_default() += 1;
+        }
+        Ok(counts.into_iter().collect())
     }
 
     /// The last `lines` lines of every process's stderr log, for failure reports.

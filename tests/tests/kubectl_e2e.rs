@@ -164,7 +164,8 @@ async fn suite(selection: Selection) -> Result<bool> {
         .tempdir()
         .context("creating the run directory")?;
     println!(
-        "kubectl e2e: {mode}; {replicas} cloud replica(s); kubectl {}; run directory {}",
+        "kubectl e2e: {mode}; {replicas} cloud replica(s); apiserver-sim exec/attach over WebSocket: {}; kubectl {}; run directory {}",
+        tether_tests::cluster::apiserver_streams_from_env()?,
         bins.iter()
             .map(|b| format!("{} ({})", b.version, b.path.display()))
             .collect::<Vec<_>>()
@@ -306,6 +307,21 @@ async fn run_version(
             error,
         });
     }
+    if selected
+        .iter()
+        .any(|(name, _)| name.starts_with("exec") || *name == "attach")
+    {
+        let started = std::time::Instant::now();
+        let error = stream_protocols(&ctx.cluster, &version)
+            .err()
+            .map(|e| format!("{e:#}"));
+        results.push(CaseResult {
+            group: version.clone(),
+            name: "apiserver-kubelet-stream-protocols",
+            elapsed: started.elapsed(),
+            error,
+        });
+    }
     let Ok(mut ctx) = Arc::try_unwrap(ctx) else {
         println!("[kubectl {version}] a case still holds the cluster; it is killed on exit");
         return results;
@@ -326,6 +342,59 @@ async fn run_version(
         }
     }
     results
+}
+
+/// What apiserver-sim's exec/attach upgrades negotiated with the kubelet side, printed,
+/// and checked against the mode: with `translate` (kube-apiserver's default) kubectl
+/// ≥1.30's WebSocket exec/attach reach the kubelet as SPDY v4.channel.k8s.io, never as a
+/// WebSocket; with `passthrough` nothing is translated; kubectl <1.30 (SPDY) passes
+/// through either way.
+fn stream_protocols(cluster: &Cluster, version: &str) -> Result<()> {
+    let mode = cluster.apiserver_streams;
+    let seen = cluster.kubelet_stream_protocols()?;
+    for (what, n) in &seen {
+        println!(
+            "FIGURE [kubectl {version}] apiserver-sim --stream-translation {mode}: {n}x {what}"
+        );
+    }
+    let minor = minor(version);
+    let translated = seen
+        .iter()
+        .filter(|(w, _)| w.starts_with("translated"))
+        .count();
+    let ws_through = seen
+        .iter()
+        .filter(|(w, _)| {
+            w.starts_with("passed through") && w.to_ascii_lowercase().contains("websocket")
+        })
+        .count();
+    ensure!(
+        !seen.is_empty(),
+        "apiserver-sim logged no exec/attach upgrade"
+    );
+    if minor >= 30 && mode == "translate" {
+        ensure!(
+            seen.iter().any(|(w, _)| w
+                == "translated: client WebSocket v5.channel.k8s.io, kubelet SPDY/3.1 v4.channel.k8s.io"),
+            "no exec/attach was translated from WebSocket v5 to SPDY v4: {seen:?}"
+        );
+        ensure!(
+            ws_through == 0,
+            "a WebSocket exec/attach passed through untranslated: {seen:?}"
+        );
+    } else {
+        ensure!(
+            translated == 0,
+            "translated although mode {mode}, kubectl {version}: {seen:?}"
+        );
+        if minor >= 30 {
+            ensure!(
+                ws_through > 0,
+                "no WebSocket exec/attach passed through: {seen:?}"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// With several replicas: every replica took requests, some were served where they
@@ -454,9 +523,12 @@ async fn exec_exit_code(ctx: Arc<Ctx>) -> Result<()> {
         "stderr lacks the command's stderr: {:?}",
         out.stderr
     );
-    // Which upgrade kubectl used: SPDY (POST) before 1.30, WebSocket (GET) after.
+    // Which upgrade reached the kubelet side: kubectl's SPDY (POST) before 1.30;
+    // kubectl's WebSocket (GET) after, when apiserver-sim passes it through; SPDY (POST)
+    // again when apiserver-sim translates it, as kube-apiserver does by default.
     let method = proxied_method(&ctx, "/exec/default/p1/c1?command=sh");
-    let want = if minor(&ctx.k.bin.version) >= 30 {
+    let want = if minor(&ctx.k.bin.version) >= 30 && ctx.cluster.apiserver_streams == "passthrough"
+    {
         "GET"
     } else {
         "POST"

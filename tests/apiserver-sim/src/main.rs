@@ -1,7 +1,8 @@
 //! apiserver-sim: a small, faithful kube-apiserver stand-in for Tether's tests. Real
 //! kubectl talks to it over HTTPS; it serves discovery, pods and nodes from flags, and
 //! proxies pods/exec|attach|portforward|log and nodes/proxy to kubelets the way
-//! kube-apiserver does (same kubelet URLs, `Host` headers, SNI and client certificate),
+//! kube-apiserver does (same kubelet URLs, `Host` headers, SNI and client certificate;
+//! exec/attach over WebSocket translated to SPDY by default, [`translate`]),
 //! and answers TokenReview / SubjectAccessReview from a tokens-and-rules file.
 //! This file owns the command line, start-up and the accept loop.
 
@@ -23,6 +24,7 @@ mod router;
 mod status;
 mod table;
 mod tls;
+mod translate;
 mod upgrade;
 mod watch;
 mod wsportforward;
@@ -118,6 +120,11 @@ struct Cli {
     /// old one is compacted: open watches end, and resuming from 1 gets 410 Gone.
     #[arg(long)]
     compact_after_secs: Option<f64>,
+    /// exec/attach requested over WebSocket with `v5.channel.k8s.io` offered: `translate`
+    /// to SPDY towards the kubelet (kube-apiserver ≥1.30's default) or `passthrough` the
+    /// WebSocket upgrade untouched. Port-forward is not affected.
+    #[arg(long, value_enum, default_value = "translate")]
+    stream_translation: translate::StreamTranslation,
 }
 
 fn build_cluster(cli: &Cli) -> Result<Cluster> {
@@ -239,7 +246,12 @@ async fn run(cli: Cli) -> Result<()> {
         Some(f) => reviews::AuthConfig::read(f)?,
         None => reviews::AuthConfig::default(),
     };
+    eprintln!(
+        "apiserver-sim: exec/attach over WebSocket: {:?}",
+        cli.stream_translation
+    );
     let state = Arc::new(State {
+        stream_translation: cli.stream_translation,
         reviews: reviews::Reviews::new(auth, Duration::from_millis(cli.review_delay_ms)),
         cluster,
         kubelets,

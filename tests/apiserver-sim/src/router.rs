@@ -16,7 +16,8 @@ use crate::kubelet::Kubelets;
 use crate::query::Query;
 use crate::status::ApiError;
 use crate::{
-    discovery, headers, logs, nodeproxy, pods, reverse, table, upgrade, watch, wsportforward,
+    discovery, headers, logs, nodeproxy, pods, reverse, table, translate, upgrade, watch,
+    wsportforward,
 };
 
 /// Everything a request handler needs.
@@ -29,6 +30,8 @@ pub struct State {
     pub reviews: crate::reviews::Reviews,
     /// The cluster's resourceVersion and watch limits.
     pub versions: watch::Versions,
+    /// Whether exec/attach over WebSocket is translated to SPDY towards the kubelet.
+    pub stream_translation: translate::StreamTranslation,
 }
 
 /// Entry point for every request.
@@ -171,6 +174,12 @@ async fn route(
             let hdrs = req.headers();
             if kind == ConnectKind::PortForward && wsportforward::is_tunnel_request(hdrs) {
                 Ok(wsportforward::serve(req, loc, &state.kubelets).await)
+            } else if kind != ConnectKind::PortForward
+                && state.stream_translation == translate::StreamTranslation::Translate
+                && translate::wants_translation(hdrs)
+            {
+                let streams = translate::Streams::from_query(&q);
+                Ok(translate::serve(req, loc, streams, &state.kubelets).await)
             } else if headers::is_upgrade(hdrs) {
                 Ok(upgrade::proxy(req, loc, peer, Default::default(), &state.kubelets).await)
             } else {

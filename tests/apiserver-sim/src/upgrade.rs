@@ -2,7 +2,8 @@
 //! clone the client's request (its `Host` kept, `X-Forwarded-For` added), point it at the
 //! kubelet location, dial with ALPN `http/1.1`, and on `101` splice both connections;
 //! non-101 below 400 is an "invalid upgrade response", ≥400 is copied to the client.
-//! Used for SPDY (kubectl ≤1.29) and WebSocket (≥1.30 exec/attach, legacy protocols).
+//! Used for SPDY (kubectl ≤1.29), nodes/proxy upgrades, and WebSocket exec/attach when
+//! not translated (`--stream-translation passthrough`, or no `v5.channel.k8s.io` offered).
 
 use std::net::SocketAddr;
 
@@ -70,6 +71,19 @@ pub async fn proxy(
         return Response::from_parts(parts, body::boxed(incoming));
     }
 
+    let negotiated = ["sec-websocket-protocol", "x-stream-protocol-version"]
+        .iter()
+        .find_map(|h| resp.headers().get(*h))
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .unwrap_or_default();
+    eprintln!(
+        "apiserver-sim: passing through {}: kubelet negotiated {} {negotiated}",
+        loc.log_url(),
+        resp.headers()
+            .get(header::UPGRADE)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .unwrap_or_default(),
+    );
     let kubelet_upgrade = hyper::upgrade::on(&mut resp);
     let mut to_client = Response::new(body::empty());
     *to_client.status_mut() = StatusCode::SWITCHING_PROTOCOLS;

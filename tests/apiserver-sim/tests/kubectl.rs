@@ -19,9 +19,14 @@ use tokio_tungstenite::tungstenite::Message;
 const T: Duration = Duration::from_secs(30);
 
 async fn ip_fixture() -> (Pki, FakeKubelet, Apiserver) {
+    ip_fixture_with(&[]).await
+}
+
+/// [`ip_fixture`] with extra apiserver-sim flags.
+async fn ip_fixture_with(extra: &[&str]) -> (Pki, FakeKubelet, Apiserver) {
     let pki = pki();
     let kubelet = FakeKubelet::start(&pki).await;
-    let args = vec![
+    let mut args = vec![
         "--node".to_string(),
         format!("edge-1=127.0.0.1:{}", kubelet.port),
         "--pod".into(),
@@ -31,6 +36,7 @@ async fn ip_fixture() -> (Pki, FakeKubelet, Apiserver) {
         "--pod".into(),
         "default/multi=edge-1:a,b".into(),
     ];
+    args.extend(extra.iter().map(|s| s.to_string()));
     let api = Apiserver::start(&pki, &args).await;
     (pki, kubelet, api)
 }
@@ -191,7 +197,10 @@ async fn kubectl_128_spdy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_133_websocket() {
-    let (_pki, kubelet, api) = ip_fixture().await;
+    // Pass-through mode: the fake kubelet speaks the v5 WebSocket itself (translation to
+    // SPDY, the default, is checked against kubelet-sim in tether-tests' kubectl_e2e and
+    // by the unit tests in src/translate.rs).
+    let (_pki, kubelet, api) = ip_fixture_with(&["--stream-translation", "passthrough"]).await;
     common_flows(KUBECTL_133, &kubelet, &api).await;
 
     // exec: WebSocket passed straight through; the fake kubelet answers v5 frames.
