@@ -78,6 +78,67 @@ pub fn write_public(path: &Path, contents: &str) -> Result<(), CertError> {
     write_atomic(path, contents.as_bytes(), PUBLIC_MODE)
 }
 
+/// `<path>.next`: where [`replace_pair`] stages a file.
+fn staged(path: &Path) -> std::path::PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".next");
+    std::path::PathBuf::from(name)
+}
+
+fn rename_durably(from: &Path, to: &Path) -> Result<(), CertError> {
+    std::fs::rename(from, to).map_err(io_err(to))?;
+    let dir = match to.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    std::fs::File::open(&dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err(&dir))
+}
+
+/// Replaces a certificate and its key so that a power loss at any point
+/// leaves a matching pair after [`recover_pair`]: both are staged first
+/// (`<key>.next`, then `<cert>.next`, each durable), then the key is renamed
+/// into place, then the certificate.
+pub fn replace_pair(
+    cert: &Path,
+    cert_pem: &str,
+    key: &Path,
+    key_pem: &str,
+) -> Result<(), CertError> {
+    write_atomic(&staged(key), key_pem.as_bytes(), SECRET_MODE)?;
+    write_atomic(&staged(cert), cert_pem.as_bytes(), PUBLIC_MODE)?;
+    rename_durably(&staged(key), key)?;
+    rename_durably(&staged(cert), cert)
+}
+
+/// Finishes or undoes a [`replace_pair`] that a crash interrupted; run it
+/// before loading the pair. Returns what it did, if anything.
+pub fn recover_pair(cert: &Path, key: &Path) -> Result<Option<&'static str>, CertError> {
+    let (key_next, cert_next) = (staged(key), staged(cert));
+    match (key_next.exists(), cert_next.exists()) {
+        // Both staged, neither renamed: finish.
+        (true, true) => {
+            rename_durably(&key_next, key)?;
+            rename_durably(&cert_next, cert)?;
+            Ok(Some("finished an interrupted certificate replacement"))
+        }
+        // The key is in place, the certificate not yet: finish.
+        (false, true) => {
+            rename_durably(&cert_next, cert)?;
+            Ok(Some(
+                "finished an interrupted certificate replacement (certificate)",
+            ))
+        }
+        // Only the key was staged: the old pair is intact; drop the half.
+        (true, false) => {
+            std::fs::remove_file(&key_next).map_err(io_err(&key_next))?;
+            Ok(Some("dropped a half-staged certificate replacement"))
+        }
+        (false, false) => Ok(None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,5 +158,54 @@ mod tests {
         }
         // No temporary files left behind.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_pair_replacement_interrupted_anywhere_recovers_a_matching_pair() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = (dir.path().join("node.crt"), dir.path().join("node.key"));
+        let read = |p: &Path| std::fs::read_to_string(p).unwrap();
+        let reset = || {
+            write_public(&cert, "old-cert").unwrap();
+            write_secret(&key, "old-key").unwrap();
+            for p in [staged(&cert), staged(&key)] {
+                let _ = std::fs::remove_file(p);
+            }
+        };
+        // Uninterrupted.
+        reset();
+        replace_pair(&cert, "new-cert", &key, "new-key").unwrap();
+        assert_eq!(
+            (read(&cert), read(&key)),
+            ("new-cert".into(), "new-key".into())
+        );
+        assert_eq!(recover_pair(&cert, &key).unwrap(), None);
+        // Crash after staging the key only: the old pair stays.
+        reset();
+        write_secret(&staged(&key), "new-key").unwrap();
+        assert!(recover_pair(&cert, &key).unwrap().is_some());
+        assert_eq!(
+            (read(&cert), read(&key)),
+            ("old-cert".into(), "old-key".into())
+        );
+        // Crash after staging both: the new pair.
+        reset();
+        write_secret(&staged(&key), "new-key").unwrap();
+        write_public(&staged(&cert), "new-cert").unwrap();
+        assert!(recover_pair(&cert, &key).unwrap().is_some());
+        assert_eq!(
+            (read(&cert), read(&key)),
+            ("new-cert".into(), "new-key".into())
+        );
+        // Crash after the key's rename: the new pair.
+        reset();
+        write_public(&staged(&cert), "new-cert").unwrap();
+        std::fs::write(&key, "new-key").unwrap();
+        assert!(recover_pair(&cert, &key).unwrap().is_some());
+        assert_eq!(
+            (read(&cert), read(&key)),
+            ("new-cert".into(), "new-key".into())
+        );
+        assert!(!staged(&cert).exists() && !staged(&key).exists());
     }
 }

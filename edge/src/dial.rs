@@ -145,6 +145,11 @@ fn client_config(cfg: &EdgeConfig) -> anyhow::Result<(String, quinn::ClientConfi
 impl Dialer {
     /// Loads certificates and binds the UDP socket.
     pub fn new(cfg: EdgeConfig, metrics: EdgeMetrics) -> anyhow::Result<Dialer> {
+        if let Some(what) = tether_certs::files::recover_pair(&cfg.cert, &cfg.key)
+            .context("recovering an interrupted certificate renewal")?
+        {
+            tracing::warn!(cert = %cfg.cert.display(), "{what}");
+        }
         let (node, client, loaded_cert) = client_config(&cfg)?;
         let socket = bind_client_socket(cfg.quic.udp_buffer).context("binding the UDP socket")?;
         let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
@@ -758,11 +763,10 @@ async fn renew_certificate(
                     tokio::time::sleep(Duration::from_secs(600)).await;
                     continue;
                 }
+                // Staged then renamed key-first: a power cut anywhere leaves a
+                // matching pair once `recover_pair` runs at the next start.
                 let written =
-                    tether_certs::files::write_atomic(&cfg.key, req.key_pem.as_bytes(), 0o600)
-                        .and_then(|_| {
-                            tether_certs::files::write_atomic(&cfg.cert, cert_pem.as_bytes(), 0o644)
-                        });
+                    tether_certs::files::replace_pair(&cfg.cert, &cert_pem, &cfg.key, &req.key_pem);
                 match written {
                     Ok(()) => {
                         info!(node, cert = %cfg.cert.display(), "certificate renewed; used from the next connection");
