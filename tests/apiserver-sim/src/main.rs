@@ -27,6 +27,7 @@ mod tls;
 mod translate;
 mod upgrade;
 mod watch;
+mod wsbridge;
 mod wsportforward;
 
 use std::net::{IpAddr, SocketAddr};

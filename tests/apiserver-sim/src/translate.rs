@@ -10,37 +10,31 @@
 //! the kubelet has ended stdout, stderr and error (the error stream carries the exit
 //! status). SPDY framing and header compression come from kubelet-sim's `spdy` module.
 
-use std::time::Duration;
-
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
-use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http::{header, HeaderMap, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use kubelet_sim::spdy::{self, Session};
 use kubelet_sim::websocket::{self as chan, ChannelMessage, Encoding};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
-use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
-use crate::body::{self, Body};
+use crate::body::Body;
 use crate::headers;
 use crate::kubelet::{Kubelets, Location};
 use crate::query::Query;
 use crate::status::ApiError;
+use crate::wsbridge::{self, CLOSE_TIMEOUT};
 
 /// The SPDY remotecommand protocol offered to the kubelet.
 pub const KUBELET_PROTOCOL: &str = "v4.channel.k8s.io";
 /// WebSocket subprotocols the translator accepts from the client.
 const CLIENT_PROTOCOLS: &[&str] = &[chan::V5_CHANNEL, chan::V4_CHANNEL];
-/// Bound on one WebSocket message from the client.
-const MAX_MESSAGE: usize = 16 * 1024 * 1024;
-/// Bound on closing handshakes and on opening the SPDY streams.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How apiserver-sim carries exec/attach requested over WebSocket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -109,23 +103,7 @@ fn negotiate(headers: &HeaderMap) -> Option<&'static str> {
 
 /// The SPDY upgrade request kube-apiserver's executor sends to the kubelet.
 pub fn kubelet_request(loc: &Location) -> Request<Body> {
-    let mut req = Request::new(body::empty());
-    *req.method_mut() = Method::POST;
-    let h = req.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&loc.node.host_port()) {
-        h.insert(header::HOST, v);
-    }
-    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    h.insert(header::UPGRADE, HeaderValue::from_static("SPDY/3.1"));
-    h.insert(
-        "x-stream-protocol-version",
-        HeaderValue::from_static(KUBELET_PROTOCOL),
-    );
-    h.insert(
-        header::USER_AGENT,
-        HeaderValue::from_static("apiserver-sim"),
-    );
-    req
+    wsbridge::spdy_request(loc, KUBELET_PROTOCOL)
 }
 
 /// Serves an exec/attach WebSocket request by translating it to SPDY towards `loc`.
@@ -135,21 +113,9 @@ pub async fn serve(
     streams: Streams,
     kubelets: &Kubelets,
 ) -> Response<Body> {
-    let key = match req.headers().get(header::SEC_WEBSOCKET_KEY) {
-        Some(k)
-            if req
-                .headers()
-                .get(header::SEC_WEBSOCKET_VERSION)
-                .is_some_and(|v| v == "13") =>
-        {
-            k.clone()
-        }
-        _ => {
-            return ApiError::bad_request(
-                "websocket upgrade needs Sec-WebSocket-Key and version 13",
-            )
-            .into_response()
-        }
+    let key = match wsbridge::websocket_key(&req) {
+        Ok(k) => k,
+        Err(resp) => return resp,
     };
     let Some(protocol) = negotiate(req.headers()) else {
         return ApiError::bad_request(format!(
@@ -169,19 +135,8 @@ pub async fn serve(
             return ApiError::backend(format!("error dialing backend: {e:#}")).into_response();
         }
     };
-    let status = resp.status();
-    if status != StatusCode::SWITCHING_PROTOCOLS {
-        if status.as_u16() < 400 {
-            return ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "InternalError",
-                format!("invalid upgrade response: status code {}", status.as_u16()),
-            )
-            .into_response();
-        }
-        let (mut parts, incoming) = resp.into_parts();
-        headers::strip_hop_by_hop(&mut parts.headers);
-        return Response::from_parts(parts, body::boxed(incoming));
+    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+        return wsbridge::not_upgraded(resp);
     }
     let negotiated = resp
         .headers()
@@ -204,18 +159,7 @@ pub async fn serve(
     );
     let kubelet_upgrade = hyper::upgrade::on(&mut resp);
 
-    let mut to_client = Response::new(body::empty());
-    *to_client.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    let h = to_client.headers_mut();
-    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-    if let Ok(v) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
-        h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
-    }
-    h.insert(
-        header::SEC_WEBSOCKET_PROTOCOL,
-        HeaderValue::from_static(protocol),
-    );
+    let to_client = wsbridge::accept(&key, protocol);
 
     tokio::spawn(async move {
         let (client, kubelet) = match tokio::join!(client_upgrade, kubelet_upgrade) {
@@ -229,11 +173,7 @@ pub async fn serve(
                 return;
             }
         };
-        let config = WebSocketConfig::default()
-            .max_message_size(Some(MAX_MESSAGE))
-            .max_frame_size(Some(MAX_MESSAGE));
-        let ws = WebSocketStream::from_raw_socket(TokioIo::new(client), Role::Server, Some(config))
-            .await;
+        let ws = wsbridge::server_socket(client).await;
         let v5 = protocol == chan::V5_CHANNEL;
         match relay(ws, TokioIo::new(kubelet), streams, v5).await {
             Ok(s) => eprintln!(
@@ -427,6 +367,9 @@ async fn open_streams(session: &Session, streams: Streams) -> anyhow::Result<Ope
 mod tests {
     use super::*;
     use crate::cluster::Node;
+    use http::{HeaderValue, Method};
+    use std::time::Duration;
+    use tokio_tungstenite::tungstenite::protocol::Role;
 
     const T: Duration = Duration::from_secs(10);
 

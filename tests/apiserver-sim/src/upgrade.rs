@@ -59,16 +59,8 @@ pub async fn proxy(
                 loc.log_url(),
                 status.as_u16()
             );
-            return ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "InternalError",
-                format!("invalid upgrade response: status code {}", status.as_u16()),
-            )
-            .into_response();
         }
-        let (mut parts, incoming) = resp.into_parts();
-        headers::strip_hop_by_hop(&mut parts.headers);
-        return Response::from_parts(parts, body::boxed(incoming));
+        return crate::wsbridge::not_upgraded(resp);
     }
 
     let negotiated = ["sec-websocket-protocol", "x-stream-protocol-version"]

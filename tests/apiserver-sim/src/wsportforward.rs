@@ -4,30 +4,23 @@
 //! WebSocket and carry the SPDY bytes unparsed: binary message payloads → kubelet, kubelet
 //! bytes → binary messages. Pings are answered; either end closing closes both.
 
-use std::time::Duration;
-
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
-use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
-use crate::body::{self, Body};
+use crate::body::Body;
 use crate::headers;
 use crate::kubelet::{Kubelets, Location};
 use crate::status::ApiError;
+use crate::wsbridge::{self, CLOSE_TIMEOUT};
 
 /// The WebSocket subprotocol of tunneled port-forward.
 pub const TUNNEL_PROTOCOL: &str = "SPDY/3.1+portforward.k8s.io";
-/// Bound on one WebSocket message from the client.
-const MAX_MESSAGE: usize = 16 * 1024 * 1024;
-/// Bound on closing handshakes.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Whether this request is a tunneled (WebSocket-wrapped SPDY) port-forward.
 pub fn is_tunnel_request(headers: &http::HeaderMap) -> bool {
@@ -35,25 +28,9 @@ pub fn is_tunnel_request(headers: &http::HeaderMap) -> bool {
 }
 
 /// The SPDY upgrade request the apiserver sends to the kubelet for a tunneled
-/// port-forward; built by the apiserver itself, so `Host` is the node's address.
+/// port-forward.
 pub fn kubelet_request(loc: &Location) -> Request<Body> {
-    let mut req = Request::new(body::empty());
-    *req.method_mut() = Method::POST;
-    let h = req.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&loc.node.host_port()) {
-        h.insert(header::HOST, v);
-    }
-    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    h.insert(header::UPGRADE, HeaderValue::from_static("SPDY/3.1"));
-    h.insert(
-        "x-stream-protocol-version",
-        HeaderValue::from_static("portforward.k8s.io"),
-    );
-    h.insert(
-        header::USER_AGENT,
-        HeaderValue::from_static("apiserver-sim"),
-    );
-    req
+    wsbridge::spdy_request(loc, "portforward.k8s.io")
 }
 
 /// Serves a tunneled port-forward request.
@@ -62,21 +39,9 @@ pub async fn serve(
     loc: Location,
     kubelets: &Kubelets,
 ) -> Response<Body> {
-    let key = match req.headers().get(header::SEC_WEBSOCKET_KEY) {
-        Some(k)
-            if req
-                .headers()
-                .get(header::SEC_WEBSOCKET_VERSION)
-                .is_some_and(|v| v == "13") =>
-        {
-            k.clone()
-        }
-        _ => {
-            return ApiError::bad_request(
-                "websocket upgrade needs Sec-WebSocket-Key and version 13",
-            )
-            .into_response()
-        }
+    let key = match wsbridge::websocket_key(&req) {
+        Ok(k) => k,
+        Err(resp) => return resp,
     };
     let client_upgrade = hyper::upgrade::on(&mut req);
 
@@ -90,34 +55,12 @@ pub async fn serve(
             return ApiError::backend(format!("error dialing backend: {e:#}")).into_response();
         }
     };
-    let status = resp.status();
-    if status != StatusCode::SWITCHING_PROTOCOLS {
-        if status.as_u16() < 400 {
-            return ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "InternalError",
-                format!("invalid upgrade response: status code {}", status.as_u16()),
-            )
-            .into_response();
-        }
-        let (mut parts, incoming) = resp.into_parts();
-        headers::strip_hop_by_hop(&mut parts.headers);
-        return Response::from_parts(parts, body::boxed(incoming));
+    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+        return wsbridge::not_upgraded(resp);
     }
     let kubelet_upgrade = hyper::upgrade::on(&mut resp);
 
-    let mut to_client = Response::new(body::empty());
-    *to_client.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    let h = to_client.headers_mut();
-    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-    if let Ok(v) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
-        h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
-    }
-    h.insert(
-        header::SEC_WEBSOCKET_PROTOCOL,
-        HeaderValue::from_static(TUNNEL_PROTOCOL),
-    );
+    let to_client = wsbridge::accept(&key, TUNNEL_PROTOCOL);
 
     let url = loc.log_url();
     tokio::spawn(async move {
@@ -132,11 +75,7 @@ pub async fn serve(
                 return;
             }
         };
-        let config = WebSocketConfig::default()
-            .max_message_size(Some(MAX_MESSAGE))
-            .max_frame_size(Some(MAX_MESSAGE));
-        let ws = WebSocketStream::from_raw_socket(TokioIo::new(client), Role::Server, Some(config))
-            .await;
+        let ws = wsbridge::server_socket(client).await;
         let (up, down, why) = relay(ws, TokioIo::new(kubelet)).await;
         eprintln!("apiserver-sim: port-forward {url} closed: {why} ({up} bytes up, {down} down)");
     });
@@ -199,6 +138,9 @@ where
 mod tests {
     use super::*;
     use crate::cluster::Node;
+    use http::{header, HeaderValue, Method};
+    use std::time::Duration;
+    use tokio_tungstenite::tungstenite::protocol::Role;
 
     #[test]
     fn kubelet_request_is_spdy_to_node_host() {
