@@ -339,6 +339,33 @@ async fn next_connect(edge: &mut Proc, within: Duration, since: Instant) -> Dura
     since.elapsed()
 }
 
+/// After SIGTERM of replica A (`a`): the `what` in `body` keeps flowing through it for
+/// 2 s (at least 10 frames), A still runs, and it reports not ready.
+async fn keeps_flowing_while_draining(
+    bed: &Bed,
+    body: &mut hyper::body::Incoming,
+    a: &mut Proc,
+    what: &str,
+) {
+    let flow_until = Instant::now() + Duration::from_secs(2);
+    let mut frames = 0;
+    while Instant::now() < flow_until {
+        match tokio::time::timeout(Duration::from_secs(2), body.frame()).await {
+            Ok(Some(Ok(_))) => frames += 1,
+            other => panic!("the {what} through the draining replica broke: {other:?}"),
+        }
+    }
+    assert!(frames >= 10, "only {frames} frames in 2 s after SIGTERM");
+    assert!(
+        a.exited().is_none(),
+        "A must carry its {what} until it ends"
+    );
+    let (s, _) = ns_get(&bed.ns.0, addr(METRICS[0]), "/readyz")
+        .await
+        .unwrap();
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+}
+
 fn sigterm(p: &Proc) {
     let pid = i32::try_from(p.pid().expect("replica is running")).unwrap();
     // SAFETY: a signal to our own, not yet reaped, child.
@@ -401,23 +428,7 @@ async fn sigterm_drains_a_replica_and_its_edge_moves_from_a_new_port() {
     bed.ns.route_service_to(addr(TUNNEL[1]));
 
     // The open stream keeps flowing through A (the edge stays on A meanwhile).
-    let flow_until = Instant::now() + Duration::from_secs(2);
-    let mut lines = 0;
-    while Instant::now() < flow_until {
-        match tokio::time::timeout(Duration::from_secs(2), body.frame()).await {
-            Ok(Some(Ok(_))) => lines += 1,
-            other => panic!("the stream through the draining replica broke: {other:?}"),
-        }
-    }
-    assert!(lines >= 10, "only {lines} frames in 2 s after SIGTERM");
-    assert!(
-        a.exited().is_none(),
-        "A must serve its stream until it ends"
-    );
-    let (s, _) = ns_get(&bed.ns.0, addr(METRICS[0]), "/readyz")
-        .await
-        .unwrap();
-    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    keeps_flowing_while_draining(&bed, &mut body, &mut a, "stream").await;
     let (_, status) = ns_get(&bed.ns.0, addr(METRICS[0]), "/status")
         .await
         .unwrap();
@@ -636,23 +647,7 @@ async fn sigterm_keeps_relaying_a_stream_to_an_edge_held_elsewhere() {
 
     let term = Instant::now();
     sigterm(&a);
-    let flow_until = Instant::now() + Duration::from_secs(2);
-    let mut frames = 0;
-    while Instant::now() < flow_until {
-        match tokio::time::timeout(Duration::from_secs(2), body.frame()).await {
-            Ok(Some(Ok(_))) => frames += 1,
-            other => panic!("the relayed stream through the draining replica broke: {other:?}"),
-        }
-    }
-    assert!(frames >= 10, "only {frames} frames in 2 s after SIGTERM");
-    assert!(
-        a.exited().is_none(),
-        "A must relay its stream until it ends"
-    );
-    let (s, _) = ns_get(&bed.ns.0, addr(METRICS[0]), "/readyz")
-        .await
-        .unwrap();
-    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    keeps_flowing_while_draining(&bed, &mut body, &mut a, "relayed stream").await;
 
     // The stream ends: A exits 0 soon after, well within --shutdown-grace.
     drop(body);
