@@ -626,6 +626,18 @@ async fn fault_bed(dir: &Path, extra: &[&str]) -> Bed {
 }
 
 /// Fails the test with the bed's logs, keeping its directory.
+/// Ends a bed test: on success the bed goes (its run directory too, unless
+/// `TETHER_E2E_KEEP=1`); on failure see [`fail`].
+fn finish(bed: Bed, dir: tempfile::TempDir, result: anyhow::Result<()>) {
+    match result {
+        Err(e) => fail(bed, dir, e),
+        Ok(()) => {
+            drop(bed);
+            keep_on_failure(dir, true);
+        }
+    }
+}
+
 fn fail(bed: Bed, dir: tempfile::TempDir, e: anyhow::Error) -> ! {
     eprintln!("{}", bed.diagnostics(40));
     drop(bed);
@@ -750,13 +762,8 @@ async fn peer_cut(authority: bool) {
         );
         Ok::<_, anyhow::Error>(())
     };
-    match run.await {
-        Err(e) => fail(bed, dir, e),
-        Ok(()) => {
-            drop(bed);
-            keep_on_failure(dir, true);
-        }
-    }
+    let result = run.await;
+    finish(bed, dir, result);
 }
 
 /// Steady requests running: when each started, for which edge, how it ended.
@@ -1007,13 +1014,8 @@ async fn a_moved_edge_has_a_bounded_stale_route_window_and_no_wrong_answer() {
         );
         Ok::<_, anyhow::Error>(())
     };
-    match run.await {
-        Err(e) => fail(bed, dir, e),
-        Ok(()) => {
-            drop(bed);
-            keep_on_failure(dir, true);
-        }
-    }
+    let result = run.await;
+    finish(bed, dir, result);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1182,11 +1184,6 @@ async fn a_rolling_restart_never_misroutes_then_kill_9_edges_serve_again() {
         );
         Ok::<_, anyhow::Error>(())
     };
-    match run.await {
-        Err(e) => fail(bed, dir, e),
-        Ok(()) => {
-            drop(bed);
-            keep_on_failure(dir, true);
-        }
-    }
+    let result = run.await;
+    finish(bed, dir, result);
 }
