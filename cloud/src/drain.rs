@@ -7,10 +7,12 @@
 //! `--drain-spread` (so the other replicas take the fleet's handshakes a few
 //! at a time, not as one storm). At its slot an edge with no open stream is
 //! closed with [`close_code::MOVE`]; the edge reconnects at once from a new
-//! UDP source port, which the load balancer sends to a ready replica. An edge
-//! that still carries streams through this replica (a `logs -f`, an `exec`)
-//! is moved as soon as they end; one whose streams outlive `--shutdown-grace`
-//! is left to the final shutdown, which closes it with `SHUTDOWN`.
+//! UDP source port, which the load balancer sends to a ready replica. Its
+//! open streams move with it: every replica that owns one (this one
+//! included, for the apiserver connections that arrived here) re-attaches it
+//! through the replica the edge reaches, and both ends replay what the other
+//! missed. Streams this replica owns keep flowing that way until they end or
+//! `--shutdown-grace` runs out.
 //!
 //! Only the timing rule ([`slot`]) is logic; the rest is thin tokio glue.
 
@@ -25,9 +27,6 @@ use crate::metrics::CloudMetrics;
 use crate::registry::Registry;
 use crate::session::Session;
 
-/// How often an edge with open streams is checked for their end.
-const STREAMS_POLL: Duration = Duration::from_millis(100);
-
 /// When the `i`-th of `n` edges is told to move, after the drain started:
 /// evenly over `spread`, the first at once.
 pub fn slot(i: usize, n: usize, spread: Duration) -> Duration {
@@ -38,9 +37,8 @@ pub fn slot(i: usize, n: usize, spread: Duration) -> Duration {
     spread.mul_f64(f64::from(i) / n as f64)
 }
 
-/// Tells every edge connected now to move, each at its [`slot`] and once its
-/// streams have ended; returns when all were told, or at `deadline` (those
-/// still carrying streams are left to the caller). Returns how many moved.
+/// Tells every edge connected now to move, each at its [`slot`] (no later
+/// than `deadline`); returns how many were told.
 pub async fn move_edges(
     registry: &Registry,
     spread: Duration,
@@ -63,7 +61,7 @@ pub async fn move_edges(
     for (i, s) in sessions.into_iter().enumerate() {
         let at = (start + slot(i, n, spread)).min(deadline);
         let metrics = metrics.clone();
-        tasks.spawn(async move { move_one(&s, at, deadline, &metrics).await });
+        tasks.spawn(async move { move_one(&s, at, &metrics).await });
     }
     let mut moved = 0;
     while let Some(r) = tasks.join_next().await {
@@ -74,30 +72,20 @@ pub async fn move_edges(
     moved
 }
 
-/// Moves one edge at `at`, or as soon after as its streams have ended;
-/// `false` if `deadline` came first or the edge had already gone.
-async fn move_one(s: &Session, at: Instant, deadline: Instant, metrics: &CloudMetrics) -> bool {
+/// Moves one edge at `at`; `false` if it had already gone.
+async fn move_one(s: &Session, at: Instant, metrics: &CloudMetrics) -> bool {
     tokio::time::sleep_until(at).await;
-    loop {
-        let Some(conn) = s.connection() else {
-            return false;
-        };
-        // No stream can start between this check and the close.
-        if s.try_begin_move() {
-            info!(node = %s.node, remote = %conn.remote_address(), "draining: telling the edge to move");
-            conn.close(
-                close_code::MOVE.into(),
-                b"this replica is draining: reconnect to another",
-            );
-            metrics.edges_moved.inc();
-            return true;
-        }
-        if Instant::now() >= deadline {
-            debug!(node = %s.node, streams = s.open_streams(), "draining: the edge's streams outlived --shutdown-grace");
-            return false;
-        }
-        tokio::time::sleep(STREAMS_POLL.min(deadline - Instant::now())).await;
-    }
+    let Some(conn) = s.connection() else {
+        debug!(node = %s.node, "draining: the edge had already gone");
+        return false;
+    };
+    info!(node = %s.node, remote = %conn.remote_address(), streams = s.open_streams(), "draining: telling the edge to move");
+    conn.close(
+        close_code::MOVE.into(),
+        b"this replica is draining: reconnect to another",
+    );
+    metrics.edges_moved.inc();
+    true
 }
 
 #[cfg(test)]

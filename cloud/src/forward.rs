@@ -41,7 +41,13 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::metrics::{ResultLabel, RoleLabel};
 use crate::registry::{Holder, Target};
-use crate::relay::{self, Answer, EdgeIo, RelayError, RelayHeader, Resetter};
+use tether_proto::io::{ResumableIo, SharedStream};
+
+/// The stream the forwarder talks to: always this replica's own logical
+/// stream (it owns the stream wherever the edge is held).
+type EdgeIo = ResumableIo;
+/// What resets that stream from anywhere.
+type Resetter = std::sync::Arc<SharedStream>;
 
 use crate::authz::{attributes, bearer_token, Refusal, Reviewer, User};
 use crate::config::CloudConfig;
@@ -446,83 +452,39 @@ impl Forwarder {
         kind: tether_proto::route::StreamKind,
     ) -> Result<EdgeIo, Opened> {
         let refused = |status, msg: String| Opened::Refused(error_response(status, msg));
-        match &target.holder {
+        // This replica owns the stream: its state lives here whether the edge
+        // is connected here or to a peer (then the peer only splices).
+        let session = match &target.holder {
             Holder::Local(session) => {
                 self.metrics.lookup("local");
-                match session.open_stream(kind) {
-                    Ok((_, io)) => Ok(EdgeIo::Local(io.with_counters(self.metrics.bytes.clone()))),
-                    Err(e @ OpenError::TooManyStreams { .. }) => {
-                        Err(refused(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))
-                    }
-                    Err(e @ OpenError::Moving { .. }) => Err(Opened::Stale(e.to_string())),
-                    Err(e @ OpenError::Ended { .. }) => {
-                        Err(refused(StatusCode::BAD_GATEWAY, e.to_string()))
-                    }
-                }
+                session.clone()
             }
-            Holder::Remote { replica, conn, .. } => {
+            Holder::Remote { replica, .. } => {
                 self.metrics.lookup("relayed");
-                let timeout = self
-                    .cfg
-                    .peer
-                    .as_ref()
-                    .map(|p| p.timeout)
-                    .unwrap_or(self.cfg.response_timeout);
-                let header = RelayHeader {
-                    kind,
-                    node: target.node.clone(),
-                };
-                match relay::open(
-                    conn,
-                    &replica.name,
-                    &header,
-                    timeout,
-                    self.metrics.relayed_bytes.clone(),
-                )
-                .await
-                {
-                    Ok(Ok(io)) => {
+                match self.registry.owner_session(&target.node, self.cfg.limits) {
+                    Some(s) => {
                         self.metrics
                             .relayed_streams
                             .get_or_create(&RoleLabel { role: "entry" })
                             .inc();
-                        Ok(EdgeIo::Relayed(io))
+                        s
                     }
-                    Ok(Err(Answer::NotHere(m))) => {
-                        Err(Opened::Stale(format!("replica {}: {m}", replica.name)))
-                    }
-                    Ok(Err(Answer::TooManyStreams(m))) => Err(refused(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        format!("replica {}: {m}", replica.name),
-                    )),
-                    // The holder ended the session (it is shutting down): the
-                    // edge comes back elsewhere; route again within --route-wait.
-                    Ok(Err(Answer::Ended(m))) => {
-                        Err(Opened::Stale(format!("replica {}: {m}", replica.name)))
-                    }
-                    Ok(Err(Answer::Open)) => {
-                        Err(refused(StatusCode::BAD_GATEWAY, "unreachable".into()))
-                    }
-                    // The link closed under us (the holder exited): its routes
-                    // go with it; route again within --route-wait.
-                    Err(e @ (RelayError::Connection(_) | RelayError::Io(_))) => {
-                        info!(node = %target.node, replica = %replica.name, error = %e, "the holding replica went away");
-                        Err(Opened::Stale(format!(
-                            "replica {} went away: {e}",
+                    None => {
+                        return Err(Opened::Stale(format!(
+                            "replica {} no longer has the edge attached",
                             replica.name
                         )))
                     }
-                    Err(e) => {
-                        warn!(node = %target.node, replica = %replica.name, error = %e, "relay to the holding replica failed");
-                        Err(refused(
-                            StatusCode::BAD_GATEWAY,
-                            format!(
-                                "edge {} is held by replica {}, which cannot be reached: {e}",
-                                target.node, replica.name
-                            ),
-                        ))
-                    }
                 }
+            }
+        };
+        match session.open_stream(kind) {
+            Ok((_, io)) => Ok(io.with_counters(self.metrics.bytes.clone())),
+            Err(e @ OpenError::TooManyStreams { .. }) => {
+                Err(refused(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))
+            }
+            Err(e @ OpenError::Ended { .. }) => {
+                Err(refused(StatusCode::BAD_GATEWAY, e.to_string()))
             }
         }
     }
@@ -541,7 +503,7 @@ impl Forwarder {
         open_guard: OpenStream,
     ) -> Response<ResBody> {
         debug!(method = %req.method(), path = %head.path_and_query, upgrade = upgrade.is_some(), "forwarding");
-        let shared = io.resetter();
+        let shared = io.shared().clone();
         let (mut rd, mut wr) = tokio::io::split(io);
         if let Err(e) = wr.write_all(&head_bytes).await {
             return error_response(StatusCode::BAD_GATEWAY, format_args!("edge {node}: {e}"));

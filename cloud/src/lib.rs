@@ -229,16 +229,19 @@ impl Cloud {
 
     /// Graceful shutdown (SIGTERM): report not-ready and refuse new edge
     /// connections at once; tell the edges to move to another replica,
-    /// staggered over `--drain-spread`, each once its streams through this
-    /// replica have ended (see [`drain`]); let open streams — local, relayed
-    /// to other replicas' edges, or relayed here by them — finish for up to
+    /// staggered over `--drain-spread` (see [`drain`]: their streams move
+    /// with them); let the streams this replica owns finish for up to
     /// `--shutdown-grace` (the kubelet-API listener and the peer links keep
-    /// serving meanwhile); then close every edge connection left with the
-    /// shutdown code and stop.
+    /// serving meanwhile); then reset what is left with a clear reason,
+    /// close every edge connection left with the shutdown code and stop.
     pub async fn shutdown(mut self) {
         self.shutting_down.store(true, Ordering::Relaxed);
-        let open =
-            |r: &registry::Registry| r.sessions().iter().map(|s| s.open_streams()).sum::<usize>();
+        let open = |r: &registry::Registry| {
+            r.all_sessions()
+                .iter()
+                .map(|s| s.open_streams())
+                .sum::<usize>()
+        };
         info!(streams = open(&self.registry), grace = ?self.shutdown_grace, spread = ?self.drain_spread, "shutting down: not ready, moving edges, draining open streams");
         let started = tokio::time::Instant::now();
         let deadline = started + self.shutdown_grace;
@@ -268,11 +271,23 @@ impl Cloud {
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
         }
-        for s in self.registry.sessions() {
+        // What cannot survive: streams this replica owns (their apiserver
+        // connections end with it). Each is reset with a clear reason, which
+        // reaches the edge (directly or through the replica holding it now)
+        // before the peer links close.
+        let left = open(&self.registry);
+        for s in self.registry.all_sessions() {
             s.end(
                 tether_proto::frame::ResetCode::Shutdown,
-                "the cloud is shutting down",
+                "the cloud replica that owned this stream is shutting down (--shutdown-grace ran out)",
             );
+        }
+        if left > 0 {
+            info!(
+                streams = left,
+                "reset the streams still open after --shutdown-grace"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         }
         self.endpoint.close(
             tether_proto::handshake::close_code::SHUTDOWN.into(),

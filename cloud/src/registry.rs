@@ -39,7 +39,9 @@ use tokio::sync::watch;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tether_proto::handshake::PodRef;
-use tracing::warn;
+use tether_proto::ticket::Ticket;
+use tether_proto::token::SessionId;
+use tracing::{info, warn};
 
 use crate::admission::{Claim, Verdict};
 use crate::authority::{Authority, PodPlacement};
@@ -88,16 +90,26 @@ struct RemoteEdge {
 
 /// Which session a hello joins ([`Registry::admit`]).
 pub enum Admitted {
-    /// The node's live session: the hello resumes it.
+    /// The node's live session here: the hello resumes it.
     Joined(Arc<Session>),
-    /// A new session, installed; `replaced` (if any) is the node's previous
-    /// one, which the caller ends.
+    /// The session the hello's ticket names, resumed on this replica (it was
+    /// held elsewhere, or this replica only owned streams of it), installed;
+    /// `replaced` are sessions of the node it replaces, which the caller ends.
+    Resumed {
+        session: Arc<Session>,
+        replaced: Vec<Arc<Session>>,
+    },
+    /// A new session, installed; `replaced` are the node's previous ones
+    /// (held or only owned here), which the caller ends.
     New {
         session: Arc<Session>,
-        replaced: Option<Arc<Session>>,
+        replaced: Vec<Arc<Session>>,
     },
     /// An attempt older than the connection attached now: refuse it.
     Superseded,
+    /// A ticket older than what is known of the edge: refuse it (the message
+    /// says why); the live session is not touched.
+    StaleTicket(String),
 }
 
 /// Why a request could not be routed to exactly one edge.
@@ -133,7 +145,12 @@ pub enum RouteError {
 
 #[derive(Default)]
 struct Tables {
+    /// Sessions whose edge this replica holds (connected here, or its last
+    /// connection was here and it is within its grace period).
     sessions: HashMap<String, Arc<Session>>,
+    /// Sessions this replica only owns streams of: the edge is held by a
+    /// peer (or was, and may come back anywhere within the grace period).
+    owned: HashMap<String, Arc<Session>>,
     /// (namespace, pod) → nodes reporting it.
     pods: HashMap<(String, String), BTreeSet<String>>,
     /// node → its last pod report.
@@ -211,6 +228,8 @@ impl Tables {
             session: s.id.to_string(),
             attached: s.connection().is_some(),
             since_ms,
+            sid: s.id.0,
+            gen: s.gen(),
             pods,
             addresses: self
                 .node_addresses
@@ -230,7 +249,7 @@ impl Tables {
             remote
                 .iter()
                 .filter(|r| r.record.attached == attached)
-                .max_by_key(|r| r.record.since_ms)
+                .max_by_key(|r| r.record.gen)
         };
         let remote_target = |r: &RemoteEdge| Target {
             node: node.to_string(),
@@ -244,27 +263,47 @@ impl Tables {
             node: node.to_string(),
             holder: Holder::Local(s.clone()),
         };
-        let since_ms = |s: &Arc<Session>| {
-            s.connected_since()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_millis() as u64)
-                .unwrap_or(0)
-        };
-        // The newest attach wins, wherever it is: an edge that died without a
-        // word (kill -9, power cut) still looks attached to its old holder
-        // until the idle timeout, but its new connection is newer.
+        // The newest generation wins, wherever it is: an edge that died
+        // without a word (kill -9, power cut) still looks attached to its old
+        // holder until the idle timeout, but its new connection is newer.
         for attached in [true, false] {
             let here = local.filter(|s| s.connection().is_some() == attached);
             match (here, newest(attached)) {
-                (Some(s), Some(r)) if r.record.since_ms > since_ms(s) => {
-                    return Some(remote_target(r))
-                }
+                (Some(s), Some(r)) if r.record.gen > s.gen() => return Some(remote_target(r)),
                 (Some(s), _) => return Some(local_target(s)),
                 (None, Some(r)) => return Some(remote_target(r)),
                 (None, None) => {}
             }
         }
         None
+    }
+
+    /// The peer record of `node`'s newest attached connection.
+    fn newest_remote(&self, node: &str) -> Option<RemoteEdge> {
+        self.remote
+            .get(node)?
+            .iter()
+            .filter(|r| r.record.attached)
+            .max_by_key(|r| r.record.gen)
+            .cloned()
+    }
+
+    /// The newest generation of `node`'s connections known here, its
+    /// session and where it is: (gen, session id, replica).
+    fn newest_known(&self, node: &str) -> Option<(u64, u64, String)> {
+        let local = [self.sessions.get(node), self.owned.get(node)]
+            .into_iter()
+            .flatten()
+            .filter(|s| !s.is_ended() && s.gen() > 0)
+            .map(|s| (s.gen(), s.id.0, "this replica".to_string()));
+        let remote = self.remote.get(node).into_iter().flatten().map(|r| {
+            (
+                r.record.gen,
+                r.record.sid,
+                format!("replica {}", r.replica.name),
+            )
+        });
+        local.chain(remote).max_by_key(|(g, _, _)| *g)
     }
 
     /// Nodes claiming pod `key`, here and on peers.
@@ -468,29 +507,230 @@ impl Registry {
     }
 
     /// Decides, atomically with any other hello of the node, which session a
-    /// hello with `claim` joins (see [`crate::admission`]): the node's live
-    /// session, or a new one made by `create` and installed in its place.
+    /// hello with `claim` (and `ticket`, verified by the caller) joins (see
+    /// [`crate::admission`]): the node's live session here; the session the
+    /// ticket names, unless a newer generation of the edge is known; or a new
+    /// one. `create` makes the session to install: `Some((id, gen))` for the
+    /// ticket's session, `None` for a new one.
     pub fn admit<E>(
         &self,
         node: &str,
         claim: &Claim,
-        create: impl FnOnce() -> Result<Arc<Session>, E>,
+        ticket: Option<&Ticket>,
+        create: impl FnOnce(Option<(SessionId, u64)>) -> Result<Arc<Session>, E>,
     ) -> Result<Admitted, E> {
         let mut t = self.tables();
+        t.owned.retain(|_, s| !s.is_ended());
         let current = t.sessions.get(node).cloned();
         let verdict = match &current {
             Some(s) => s.judge(claim),
             None => Verdict::NewSession,
         };
-        Ok(match (verdict, current) {
-            (Verdict::Join, Some(s)) => Admitted::Joined(s),
-            (Verdict::Superseded, _) => Admitted::Superseded,
-            _ => {
-                let session = create()?;
-                let replaced = self.insert_locked(&mut t, session.clone());
-                Admitted::New { session, replaced }
+        match (verdict, current) {
+            (Verdict::Join, Some(s)) => return Ok(Admitted::Joined(s)),
+            (Verdict::Superseded, _) => return Ok(Admitted::Superseded),
+            _ => {}
+        }
+        if let Some(tk) = ticket {
+            if let Some((gen, sid, at)) = t.newest_known(node) {
+                if sid == tk.session.0 && tk.gen < gen {
+                    return Ok(Admitted::StaleTicket(format!(
+                        "the ticket is of generation {}, but generation {gen} of session {} was attached since (at {at})",
+                        tk.gen, tk.session
+                    )));
+                }
+                if sid != tk.session.0 && gen > tk.gen {
+                    return Ok(Admitted::StaleTicket(format!(
+                        "session {} was replaced by a newer session of this edge (at {at})",
+                        tk.session
+                    )));
+                }
             }
-        })
+            let (session, mut replaced) = match t.owned.remove(node) {
+                Some(o) if o.id == tk.session => {
+                    o.set_gate(claim);
+                    (o, Vec::new())
+                }
+                other => (
+                    create(Some((tk.session, tk.gen)))?,
+                    other.into_iter().collect(),
+                ),
+            };
+            replaced.extend(self.insert_locked(&mut t, session.clone()));
+            replaced.retain(|r| !Arc::ptr_eq(r, &session));
+            return Ok(Admitted::Resumed { session, replaced });
+        }
+        let session = create(None)?;
+        let mut replaced: Vec<_> = t.owned.remove(node).into_iter().collect();
+        replaced.extend(self.insert_locked(&mut t, session.clone()));
+        Ok(Admitted::New { session, replaced })
+    }
+
+    /// The session's connection was attached: it is held here (it may have
+    /// been only owned here until now). Peers are told.
+    pub fn hold(&self, session: &Arc<Session>) {
+        let mut t = self.tables();
+        if t.owned
+            .get(&session.node)
+            .is_some_and(|s| Arc::ptr_eq(s, session))
+        {
+            t.owned.remove(&session.node);
+        }
+        let here = t
+            .sessions
+            .get(&session.node)
+            .is_some_and(|s| Arc::ptr_eq(s, session));
+        if !here {
+            if let Some(old) = self.insert_locked(&mut t, session.clone()) {
+                drop(t);
+                old.end(
+                    tether_proto::frame::ResetCode::SessionLost,
+                    &format!("edge {} resumed another session here", session.node),
+                );
+                return;
+            }
+        }
+        t.mark(&session.node);
+        drop(t);
+        self.touch();
+    }
+
+    /// The session new streams for `node` go into when a peer holds its
+    /// edge: this replica's own session of the node if it has one (held or
+    /// owned), else a new owned session relayed through the peer holding the
+    /// newest attached connection. `None` if no peer has it attached.
+    pub fn owner_session(&self, node: &str, limits: tether_proto::Limits) -> Option<Arc<Session>> {
+        let mut t = self.tables();
+        for s in [t.sessions.get(node), t.owned.get(node)]
+            .into_iter()
+            .flatten()
+        {
+            if !s.is_ended() {
+                return Some(s.clone());
+            }
+        }
+        let best = t.newest_remote(node)?;
+        let s = Session::relayed(
+            node.to_string(),
+            SessionId(best.record.sid),
+            limits,
+            best.record.gen,
+            best.replica.clone(),
+            best.conn.clone(),
+        );
+        t.owned.insert(node.to_string(), s.clone());
+        Some(s)
+    }
+
+    /// Brings this replica's sessions of `node` in line with what peers
+    /// hold: relayed through the peer with the newest attached connection of
+    /// the same session (closing an older connection here), ended when that
+    /// is another session of the edge (it lost its state), unreachable when
+    /// the peer they were relayed through no longer has it. Returns the
+    /// sessions to end (taken out of the tables) with the reason.
+    fn reconcile(&self, t: &mut Tables, node: &str) -> Vec<(Arc<Session>, String)> {
+        let mut to_end = Vec::new();
+        let best = t.newest_remote(node);
+        let locals: Vec<Arc<Session>> = [t.sessions.get(node), t.owned.get(node)]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
+        for s in locals {
+            if s.is_ended() {
+                continue;
+            }
+            if let Some(r) = &best {
+                if r.record.gen > s.gen() {
+                    if r.record.sid == s.id.0 {
+                        s.relay_to(r.replica.clone(), r.conn.clone(), r.record.gen);
+                    } else {
+                        to_end.push((
+                            s.clone(),
+                            format!(
+                                "edge {node} started a new session at replica {} (it restarted or lost its state)",
+                                r.replica.name
+                            ),
+                        ));
+                    }
+                    continue;
+                }
+            }
+            if let Some(via) = s.relayed_via() {
+                let still = t.remote.get(node).is_some_and(|l| {
+                    l.iter().any(|r| {
+                        r.replica.instance == via.instance
+                            && r.record.attached
+                            && r.record.sid == s.id.0
+                    })
+                });
+                if !still {
+                    if let Some(epoch) = s.relay_lost(via.instance) {
+                        self.expire_later(s.clone(), epoch);
+                    }
+                }
+            }
+        }
+        for (s, _) in &to_end {
+            self.take_out(t, s);
+        }
+        // A held session now relayed elsewhere is only owned here: peers
+        // stop routing to this replica for it.
+        if let Some(s) = t.sessions.get(node).cloned() {
+            if s.relayed_via().is_some() {
+                self.take_out(t, &s);
+                t.owned.insert(node.to_string(), s);
+            }
+        }
+        to_end
+    }
+
+    /// Takes `s` out of the tables (held: its indices go, peers are told).
+    fn take_out(&self, t: &mut Tables, s: &Arc<Session>) {
+        let node = s.node.clone();
+        if t.owned.get(&node).is_some_and(|o| Arc::ptr_eq(o, s)) {
+            t.owned.remove(&node);
+        }
+        if t.sessions.get(&node).is_some_and(|o| Arc::ptr_eq(o, s)) {
+            t.sessions.remove(&node);
+            t.node_refused.remove(&node);
+            Self::unindex_addresses(t, &node);
+            Self::unindex_pods(t, &node);
+            t.mark(&node);
+            self.local_changes.send_modify(|v| *v = v.wrapping_add(1));
+        }
+    }
+
+    /// Ends `s` after the grace period unless its link changed since `epoch`.
+    fn expire_later(&self, s: Arc<Session>, epoch: u64) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let grace = self.grace;
+        rt.spawn(async move {
+            tokio::time::sleep(grace).await;
+            if s.still_disconnected(epoch) {
+                let reason = format!(
+                    "edge {} did not come back within the grace period ({grace:?})",
+                    s.node
+                );
+                warn!(node = %s.node, session = %s.id, "{reason}; ending the streams this replica owns");
+                s.end(tether_proto::frame::ResetCode::SessionLost, &reason);
+            }
+        });
+    }
+
+    /// Every session here, held or only owned (for shutdown and status).
+    pub fn all_sessions(&self) -> Vec<Arc<Session>> {
+        let t = self.tables();
+        let mut v: Vec<_> = t
+            .sessions
+            .values()
+            .chain(t.owned.values())
+            .cloned()
+            .collect();
+        v.sort_by(|a, b| a.node.cmp(&b.node));
+        v
     }
 
     fn insert_locked(&self, t: &mut Tables, session: Arc<Session>) -> Option<Arc<Session>> {
@@ -703,10 +943,12 @@ impl Registry {
     pub fn apply_remote(&self, link: &PeerLink, update: Update) {
         let mut t = self.tables();
         let instance = link.replica.instance;
+        let mut touched = Vec::new();
         match update {
             Update::Upsert(records) => {
                 for record in records {
                     let node = record.node.clone();
+                    touched.push(node.clone());
                     t.remove_remote(instance, &node);
                     t.index_remote(&record, true);
                     for key in t.node_departed.remove(&node).unwrap_or_default() {
@@ -728,20 +970,48 @@ impl Registry {
             Update::Remove(nodes) => {
                 for node in nodes {
                     t.remove_remote(instance, &node);
+                    touched.push(node);
                 }
             }
         }
+        let mut to_end = Vec::new();
+        for node in touched {
+            to_end.extend(self.reconcile(&mut t, &node));
+        }
         drop(t);
+        self.end_all(to_end);
         self.any_changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    fn end_all(&self, to_end: Vec<(Arc<Session>, String)>) {
+        for (s, reason) in to_end {
+            info!(node = %s.node, session = %s.id, %reason, "ending this replica's session of the edge");
+            s.end(tether_proto::frame::ResetCode::SessionLost, &reason);
+        }
     }
 
     /// Forgets everything peer `instance` said (its link or subscription ended).
     pub fn drop_remote(&self, instance: u64) {
         let mut t = self.tables();
+        let mut to_end = Vec::new();
         for node in t.remote_by_replica.remove(&instance).unwrap_or_default() {
             t.remove_remote(instance, &node);
+            to_end.extend(self.reconcile(&mut t, &node));
+        }
+        // Sessions relayed through it that it did not list any more.
+        let via: Vec<_> = t
+            .owned
+            .values()
+            .filter(|s| s.relayed_via().is_some_and(|r| r.instance == instance))
+            .cloned()
+            .collect();
+        for s in via {
+            if let Some(epoch) = s.relay_lost(instance) {
+                self.expire_later(s, epoch);
+            }
         }
         drop(t);
+        self.end_all(to_end);
         self.any_changes.send_modify(|v| *v = v.wrapping_add(1));
     }
 
@@ -938,18 +1208,20 @@ mod tests {
     #[test]
     fn admit_joins_attempts_of_one_state_and_replaces_for_another() {
         let r = Registry::new(Duration::from_secs(1));
-        let make = |c: Claim| move || Session::new("n".into(), vec![], Limits::default(), &c);
+        let make = |c: Claim| move |_| Session::new("n".into(), vec![], Limits::default(), &c);
         let Ok(Admitted::New {
             session: first,
-            replaced: None,
-        }) = r.admit("n", &claim(1, 1), make(claim(1, 1)))
+            replaced,
+        }) = r.admit("n", &claim(1, 1), None, make(claim(1, 1)))
         else {
             panic!("the first hello starts a session")
         };
+        assert!(replaced.is_empty());
         // Sibling and later attempts of the same state join it, whatever
         // their order.
         for attempt in [3, 2, 7] {
-            let Ok(Admitted::Joined(s)) = r.admit("n", &claim(1, attempt), make(claim(1, attempt)))
+            let Ok(Admitted::Joined(s)) =
+                r.admit("n", &claim(1, attempt), None, make(claim(1, attempt)))
             else {
                 panic!("attempt {attempt} must join")
             };
@@ -958,21 +1230,19 @@ mod tests {
         // Another state of the edge replaces it.
         let Ok(Admitted::New {
             session: second,
-            replaced: Some(old),
-        }) = r.admit("n", &claim(2, 8), make(claim(2, 8)))
+            replaced,
+        }) = r.admit("n", &claim(2, 8), None, make(claim(2, 8)))
         else {
             panic!("another state starts a new session")
         };
-        assert!(Arc::ptr_eq(&old, &first));
+        assert_eq!(replaced.len(), 1);
+        assert!(Arc::ptr_eq(&replaced[0], &first));
         assert!(Arc::ptr_eq(&r.get("n").unwrap(), &second));
         // An ended session is joined by nobody.
         second.end(tether_proto::frame::ResetCode::Shutdown, "test");
         assert!(matches!(
-            r.admit("n", &claim(2, 9), make(claim(2, 9))),
-            Ok(Admitted::New {
-                replaced: Some(_),
-                ..
-            })
+            r.admit("n", &claim(2, 9), None, make(claim(2, 9))),
+            Ok(Admitted::New { replaced, .. }) if replaced.len() == 1
         ));
     }
 

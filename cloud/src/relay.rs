@@ -1,84 +1,56 @@
-//! The relay: one apiserver request carried over the peer link from the
-//! replica it landed on (the *entry*) to the replica that holds the edge (the
-//! *holder*), bytes untouched.
+//! The relay: a logical stream's QUIC stream spliced through the replica
+//! that holds the edge's connection (the *holder*) for the replica that owns
+//! the stream (the *owner*: the apiserver's connection arrived there).
 //!
-//! The entry opens one bidirectional QUIC stream on the peer link it dialled
-//! to the holder and writes a [`RelayHeader`] (magic, stream kind, node name);
-//! the holder answers with one [`Answer`]: `Open`, then the stream is a byte
-//! pipe between the entry and a logical stream of the holder's own session
-//! with the edge; or `NotHere` / `TooManyStreams` / `Ended` with a message,
-//! and the entry answers the apiserver itself. Everything after the answer is
-//! the request head, body and upgraded bytes the entry writes and the response
-//! the edge sends, copied as they come: QUIC's flow control on the peer link
-//! and on the edge's stream give backpressure end to end.
+//! The owner keeps the stream's whole state (offsets, replay buffer) and runs
+//! the resumable stream protocol end to end with the edge; the holder keeps
+//! nothing but the splice. The owner opens one bidirectional QUIC stream on
+//! the peer link it dialled to the holder and writes a [`SpliceHeader`]
+//! (magic, node, session, stream id); the holder answers one [`Answer`]:
+//! `Open` — it opened a QUIC stream on the edge's connection and from then on
+//! copies bytes both ways untouched, QUIC flow control on both links giving
+//! backpressure end to end — or `NotHere` / `Ended` with a message.
 //!
-//! **Never relayed twice, by construction.** The holder serves a relay only
-//! from its *local* sessions ([`crate::registry::Registry::local_session`]),
-//! never from what it learnt about other replicas: a relay for an edge it does
-//! not hold itself is answered `NotHere`, whatever its routes say. The entry
-//! then decides again from its own table (a stale route, counted) — one hop,
-//! always.
+//! **Never relayed twice, by construction.** The holder splices only to edges
+//! connected to *itself* ([`crate::registry::Registry::local_session`]),
+//! never to what it learnt about other replicas.
 //!
-//! Resets cross the link as QUIC stream resets whose code carries the
-//! [`ResetCode`] (`0x100 + code`), so the entry maps an edge's reset to the
-//! same HTTP outcome as for a local stream. The entry side's stream is
-//! [`RelayIo`]; [`EdgeIo`] and [`Resetter`] are what [`crate::forward`]
-//! writes to and resets, local or relayed alike.
+//! When the splice breaks the holder tells each side what happened, as QUIC
+//! stream error codes: the edge's end is reset with
+//! [`stream_code::DETACHED`] when the owner is still there (only this
+//! transport broke: the owner re-attaches the stream wherever the edge is) and
+//! [`stream_code::OWNER_GONE`] when the peer link to the owner died (nobody
+//! will re-attach it: the edge ends the stream at once); the owner's end is
+//! reset with `DETACHED` when the edge's connection died, and the owner waits
+//! for the edge to come back (here or anywhere).
 
 use std::io;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tether_proto::frame::ResetCode;
-use tether_proto::io::{ResumableIo, SharedStream, StreamReset};
+use tether_proto::handshake::stream_code;
 use tether_proto::ops::ByteCounters;
-use tether_proto::route::StreamKind;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt};
 use tracing::{debug, info, Instrument};
 
 use crate::metrics::CloudMetrics;
 use crate::registry::Registry;
-use crate::session::OpenError;
 
 /// First bytes of a relay stream.
-pub const RELAY_MAGIC: &[u8; 4] = b"TPR1";
+pub const RELAY_MAGIC: &[u8; 4] = b"TPR2";
 /// Longest node name in a relay header (a DNS subdomain name).
 const MAX_NODE: usize = 253;
 /// Longest message in an answer.
 const MAX_MESSAGE: usize = 1024;
-/// Copy buffer of the holder's pipe.
+/// Copy buffer of the holder's splice.
 const PIPE_BUF: usize = 64 * 1024;
 
-/// What the entry asks the holder for.
+/// What the owner asks the holder for: a QUIC stream to `node`'s edge, for
+/// stream `stream` of session `session`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RelayHeader {
-    pub kind: StreamKind,
+pub struct SpliceHeader {
     pub node: String,
-}
-
-fn kind_code(k: StreamKind) -> u8 {
-    match k {
-        StreamKind::Exec => 1,
-        StreamKind::Attach => 2,
-        StreamKind::PortForward => 3,
-        StreamKind::Logs => 4,
-        StreamKind::Metrics => 5,
-        StreamKind::Other => 6,
-    }
-}
-
-fn kind_of(c: u8) -> Option<StreamKind> {
-    Some(match c {
-        1 => StreamKind::Exec,
-        2 => StreamKind::Attach,
-        3 => StreamKind::PortForward,
-        4 => StreamKind::Logs,
-        5 => StreamKind::Metrics,
-        6 => StreamKind::Other,
-        _ => return None,
-    })
+    pub session: u64,
+    pub stream: u64,
 }
 
 /// Why a relay header or answer could not be read.
@@ -86,8 +58,6 @@ fn kind_of(c: u8) -> Option<StreamKind> {
 pub enum RelayError {
     #[error("not a relay stream")]
     BadMagic,
-    #[error("unknown stream kind {0}")]
-    BadKind(u8),
     #[error("node name of {0} bytes (at most {MAX_NODE})")]
     NodeTooLong(usize),
     #[error("a name or message that is not UTF-8")]
@@ -104,44 +74,47 @@ pub enum RelayError {
     Timeout { replica: String, timeout: Duration },
 }
 
-impl RelayHeader {
-    /// The header's bytes: magic, kind (u8), name length (u16 BE), name.
+impl SpliceHeader {
+    /// The header's bytes: magic, name length (u16 BE), name, session (u64
+    /// BE), stream (u64 BE).
     pub fn encode(&self) -> Vec<u8> {
-        let name = self.node.as_bytes();
-        let mut v = Vec::with_capacity(7 + name.len());
+        let name = &self.node.as_bytes()[..self.node.len().min(MAX_NODE)];
+        let mut v = Vec::with_capacity(22 + name.len());
         v.extend_from_slice(RELAY_MAGIC);
-        v.push(kind_code(self.kind));
-        v.extend_from_slice(&(name.len().min(u16::MAX as usize) as u16).to_be_bytes());
+        v.extend_from_slice(&(name.len() as u16).to_be_bytes());
         v.extend_from_slice(name);
+        v.extend_from_slice(&self.session.to_be_bytes());
+        v.extend_from_slice(&self.stream.to_be_bytes());
         v
     }
 
     /// Reads a header whose magic has already been read.
     pub async fn read_after_magic<R: AsyncRead + Unpin>(r: &mut R) -> Result<Self, RelayError> {
-        let mut b = [0u8; 3];
-        r.read_exact(&mut b).await?;
-        let kind = kind_of(b[0]).ok_or(RelayError::BadKind(b[0]))?;
-        let len = u16::from_be_bytes([b[1], b[2]]) as usize;
+        let len = r.read_u16().await? as usize;
         if len > MAX_NODE {
             return Err(RelayError::NodeTooLong(len));
         }
         let mut name = vec![0u8; len];
         r.read_exact(&mut name).await?;
         let node = String::from_utf8(name).map_err(|_| RelayError::NotUtf8)?;
-        Ok(RelayHeader { kind, node })
+        let session = r.read_u64().await?;
+        let stream = r.read_u64().await?;
+        Ok(SpliceHeader {
+            node,
+            session,
+            stream,
+        })
     }
 }
 
-/// The holder's answer to a relay header.
+/// The holder's answer to a splice header.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
     /// The stream to the edge is open: bytes follow.
     Open,
-    /// This replica does not hold the edge (a stale route at the entry).
+    /// The edge is not connected to this replica (now).
     NotHere(String),
-    /// The edge is at `--max-streams-per-edge`.
-    TooManyStreams(String),
-    /// The edge's session here has ended.
+    /// The edge is connected here in another session: the one named is gone.
     Ended(String),
 }
 
@@ -151,7 +124,6 @@ impl Answer {
         let (code, msg) = match self {
             Answer::Open => return vec![0],
             Answer::NotHere(m) => (1, m),
-            Answer::TooManyStreams(m) => (2, m),
             Answer::Ended(m) => (3, m),
         };
         let mut m = msg.as_bytes();
@@ -174,7 +146,7 @@ impl Answer {
         if code == 0 {
             return Ok(Answer::Open);
         }
-        if code > 3 {
+        if code != 1 && code != 3 {
             return Err(RelayError::BadAnswer(code));
         }
         let len = r.read_u16().await? as usize;
@@ -186,63 +158,27 @@ impl Answer {
         let m = String::from_utf8(m).map_err(|_| RelayError::NotUtf8)?;
         Ok(match code {
             1 => Answer::NotHere(m),
-            2 => Answer::TooManyStreams(m),
             _ => Answer::Ended(m),
         })
     }
 }
 
-const RESET_BASE: u32 = 0x100;
-const RESET_CODES: [ResetCode; 9] = [
-    ResetCode::Cancelled,
-    ResetCode::KubeletUnreachable,
-    ResetCode::Refused,
-    ResetCode::ProtocolError,
-    ResetCode::SessionLost,
-    ResetCode::UnknownStream,
-    ResetCode::Shutdown,
-    ResetCode::LimitExceeded,
-    ResetCode::Internal,
-];
-
-/// The QUIC stream error code that carries `code` over the peer link.
-pub fn reset_varint(code: ResetCode) -> quinn::VarInt {
-    let i = RESET_CODES.iter().position(|c| *c == code).unwrap_or(8) as u32;
-    quinn::VarInt::from_u32(RESET_BASE + i)
-}
-
-/// The reset code a QUIC stream error code from a peer carries (an unknown
-/// one is `Internal`).
-pub fn reset_of(v: quinn::VarInt) -> ResetCode {
-    v.into_inner()
-        .checked_sub(RESET_BASE as u64)
-        .and_then(|i| RESET_CODES.get(i as usize).copied())
-        .unwrap_or(ResetCode::Internal)
-}
-
-/// Entry side: asks the holder on `conn` for a stream to `node`. Bounded by
-/// `timeout` up to the answer.
-pub async fn open(
+/// Owner side: asks the holder on `conn` for a splice to the edge. Bounded by
+/// `timeout` up to the answer; on `Open` the returned QUIC stream pair is the
+/// stream's transport to the edge.
+pub async fn splice_open(
     conn: &quinn::Connection,
     replica: &str,
-    header: &RelayHeader,
+    header: &SpliceHeader,
     timeout: Duration,
-    counters: ByteCounters,
-) -> Result<Result<RelayIo, Answer>, RelayError> {
+) -> Result<Result<(quinn::SendStream, quinn::RecvStream), Answer>, RelayError> {
     let attempt = async {
         let (mut send, mut recv) = conn.open_bi().await?;
         send.write_all(&header.encode())
             .await
             .map_err(io::Error::from)?;
-        let answer = Answer::read(&mut recv).await?;
-        Ok::<_, RelayError>(match answer {
-            Answer::Open => Ok(RelayIo {
-                send,
-                recv,
-                reset: Arc::new(Resetting::default()),
-                finished: false,
-                counters,
-            }),
+        Ok::<_, RelayError>(match Answer::read(&mut recv).await? {
+            Answer::Open => Ok((send, recv)),
             other => Err(other),
         })
     };
@@ -254,313 +190,150 @@ pub async fn open(
         })?
 }
 
-/// A reset asked for on a relayed stream; it goes out when the stream is dropped.
-#[derive(Debug, Default)]
-pub struct Resetting(Mutex<Option<ResetCode>>);
-
-/// The entry side of a relayed stream.
-pub struct RelayIo {
-    send: quinn::SendStream,
-    recv: quinn::RecvStream,
-    reset: Arc<Resetting>,
-    finished: bool,
-    counters: ByteCounters,
-}
-
-impl AsyncRead for RelayIo {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        match Pin::new(&mut self.recv).poll_read(cx, buf) {
-            Poll::Ready(Ok(())) => {
-                let n = (buf.filled().len() - before) as u64;
-                self.counters.received.inc_by(n);
-                Poll::Ready(Ok(()))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(map_read_error(e))),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-/// A peer's stream reset becomes the [`StreamReset`] the edge's reset would
-/// have been, so a relayed request fails exactly like a local one.
-fn map_read_error(e: io::Error) -> io::Error {
-    let code = match e
-        .get_ref()
-        .and_then(|i| i.downcast_ref::<quinn::ReadError>())
-    {
-        Some(quinn::ReadError::Reset(code)) => reset_of(*code),
-        Some(quinn::ReadError::ConnectionLost(_)) => ResetCode::SessionLost,
-        _ => return e,
-    };
-    StreamReset::io_error(code, &format!("over the peer link: {e}"))
-}
-
-impl AsyncWrite for RelayIo {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.send).poll_write(cx, buf);
-        match r {
-            Poll::Ready(Ok(n)) => {
-                self.counters.sent.inc_by(n as u64);
-                Poll::Ready(Ok(n))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e.into())),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.send).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let r = Pin::new(&mut self.send).poll_shutdown(cx);
-        if let Poll::Ready(Ok(())) = r {
-            self.finished = true;
-        }
-        r
-    }
-}
-
-impl Drop for RelayIo {
-    fn drop(&mut self) {
-        let asked = *self.reset.0.lock().unwrap_or_else(|p| p.into_inner());
-        match asked {
-            Some(code) => {
-                let v = reset_varint(code);
-                let _ = self.send.reset(v);
-                let _ = self.recv.stop(v);
-            }
-            None if !self.finished => {
-                let _ = self.send.reset(reset_varint(ResetCode::Cancelled));
-            }
-            None => {}
-        }
-    }
-}
-
-/// The stream [`crate::forward`] talks to: a local logical stream or a relayed one.
-pub enum EdgeIo {
-    Local(ResumableIo),
-    Relayed(RelayIo),
-}
-
-/// Resets an [`EdgeIo`] from anywhere (the stream's halves may be elsewhere).
-#[derive(Clone)]
-pub enum Resetter {
-    Local(Arc<SharedStream>),
-    Relayed(Arc<Resetting>),
-}
-
-impl Resetter {
-    /// Resets the stream: at once for a local one; for a relayed one when
-    /// its last half is dropped (the holder then resets the edge's stream).
-    pub fn reset(&self, code: ResetCode, message: impl Into<String>) {
-        match self {
-            Resetter::Local(s) => s.reset(code, message),
-            Resetter::Relayed(r) => {
-                debug!(code = ?code, message = %message.into(), "resetting a relayed stream");
-                *r.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
-            }
-        }
-    }
-}
-
-impl EdgeIo {
-    /// The handle that resets this stream.
-    pub fn resetter(&self) -> Resetter {
-        match self {
-            EdgeIo::Local(io) => Resetter::Local(io.shared().clone()),
-            EdgeIo::Relayed(r) => Resetter::Relayed(r.reset.clone()),
-        }
-    }
-}
-
-impl AsyncRead for EdgeIo {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            EdgeIo::Local(io) => Pin::new(io).poll_read(cx, buf),
-            EdgeIo::Relayed(io) => Pin::new(io).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for EdgeIo {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            EdgeIo::Local(io) => Pin::new(io).poll_write(cx, buf),
-            EdgeIo::Relayed(io) => Pin::new(io).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            EdgeIo::Local(io) => Pin::new(io).poll_flush(cx),
-            EdgeIo::Relayed(io) => Pin::new(io).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            EdgeIo::Local(io) => Pin::new(io).poll_shutdown(cx),
-            EdgeIo::Relayed(io) => Pin::new(io).poll_shutdown(cx),
-        }
-    }
-}
-
-/// Holder side: serves one relay stream whose magic has been read, from this
-/// replica's **local** sessions only.
+/// Holder side: serves one splice stream whose magic has been read, to this
+/// replica's **own** edge connections only.
 pub async fn serve(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
-    registry: Arc<Registry>,
+    registry: std::sync::Arc<Registry>,
     metrics: CloudMetrics,
     peer: String,
     timeout: Duration,
 ) {
-    let header = match tokio::time::timeout(timeout, RelayHeader::read_after_magic(&mut recv)).await
-    {
-        Ok(Ok(h)) => h,
-        Ok(Err(e)) => {
-            info!(%peer, error = %e, "refusing a bad relay stream from a peer");
-            let _ = send.reset(reset_varint(ResetCode::ProtocolError));
-            return;
-        }
-        Err(_) => {
-            info!(%peer, ?timeout, "no relay header in time");
-            let _ = send.reset(reset_varint(ResetCode::ProtocolError));
-            return;
-        }
-    };
-    let span =
-        tracing::info_span!("relayed", %peer, node = %header.node, kind = header.kind.as_str());
+    let header =
+        match tokio::time::timeout(timeout, SpliceHeader::read_after_magic(&mut recv)).await {
+            Ok(Ok(h)) => h,
+            Ok(Err(e)) => {
+                info!(%peer, error = %e, "refusing a bad relay stream from a peer");
+                let _ = send.reset(stream_code::DETACHED.into());
+                return;
+            }
+            Err(_) => {
+                info!(%peer, ?timeout, "no relay header in time");
+                let _ = send.reset(stream_code::DETACHED.into());
+                return;
+            }
+        };
+    let span = tracing::info_span!("splice", %peer, node = %header.node.escape_debug(), stream = %format_args!("{:x}", header.stream));
     async move {
-        let answer = |a: Answer| a.encode();
-        let session = match registry.local_session(&header.node) {
-            Some(s) => s,
-            None => {
-                metrics.relay_refused("not_here");
-                debug!("relay for an edge this replica does not hold");
-                let _ = send
-                    .write_all(&answer(Answer::NotHere(format!(
-                        "edge {} is not connected to this replica",
+        let refuse = |a: Answer, why: &'static str| {
+            metrics.relay_refused(why);
+            a.encode()
+        };
+        let session = registry.local_session(&header.node);
+        let conn = match &session {
+            Some(s) if s.id.0 != header.session => {
+                let a = refuse(
+                    Answer::Ended(format!(
+                        "edge {} is connected to replica in another session (it restarted or lost its state)",
                         header.node
-                    ))))
-                    .await;
+                    )),
+                    "ended",
+                );
+                let _ = send.write_all(&a).await;
                 let _ = send.finish();
                 return;
             }
+            Some(s) => s.connection(),
+            None => None,
         };
-        let io = match session.open_stream(header.kind) {
-            Ok((_, io)) => io,
+        let Some(conn) = conn else {
+            debug!("splice for an edge not connected here");
+            let a = refuse(
+                Answer::NotHere(format!(
+                    "edge {} is not connected to this replica",
+                    header.node
+                )),
+                "not_here",
+            );
+            let _ = send.write_all(&a).await;
+            let _ = send.finish();
+            return;
+        };
+        let (edge_send, edge_recv) = match conn.open_bi().await {
+            Ok(p) => p,
             Err(e) => {
-                let a = match &e {
-                    OpenError::TooManyStreams { .. } => Answer::TooManyStreams(e.to_string()),
-                    OpenError::Ended { .. } => Answer::Ended(e.to_string()),
-                    // The entry routes again and finds the edge where it went.
-                    OpenError::Moving { .. } => Answer::NotHere(e.to_string()),
-                };
-                metrics.relay_refused(match a {
-                    Answer::TooManyStreams(_) => "too_many_streams",
-                    Answer::NotHere(_) => "moving",
-                    _ => "ended",
-                });
-                let _ = send.write_all(&answer(a)).await;
+                let a = refuse(
+                    Answer::NotHere(format!("edge {}'s connection: {e}", header.node)),
+                    "not_here",
+                );
+                let _ = send.write_all(&a).await;
                 let _ = send.finish();
                 return;
             }
         };
-        if send.write_all(&answer(Answer::Open)).await.is_err() {
-            io.shared()
-                .reset(ResetCode::Cancelled, "the entry replica went away");
+        if send.write_all(&Answer::Open.encode()).await.is_err() {
             return;
         }
         metrics
             .relayed_streams
             .get_or_create(&crate::metrics::RoleLabel { role: "holder" })
             .inc();
-        let _open = metrics.stream_opened(header.kind);
-        pipe(io.with_counters(metrics.bytes.clone()), send, recv).await;
+        splice(
+            (recv, send),
+            (edge_recv, edge_send),
+            metrics.relayed_bytes.clone(),
+        )
+        .await;
     }
     .instrument(span)
     .await
 }
 
-/// Copies both ways between the edge's logical stream and the peer's relay
-/// stream until both directions end; a reset on either side resets the other.
-async fn pipe(io: ResumableIo, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
-    let shared = io.shared().clone();
-    let (mut lr, mut lw) = tokio::io::split(io);
-    let up = {
-        let shared = shared.clone();
-        async move {
-            let mut buf = vec![0u8; PIPE_BUF];
-            loop {
-                match recv.read(&mut buf).await {
-                    Ok(Some(n)) => {
-                        if let Err(e) = lw.write_all(&buf[..n]).await {
-                            debug!(error = %e, "edge stream closed while relaying");
-                            let _ = recv.stop(reset_varint(ResetCode::Cancelled));
-                            return;
-                        }
-                    }
-                    Ok(None) => {
-                        let _ = lw.shutdown().await;
-                        return;
-                    }
-                    Err(quinn::ReadError::Reset(code)) => {
-                        shared.reset(reset_of(code), "the entry replica reset the relayed stream");
-                        return;
-                    }
-                    Err(e) => {
-                        shared.reset(ResetCode::Cancelled, format!("peer link: {e}"));
-                        return;
-                    }
-                }
-            }
-        }
-    };
-    let down = async move {
-        let mut buf = vec![0u8; PIPE_BUF];
-        loop {
-            match lr.read(&mut buf).await {
-                Ok(0) => {
-                    let _ = send.finish();
+/// Whether a read error means the peer link to the owner died (not closed by
+/// this replica itself, which happens only as it exits: its edges then lose
+/// their connections too and the owners re-attach elsewhere).
+fn owner_gone(e: &quinn::ReadError) -> bool {
+    matches!(e, quinn::ReadError::ConnectionLost(c) if !matches!(c, quinn::ConnectionError::LocallyClosed))
+}
+
+/// Copies one direction; on a failure resets/stops the other side with what
+/// `on_error` says.
+async fn copy_one(
+    mut from: quinn::RecvStream,
+    mut to: quinn::SendStream,
+    counter: prometheus_client::metrics::counter::Counter,
+    from_is_owner: bool,
+) {
+    let mut buf = vec![0u8; PIPE_BUF];
+    loop {
+        match from.read(&mut buf).await {
+            Ok(Some(n)) => {
+                if to.write_all(&buf[..n]).await.is_err() {
+                    let _ = from.stop(stream_code::DETACHED.into());
                     return;
                 }
-                Ok(n) => {
-                    if let Err(e) = send.write_all(&buf[..n]).await {
-                        shared.reset(ResetCode::Cancelled, format!("peer link: {e}"));
-                        return;
-                    }
-                }
-                Err(e) => {
-                    let code = StreamReset::from_io(&e)
-                        .map(|r| r.code)
-                        .unwrap_or(ResetCode::Internal);
-                    let _ = send.reset(reset_varint(code));
-                    return;
-                }
+                counter.inc_by(n as u64);
+            }
+            Ok(None) => {
+                let _ = to.finish();
+                return;
+            }
+            Err(e) => {
+                let code = if from_is_owner && owner_gone(&e) {
+                    stream_code::OWNER_GONE
+                } else {
+                    stream_code::DETACHED
+                };
+                debug!(error = %e, code, "splice broke; resetting the other side");
+                let _ = to.reset(code.into());
+                return;
             }
         }
-    };
-    tokio::join!(up, down);
+    }
+}
+
+/// Copies both ways between the owner's relay stream and the edge's QUIC
+/// stream until both directions end.
+async fn splice(
+    (owner_recv, owner_send): (quinn::RecvStream, quinn::SendStream),
+    (edge_recv, edge_send): (quinn::RecvStream, quinn::SendStream),
+    counters: ByteCounters,
+) {
+    tokio::join!(
+        copy_one(owner_recv, edge_send, counters.sent.clone(), true),
+        copy_one(edge_recv, owner_send, counters.received.clone(), false),
+    );
 }
 
 #[cfg(test)]
@@ -569,32 +342,28 @@ mod tests {
 
     #[tokio::test]
     async fn header_and_answer_round_trip_and_garbage_is_refused() {
-        let h = RelayHeader {
-            kind: StreamKind::Exec,
+        let h = SpliceHeader {
             node: "edge-1".into(),
+            session: 7,
+            stream: (9 << 32) | 3,
         };
         let b = h.encode();
         assert_eq!(&b[..4], RELAY_MAGIC);
-        let got = RelayHeader::read_after_magic(&mut &b[4..]).await.unwrap();
+        let got = SpliceHeader::read_after_magic(&mut &b[4..]).await.unwrap();
         assert_eq!(got, h);
-        let mut bad = b.clone();
-        bad[4] = 99;
-        assert!(matches!(
-            RelayHeader::read_after_magic(&mut &bad[4..]).await,
-            Err(RelayError::BadKind(99))
-        ));
-        let mut long = b[..5].to_vec();
+        let mut long = Vec::new();
         long.extend_from_slice(&1000u16.to_be_bytes());
         assert!(matches!(
-            RelayHeader::read_after_magic(&mut &long[4..]).await,
+            SpliceHeader::read_after_magic(&mut &long[..]).await,
             Err(RelayError::NodeTooLong(1000))
         ));
-        assert!(RelayHeader::read_after_magic(&mut &b[4..6]).await.is_err());
+        assert!(SpliceHeader::read_after_magic(&mut &b[4..12])
+            .await
+            .is_err());
 
         for a in [
             Answer::Open,
             Answer::NotHere("edge-1 is not here".into()),
-            Answer::TooManyStreams("x".into()),
             Answer::Ended(String::new()),
         ] {
             let e = a.encode();
@@ -609,18 +378,6 @@ mod tests {
             Answer::read(&mut &huge[..]).await,
             Ok(Answer::NotHere(m)) if m.len() <= MAX_MESSAGE
         ));
-    }
-
-    #[test]
-    fn every_reset_code_crosses_the_link() {
-        for c in RESET_CODES {
-            assert_eq!(reset_of(reset_varint(c)), c);
-        }
-        assert_eq!(reset_of(quinn::VarInt::from_u32(7)), ResetCode::Internal);
-        assert_eq!(
-            reset_of(quinn::VarInt::from_u32(0x1ff)),
-            ResetCode::Internal
-        );
     }
 }
 
@@ -674,7 +431,6 @@ mod link_tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use prometheus_client::registry::Registry as Prom;
     use tether_proto::Limits;
 
     use super::*;
@@ -690,6 +446,8 @@ mod link_tests {
             session: "s".into(),
             attached,
             since_ms,
+            sid: 7,
+            gen: since_ms,
             pods: pods
                 .iter()
                 .map(|p| ("default".to_string(), p.to_string()))
@@ -705,75 +463,6 @@ mod link_tests {
             attempt: 1,
         };
         Session::new(node.into(), vec![], Limits::default(), &claim).unwrap()
-    }
-
-    /// Serves one relay for `node` from `registry` and returns the answer.
-    async fn ask(
-        entry: &quinn::Connection,
-        holder: &quinn::Connection,
-        registry: Arc<Registry>,
-        node: &str,
-    ) -> Answer {
-        let metrics = CloudMetrics::register(&mut Prom::default());
-        let holder = holder.clone();
-        tokio::spawn(async move {
-            let (send, mut recv) = holder.accept_bi().await.unwrap();
-            let mut magic = [0u8; 4];
-            recv.read_exact(&mut magic).await.unwrap();
-            assert_eq!(&magic, RELAY_MAGIC);
-            serve(
-                send,
-                recv,
-                registry,
-                metrics,
-                "entry".into(),
-                Duration::from_secs(5),
-            )
-            .await;
-        });
-        let header = RelayHeader {
-            kind: StreamKind::Logs,
-            node: node.into(),
-        };
-        match open(
-            entry,
-            "holder",
-            &header,
-            Duration::from_secs(5),
-            ByteCounters::default(),
-        )
-        .await
-        .unwrap()
-        {
-            Ok(_) => Answer::Open,
-            Err(a) => a,
-        }
-    }
-
-    #[tokio::test]
-    async fn a_replica_relays_only_what_it_holds_itself_never_a_second_hop() {
-        let (entry, holder, _eps) = testlink::pair().await;
-        // The holder side's registry knows edge-x only from a third replica.
-        let registry = Arc::new(Registry::new(Duration::from_secs(60)));
-        let (third, _third_side, _eps2) = testlink::pair().await;
-        let link = PeerLink {
-            addr: third.remote_address(),
-            replica: ReplicaId::new("third"),
-            conn: third,
-        };
-        registry.apply_remote(
-            &link,
-            Update::Upsert(vec![record("edge-x", &["p"], true, 1)]),
-        );
-        assert!(matches!(
-            registry.route_pod("default", "p").unwrap().holder,
-            Holder::Remote { .. }
-        ));
-        let a = ask(&entry, &holder, registry.clone(), "edge-x").await;
-        assert!(matches!(a, Answer::NotHere(_)), "{a:?}");
-        // What it holds itself it serves.
-        registry.insert(session("edge-y"));
-        assert_eq!(ask(&entry, &holder, registry, "edge-y").await, Answer::Open);
     }
 
     #[tokio::test]
@@ -847,13 +536,9 @@ mod link_tests {
             instance: 1,
             attempt: 1,
         };
-        live.attach_connection(c3, &claim).unwrap();
+        let attached_ms = tether_proto::ticket::unix_ms();
+        live.attach_connection(c3, &claim, attached_ms).unwrap();
         r.insert(live.clone());
-        let attached_ms = live
-            .connected_since()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64;
         r.apply_remote(
             &a,
             Update::Upsert(vec![record("edge-4", &[], true, attached_ms - 1000)]),

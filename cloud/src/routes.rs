@@ -43,7 +43,7 @@ use crate::peer::PeerLink;
 use crate::registry::Registry;
 
 /// First bytes of a route subscription stream.
-pub const SUBSCRIBE_MAGIC: &[u8; 4] = b"TPS1";
+pub const SUBSCRIBE_MAGIC: &[u8; 4] = b"TPS2";
 /// How long the publisher gathers changes before sending them.
 pub const COALESCE: Duration = Duration::from_millis(20);
 /// How long a subscriber waits before subscribing again after a failure.
@@ -60,6 +60,10 @@ pub struct EdgeRecord {
     pub attached: bool,
     /// When the holder attached its current (or last) connection, Unix ms.
     pub since_ms: u64,
+    /// The session's id.
+    pub sid: u64,
+    /// The generation of the holder's connection: the newest wins everywhere.
+    pub gen: u64,
     /// Pods the edge reported (namespace, name), as the holder accepted them.
     pub pods: Vec<(String, String)>,
     /// Addresses the edge announced, as the holder indexed them.
@@ -274,6 +278,8 @@ mod tests {
             session: "s".into(),
             attached: true,
             since_ms: 1,
+            sid: 1,
+            gen: 1,
             pods: (0..pods)
                 .map(|i| ("default".to_string(), format!("pod-{i}")))
                 .collect(),

@@ -1,20 +1,29 @@
-//! One edge's session: the logical streams that outlive any QUIC connection.
+//! One edge's session as this replica sees it: the logical streams this
+//! replica *owns* (their apiserver connection arrived here) and how to reach
+//! the edge from here.
 //!
 //! A [`Session`] is created by a hello whose resume token names a state of the
-//! edge the cloud has no session for (see [`admission`](crate::admission)).
-//! It holds the edge's current connection (if any), its admission [`Gate`]
-//! (the token and the newest attached attempt), and every open logical
-//! stream. Each stream has a task that attaches
-//! it to the current connection (opening a QUIC stream, exchanging `Attach`)
-//! and, when that connection dies, waits for the next one: a resume re-attaches
-//! every stream and both ends replay what the other has not delivered. When
-//! the session ends (grace expired, edge restarted, cloud shutting down) every
-//! stream is reset with a clear reason.
+//! edge the cloud has no session for (see [`admission`](crate::admission)), by
+//! a hello whose resume ticket names a session this replica did not know
+//! (the edge moved here from another replica), or by a request for an edge a
+//! peer holds (this replica then owns streams of a session it does not hold).
+//! Its [`Link`] says how the edge is reached now: over the edge's own
+//! connection to this replica, relayed through the peer that holds it (the
+//! holder only splices QUIC streams, see [`relay`](crate::relay)), or not at
+//! all for now. Each stream has a task that attaches it to whatever the link
+//! is (opening a QUIC stream there and exchanging `Attach`) and, when that
+//! transport dies, waits for the next link: both ends replay what the other
+//! has not delivered, wherever the edge went. When the session ends (grace
+//! expired, edge restarted, this replica shutting down) every stream it owns
+//! is reset with a clear reason.
+//!
+//! Stream ids are unique across the replicas that own streams of one session:
+//! the high 32 bits are this process's random owner tag ([`owner_tag`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
 
 use tether_proto::frame::ResetCode;
 use tether_proto::io::{drive, PeerAttach, ResumableIo, SharedStream};
@@ -26,17 +35,62 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::admission::{Claim, Gate, Superseded, Verdict};
+use crate::peer::ReplicaId;
 
-/// The session's link to its edge.
+/// This process's owner tag: the high 32 bits of every stream id it assigns,
+/// drawn at random once (never 0), so streams several replicas own in one
+/// session of an edge do not collide (two replicas drawing the same tag is a
+/// 1-in-2^32 chance per pair; the edge then refuses the second stream as a
+/// re-attach below what it acknowledged, an error for that stream only).
+pub fn owner_tag() -> u32 {
+    static TAG: OnceLock<u32> = OnceLock::new();
+    *TAG.get_or_init(|| loop {
+        let t: u32 = rand::random();
+        if t != 0 {
+            break t;
+        }
+    })
+}
+
+/// How this replica reaches a session's edge.
 #[derive(Clone)]
 pub enum Link {
-    /// Attached to a live connection; `gen` increases with every connection.
-    Connected { gen: u64, conn: quinn::Connection },
-    /// The last connection died; streams wait for a resume until the grace
-    /// period ends.
-    Disconnected { gen: u64, since: Instant },
+    /// The edge's own connection to this replica, generation `gen`.
+    Connected {
+        epoch: u64,
+        gen: u64,
+        conn: quinn::Connection,
+    },
+    /// Through `replica`, which holds the edge's connection of generation
+    /// `gen`; `conn` is the peer link this replica dialled to it.
+    Relayed {
+        epoch: u64,
+        gen: u64,
+        replica: ReplicaId,
+        conn: quinn::Connection,
+    },
+    /// Not reachable now: streams wait for a resume (here or anywhere)
+    /// until the grace period ends. `held`: the edge's last connection was
+    /// to this replica.
+    Disconnected {
+        epoch: u64,
+        gen: u64,
+        since: Instant,
+        held: bool,
+    },
     /// Over: streams were reset with this reason.
     Ended(String),
+}
+
+impl Link {
+    fn epoch(&self) -> u64 {
+        match self {
+            Link::Connected { epoch, .. }
+            | Link::Relayed { epoch, .. }
+            | Link::Disconnected { epoch, .. } => *epoch,
+            Link::Ended(_) => u64::MAX,
+        }
+    }
 }
 
 /// Why a stream could not be opened.
@@ -46,10 +100,6 @@ pub enum OpenError {
     TooManyStreams { node: String, open: usize },
     #[error("edge {node}'s session has ended: {reason}")]
     Ended { node: String, reason: String },
-    /// This replica is draining and told the edge to move: its next streams
-    /// go through whichever replica the edge reaches next.
-    #[error("edge {node} is moving to another replica (this one is draining)")]
-    Moving { node: String },
 }
 
 /// Why a committed connection was not attached.
@@ -78,9 +128,11 @@ pub struct Session {
     book: Mutex<Book>,
     streams: Mutex<HashMap<StreamId, Arc<SharedStream>>>,
     next_stream: AtomicU64,
-    next_gen: AtomicU64,
-    /// Set once the edge is told to move (drain): no new stream starts here.
-    moving: std::sync::atomic::AtomicBool,
+    next_epoch: AtomicU64,
+    /// The newest generation of the edge's connections this replica knows of.
+    gen: AtomicU64,
+    /// How long a relay splice may take to open (`--peer-timeout`).
+    relay_timeout: Duration,
 }
 
 impl Session {
@@ -92,13 +144,69 @@ impl Session {
         limits: Limits,
         claim: &Claim,
     ) -> Result<Arc<Session>, rand::rand_core::OsError> {
-        let (link, _) = watch::channel(Link::Disconnected {
-            gen: 0,
-            since: Instant::now(),
-        });
-        Ok(Arc::new(Session {
+        Ok(Self::build(
             node,
-            id: SessionId::generate()?,
+            SessionId::generate()?,
+            0,
+            addresses,
+            limits,
+            claim,
+        ))
+    }
+
+    /// The session `id` an edge resumes here with a ticket of generation
+    /// `gen` (it was held by another replica, or this one forgot it).
+    pub fn resumed(
+        node: String,
+        id: SessionId,
+        gen: u64,
+        addresses: Vec<String>,
+        limits: Limits,
+        claim: &Claim,
+    ) -> Arc<Session> {
+        Self::build(node, id, gen, addresses, limits, claim)
+    }
+
+    /// A session this replica only owns streams of: `replica` holds the
+    /// edge's connection of generation `gen`.
+    pub fn relayed(
+        node: String,
+        id: SessionId,
+        limits: Limits,
+        gen: u64,
+        replica: ReplicaId,
+        conn: quinn::Connection,
+    ) -> Arc<Session> {
+        // Nobody joins a relayed session by token (its gate is set when the
+        // edge resumes here with a ticket): an all-zero token never matches
+        // a drawn one by chance of 2^-128.
+        let claim = Claim {
+            token: tether_proto::token::ResumeToken([0; 16]),
+            instance: 0,
+            attempt: 0,
+        };
+        let s = Self::build(node, id, 0, Vec::new(), limits, &claim);
+        s.relay_to(replica, conn, gen);
+        s
+    }
+
+    fn build(
+        node: String,
+        id: SessionId,
+        gen: u64,
+        addresses: Vec<String>,
+        limits: Limits,
+        claim: &Claim,
+    ) -> Arc<Session> {
+        let (link, _) = watch::channel(Link::Disconnected {
+            epoch: 0,
+            gen,
+            since: Instant::now(),
+            held: true,
+        });
+        Arc::new(Session {
+            node,
+            id,
             limits,
             link,
             book: Mutex::new(Book {
@@ -108,9 +216,10 @@ impl Session {
             }),
             streams: Mutex::new(HashMap::new()),
             next_stream: AtomicU64::new(1),
-            next_gen: AtomicU64::new(1),
-            moving: std::sync::atomic::AtomicBool::new(false),
-        }))
+            next_epoch: AtomicU64::new(1),
+            gen: AtomicU64::new(gen),
+            relay_timeout: Duration::from_secs(10),
+        })
     }
 
     fn book(&self) -> std::sync::MutexGuard<'_, Book> {
@@ -130,6 +239,12 @@ impl Session {
         self.book().gate.judge(claim)
     }
 
+    /// The edge resumed this session here with a ticket: its hellos are
+    /// judged by `claim`'s state and attempt order from now on.
+    pub fn set_gate(&self, claim: &Claim) {
+        self.book().gate = Gate::new(claim);
+    }
+
     pub fn addresses(&self) -> Vec<String> {
         self.book().addresses.clone()
     }
@@ -142,24 +257,16 @@ impl Session {
         self.book().connected_since
     }
 
-    /// Ids of the open streams.
+    /// The newest generation of the edge's connections known here.
+    pub fn gen(&self) -> u64 {
+        self.gen.load(Ordering::Relaxed)
+    }
+
+    /// Ids of the open streams this replica owns.
     pub fn stream_ids(&self) -> Vec<StreamId> {
         let mut v: Vec<_> = self.streams().keys().copied().collect();
         v.sort_unstable();
         v
-    }
-
-    /// If no stream is open, marks the session as moving — from then on
-    /// [`Session::open_stream`] refuses with [`OpenError::Moving`] — and
-    /// returns true. Atomic with stream opening, so no stream can start
-    /// between the check and the edge being told to move.
-    pub fn try_begin_move(&self) -> bool {
-        let streams = self.streams();
-        if !streams.is_empty() {
-            return false;
-        }
-        self.moving.store(true, Ordering::Relaxed);
-        true
     }
 
     pub fn open_streams(&self) -> usize {
@@ -174,6 +281,15 @@ impl Session {
         matches!(*self.link.borrow(), Link::Ended(_))
     }
 
+    /// Whether this replica holds the edge (connected, or its last
+    /// connection was here and it is within its grace period).
+    pub fn is_held(&self) -> bool {
+        matches!(
+            *self.link.borrow(),
+            Link::Connected { .. } | Link::Disconnected { held: true, .. }
+        )
+    }
+
     /// The live connection, if any.
     pub fn connection(&self) -> Option<quinn::Connection> {
         match &*self.link.borrow() {
@@ -182,32 +298,55 @@ impl Session {
         }
     }
 
-    /// Attaches the connection the edge committed to (`claim`'s); returns
-    /// its generation. Streams waiting for a connection re-attach to it; a
+    /// The replica the edge is relayed through now, if any.
+    pub fn relayed_via(&self) -> Option<ReplicaId> {
+        match &*self.link.borrow() {
+            Link::Relayed { replica, .. } => Some(replica.clone()),
+            _ => None,
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.next_epoch.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Attaches the connection the edge committed to (`claim`'s) as
+    /// generation `gen`. Streams waiting for a link re-attach to it; a
     /// previous live connection is closed. Refused, leaving everything as it
-    /// was, when the session has ended (it was replaced or expired meanwhile)
-    /// or a newer connection of the edge is attached already.
+    /// was, when the session has ended (it was replaced or expired meanwhile),
+    /// a newer connection of the edge is attached here, or a newer generation
+    /// is known (the edge connected to another replica since).
     pub fn attach_connection(
         &self,
         conn: quinn::Connection,
         claim: &Claim,
-    ) -> Result<u64, AttachError> {
+        gen: u64,
+    ) -> Result<(), AttachError> {
         let mut book = self.book();
         book.gate.may_commit(claim)?;
-        let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
         let mut ended = None;
         let mut old = None;
+        let mut stale = false;
         // Check and replace in one step: `end` may run concurrently.
         self.link.send_if_modified(|l| {
             if let Link::Ended(reason) = l {
                 ended = Some(reason.clone());
                 return false;
             }
-            old = Some(std::mem::replace(l, Link::Connected { gen, conn }));
+            if gen <= self.gen.load(Ordering::Relaxed) {
+                stale = true;
+                return false;
+            }
+            self.gen.store(gen, Ordering::Relaxed);
+            let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+            old = Some(std::mem::replace(l, Link::Connected { epoch, gen, conn }));
             true
         });
         if let Some(reason) = ended {
             return Err(AttachError::Ended(reason));
+        }
+        if stale {
+            return Err(AttachError::Superseded(Superseded));
         }
         book.gate.commit(claim)?;
         book.connected_since = SystemTime::now();
@@ -218,22 +357,93 @@ impl Session {
                 b"replaced by a newer connection",
             );
         }
-        Ok(gen)
+        Ok(())
     }
 
-    /// The connection of generation `gen` died. Returns true if it was the
-    /// current one (the session is now waiting for a resume).
-    pub fn connection_lost(&self, gen: u64) -> bool {
-        self.link.send_if_modified(|l| match l {
-            Link::Connected { gen: g, .. } if *g == gen => {
-                *l = Link::Disconnected {
+    /// The edge's connection of generation `gen` is held by peer `replica`
+    /// (reached over `conn`): streams re-attach through it. Ignored unless
+    /// `gen` is newer than what is known here; a live connection of this
+    /// replica's (older) is closed. Returns true if the link changed.
+    pub fn relay_to(&self, replica: ReplicaId, conn: quinn::Connection, gen: u64) -> bool {
+        let mut old = None;
+        let changed = self.link.send_if_modified(|l| {
+            if matches!(l, Link::Ended(_)) {
+                return false;
+            }
+            if gen <= self.gen.load(Ordering::Relaxed) {
+                return false;
+            }
+            self.gen.store(gen, Ordering::Relaxed);
+            let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+            old = Some(std::mem::replace(
+                l,
+                Link::Relayed {
+                    epoch,
                     gen,
+                    replica: replica.clone(),
+                    conn,
+                },
+            ));
+            true
+        });
+        if let Some(Link::Connected { conn: old, .. }) = old {
+            info!(node = %self.node, session = %self.id, replica = %replica.name, "a newer connection of this edge is attached at another replica; closing ours");
+            old.close(
+                tether_proto::handshake::close_code::REPLACED.into(),
+                b"a newer connection of this edge is attached at another replica",
+            );
+        }
+        changed
+    }
+
+    /// The peer link to `replica` is gone, or it no longer has the edge
+    /// attached: if the edge was relayed through it, it is unreachable now.
+    /// Returns the new epoch if the link changed (the caller starts the grace
+    /// timer).
+    pub fn relay_lost(&self, replica_instance: u64) -> Option<u64> {
+        let mut epoch = None;
+        self.link.send_if_modified(|l| match l {
+            Link::Relayed { replica, gen, .. } if replica.instance == replica_instance => {
+                let e = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+                *l = Link::Disconnected {
+                    epoch: e,
+                    gen: *gen,
                     since: Instant::now(),
+                    held: false,
                 };
+                epoch = Some(e);
                 true
             }
             _ => false,
-        })
+        });
+        epoch
+    }
+
+    /// The connection of generation `gen` died. Returns the new epoch if it
+    /// was the current one (the session now waits for a resume).
+    pub fn connection_lost(&self, gen: u64) -> Option<u64> {
+        let mut epoch = None;
+        self.link.send_if_modified(|l| match l {
+            Link::Connected { gen: g, .. } if *g == gen => {
+                let e = self.epoch();
+                *l = Link::Disconnected {
+                    epoch: e,
+                    gen,
+                    since: Instant::now(),
+                    held: true,
+                };
+                epoch = Some(e);
+                true
+            }
+            _ => false,
+        });
+        epoch
+    }
+
+    /// Whether the link is still the disconnected one of `epoch` (nothing
+    /// resumed since).
+    pub fn still_disconnected(&self, epoch: u64) -> bool {
+        matches!(&*self.link.borrow(), Link::Disconnected { epoch: e, .. } if *e == epoch)
     }
 
     /// Ends the session: every stream is reset with `reason`, the connection
@@ -259,7 +469,8 @@ impl Session {
     }
 
     /// Opens a new logical stream to the edge. The returned handle is usable
-    /// at once; bytes flow when a connection is attached.
+    /// at once; bytes flow when the edge is reachable (here or through the
+    /// peer that holds it).
     pub fn open_stream(
         self: &Arc<Self>,
         kind: StreamKind,
@@ -270,15 +481,11 @@ impl Session {
                 reason: reason.clone(),
             });
         }
-        let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        let n = self.next_stream.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
+        let id = (u64::from(owner_tag()) << 32) | n;
         let shared = SharedStream::new(StreamState::new(id, StreamLimits::from(&self.limits)));
         {
             let mut streams = self.streams();
-            if self.moving.load(Ordering::Relaxed) {
-                return Err(OpenError::Moving {
-                    node: self.node.clone(),
-                });
-            }
             if streams.len() >= self.limits.max_streams_per_edge as usize {
                 return Err(OpenError::TooManyStreams {
                     node: self.node.clone(),
@@ -287,28 +494,31 @@ impl Session {
             }
             streams.insert(id, shared.clone());
         }
-        let span =
-            tracing::info_span!("stream", node = %self.node, stream = id, kind = kind.as_str());
+        let span = tracing::info_span!("stream", node = %self.node, stream = %format_args!("{id:x}"), kind = kind.as_str());
         tokio::spawn(self.clone().run_stream(id, shared.clone()).instrument(span));
         Ok((id, ResumableIo::new(shared)))
     }
 
-    /// Attaches a stream to each connection in turn until it is done, reset,
-    /// or the session ends.
+    /// Attaches a stream to each link in turn until it is done, reset, or
+    /// the session ends.
     async fn run_stream(self: Arc<Self>, id: StreamId, shared: Arc<SharedStream>) {
         let mut rx = self.link.subscribe();
-        let mut last_gen = 0u64;
+        let mut last_epoch = 0u64;
         // The first transport of a new stream needs no round trip: the request
         // head follows our Attach at once (see `PeerAttach::Fresh`).
         let mut peer = PeerAttach::Fresh;
         let max_frame = self.limits.max_frame_bytes as usize;
         loop {
-            // Wait for a connection newer than the one that failed us.
-            let conn = loop {
+            // Wait for a link newer than the one that failed us.
+            let link = loop {
                 let link = rx.borrow_and_update().clone();
                 match link {
-                    Link::Connected { gen, conn } if gen > last_gen => break Some((gen, conn)),
                     Link::Ended(_) => break None,
+                    l @ (Link::Connected { .. } | Link::Relayed { .. })
+                        if l.epoch() > last_epoch =>
+                    {
+                        break Some(l)
+                    }
                     _ => {}
                 }
                 if shared.is_done() {
@@ -319,12 +529,45 @@ impl Session {
                     _ = shared.wait_done() => break None,
                 }
             };
-            let Some((gen, conn)) = conn else { break };
-            last_gen = gen;
-            let (send, recv) = match conn.open_bi().await {
+            let Some(link) = link else { break };
+            last_epoch = link.epoch();
+            let opened = match &link {
+                Link::Connected { conn, .. } => conn
+                    .open_bi()
+                    .await
+                    .map_err(|e| format!("opening a QUIC stream to the edge: {e}")),
+                Link::Relayed { replica, conn, .. } => {
+                    let header = crate::relay::SpliceHeader {
+                        node: self.node.clone(),
+                        session: self.id.0,
+                        stream: id,
+                    };
+                    match crate::relay::splice_open(
+                        conn,
+                        &replica.name,
+                        &header,
+                        self.relay_timeout,
+                    )
+                    .await
+                    {
+                        Ok(Ok(pair)) => Ok(pair),
+                        Ok(Err(crate::relay::Answer::Ended(m))) => {
+                            // The holder has another session of this edge:
+                            // the edge lost this one's state.
+                            warn!(%m, "the edge's session is gone at its holder; ending the stream");
+                            shared.reset(ResetCode::SessionLost, m);
+                            break;
+                        }
+                        Ok(Err(a)) => Err(format!("replica {}: {a:?}", replica.name)),
+                        Err(e) => Err(format!("replica {}: {e}", replica.name)),
+                    }
+                }
+                _ => continue,
+            };
+            let (send, recv) = match opened {
                 Ok(s) => s,
                 Err(e) => {
-                    debug!(error = %e, "opening a QUIC stream failed; waiting for the next connection");
+                    debug!(error = %e, "no transport to the edge; waiting for the next link");
                     continue;
                 }
             };
@@ -336,7 +579,7 @@ impl Session {
                         break;
                     }
                     // The stream stays; a pending reset goes out on the next
-                    // connection, data is replayed there.
+                    // transport, data is replayed there.
                     debug!(error = %e, "stream detached; waiting for the edge to resume");
                 }
             }
@@ -346,13 +589,5 @@ impl Session {
             shared.reset(ResetCode::SessionLost, reason.clone());
         }
         debug!("stream closed");
-    }
-
-    /// Logs and resets one stream that the edge refused to re-attach.
-    pub fn drop_stream(&self, id: StreamId, why: &str) {
-        if let Some(s) = self.streams().remove(&id) {
-            warn!(node = %self.node, stream = id, %why, "dropping stream");
-            s.reset(ResetCode::UnknownStream, why);
-        }
     }
 }

@@ -22,6 +22,7 @@ use tether_proto::handshake::{
     close_code, negotiate_version, Hello, Refusal, RefusalCode, Welcome,
 };
 use tether_proto::io::{write_frame, FrameReader};
+use tether_proto::ticket::{next_generation, unix_ms, Ticket, TicketKey};
 use tether_proto::Frame;
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn, Instrument};
@@ -31,7 +32,7 @@ use crate::config::CloudConfig;
 use crate::gate::{Gate, Verdict};
 use crate::metrics::CloudMetrics;
 use crate::registry::{Admitted, Registry};
-use crate::session::{Link, Session};
+use crate::session::Session;
 
 /// Bounds on what a hello may announce.
 const MAX_ADDRESSES: usize = 64;
@@ -172,6 +173,15 @@ pub async fn serve(
         }
         None => None,
     };
+    let tickets = Arc::new(match &cfg.reset_key_file {
+        Some(path) => TicketKey::derive(reset_key(path)?.as_ref()),
+        None => {
+            if cfg.peer.is_some() {
+                warn!("no --reset-key-file: resume tickets are signed with a key of this replica only, so an edge can resume its streams only on the replica that issued its ticket");
+            }
+            TicketKey::random().context("drawing the resume-ticket key")?
+        }
+    });
     let mut gate = Gate::new(cfg.handshakes_per_source, cfg.max_pending_handshakes);
     while let Some(incoming) = endpoint.accept().await {
         if draining.load(std::sync::atomic::Ordering::Relaxed) {
@@ -230,11 +240,12 @@ pub async fn serve(
         let metrics = metrics.clone();
         let join = join.clone();
         let draining = draining.clone();
+        let tickets = tickets.clone();
         let remote = incoming.remote_address();
         tokio::spawn(
             async move {
                 if let Err(e) = handle(
-                    incoming, pending, &cfg, &registry, &metrics, join, &draining,
+                    incoming, pending, &cfg, &registry, &metrics, join, &draining, &tickets,
                 )
                 .await
                 {
@@ -396,6 +407,7 @@ fn alpn_of(conn: &quinn::Connection) -> Option<Vec<u8>> {
 
 /// One edge connection. `pending` counts it among the handshakes in progress
 /// until its QUIC/TLS handshake is done.
+#[allow(clippy::too_many_arguments)]
 async fn handle(
     incoming: quinn::Incoming,
     pending: tokio::sync::OwnedSemaphorePermit,
@@ -404,6 +416,7 @@ async fn handle(
     metrics: &CloudMetrics,
     join: Option<Arc<JoinCtx>>,
     draining: &std::sync::atomic::AtomicBool,
+    tickets: &Arc<TicketKey>,
 ) -> anyhow::Result<()> {
     let max = cfg.limits.max_frame_bytes as usize;
     let conn = tokio::time::timeout(cfg.handshake_timeout, incoming)
@@ -494,26 +507,44 @@ async fn handle(
         return Ok(());
     }
     let claim = Claim::of(&hello);
-    let Some((session, resumed)) = admit(registry, cfg, &node, &hello, &claim)? else {
-        refuse(
-            &mut send,
-            &conn,
-            RefusalCode::Superseded,
-            format!("node {node}: a newer connection of this edge is attached"),
-            max,
-        )
-        .await;
-        return Ok(());
+    // A ticket that does not verify is refused, and the hello with it: the
+    // edge's live session (wherever it is) is not touched, and the edge
+    // starts over with a new state.
+    let ticket = match &hello.ticket {
+        Some(t) => match tickets.verify(t, &node, &hello.resume, unix_ms()) {
+            Ok(()) => Some(t),
+            Err(e) => {
+                metrics.refuse_edge("ticket");
+                refuse(
+                    &mut send,
+                    &conn,
+                    RefusalCode::Ticket,
+                    format!("node {node}: resume ticket refused: {e}"),
+                    max,
+                )
+                .await;
+                return Ok(());
+            }
+        },
+        None => None,
     };
+    let (session, resumed) = match admit(registry, cfg, &node, &hello, &claim, ticket)? {
+        Ok(v) => v,
+        Err((code, why)) => {
+            if code == RefusalCode::Ticket {
+                metrics.refuse_edge("ticket");
+            }
+            refuse(&mut send, &conn, code, format!("node {node}: {why}"), max).await;
+            return Ok(());
+        }
+    };
+    let gen = next_generation(session.gen().max(ticket.map_or(0, |t| t.gen)), unix_ms());
     let welcome = Welcome {
         version,
         session: session.id,
         resumed,
-        streams: if resumed {
-            session.stream_ids()
-        } else {
-            Vec::new()
-        },
+        gen,
+        ticket: issue_ticket(tickets, &session, gen, &hello, cfg.grace),
         grace_ms: cfg.grace.as_millis() as u64,
         limits: cfg.limits,
     };
@@ -552,18 +583,19 @@ async fn handle(
             return Ok(());
         }
     }
-    let gen = match session.attach_connection(conn.clone(), &claim) {
-        Ok(gen) => gen,
+    match session.attach_connection(conn.clone(), &claim, gen) {
+        Ok(()) => registry.hold(&session),
         Err(e) => {
             info!(node = %node, session = %session.id, attempt = claim.attempt, error = %e, "not attaching a committed connection");
             conn.close(close_code::REPLACED.into(), e.to_string().as_bytes());
             return Ok(());
         }
-    };
+    }
     info!(
         node = %node,
         session = %session.id,
         resumed,
+        gen,
         attempt = claim.attempt,
         streams = session.open_streams(),
         remote = %conn.remote_address(),
@@ -596,6 +628,14 @@ async fn handle(
             .and_then(|leaf| cert_lifetime(&leaf))
             .map_or(j.validity, |l| l.min(j.validity))
     });
+    let refresh = ticket_refresh(cfg.grace);
+    let tickets_for_control = TicketIssuer {
+        key: tickets.clone(),
+        gen,
+        state: hello.resume,
+        grace: cfg.grace,
+        every: refresh,
+    };
     let control = control_loop(
         registry.clone(),
         session.clone(),
@@ -603,6 +643,7 @@ async fn handle(
         join,
         renew_for,
         max,
+        tickets_for_control,
     );
     let migrations = watch_migration(&conn, &node, metrics);
     tokio::select! {
@@ -625,16 +666,17 @@ async fn handle(
         conn.close_reason(),
         Some(quinn::ConnectionError::ApplicationClosed(ref c)) if c.error_code == quinn::VarInt::from_u32(close_code::SHUTDOWN)
     );
-    if edge_shut_down && session.connection_lost(gen) {
+    let lost = session.connection_lost(gen);
+    if edge_shut_down && lost.is_some() {
         // A clean edge shutdown: nothing will resume these streams.
         info!(node = %node, session = %session.id, "edge shut down; ending its session");
         registry.remove(&session);
         session.end(ResetCode::Shutdown, &format!("edge {node} shut down"));
         metrics.sessions.set(registry.len() as i64);
-    } else if session.connection_lost(gen) {
+    } else if let Some(epoch) = lost {
         registry.touch_node(&session.node);
         info!(node = %node, session = %session.id, reason = %conn.close_reason().map(|r| r.to_string()).unwrap_or_default(), grace = ?cfg.grace, streams = session.open_streams(), "edge disconnected; keeping its streams for a resume");
-        expire_unless_resumed(registry.clone(), session, gen, cfg.grace);
+        expire_unless_resumed(registry.clone(), session, epoch, cfg.grace);
     }
     Ok(())
 }
@@ -681,61 +723,139 @@ fn check_hello(hello: &Hello, node: &str) -> Option<String> {
 }
 
 /// Finds or creates the node's session for this hello (see
-/// [`crate::admission`]): `Some((session, resumed))`, or `None` when the hello
-/// is older than the connection attached now. A new session ends the node's
-/// previous one, and expires by itself if no connection is ever attached.
+/// [`crate::admission`]): `Ok((session, resumed))`, or the refusal (an
+/// attempt older than the connection attached now, a stale ticket). A new
+/// session ends the node's previous ones, and expires by itself if no
+/// connection is ever attached.
+#[allow(clippy::type_complexity)]
 fn admit(
     registry: &Arc<Registry>,
     cfg: &CloudConfig,
     node: &str,
     hello: &Hello,
     claim: &Claim,
-) -> anyhow::Result<Option<(Arc<Session>, bool)>> {
+    ticket: Option<&Ticket>,
+) -> anyhow::Result<Result<(Arc<Session>, bool), (RefusalCode, String)>> {
     let admitted = registry
-        .admit(node, claim, || {
-            Session::new(node.to_string(), hello.addresses.clone(), cfg.limits, claim)
+        .admit(node, claim, ticket, |resume| match resume {
+            Some((id, gen)) => Ok(Session::resumed(
+                node.to_string(),
+                id,
+                gen,
+                hello.addresses.clone(),
+                cfg.limits,
+                claim,
+            )),
+            None => Session::new(node.to_string(), hello.addresses.clone(), cfg.limits, claim),
         })
         .context("generating session secrets")?;
+    let end_replaced = |replaced: Vec<Arc<Session>>, new: &Arc<Session>| {
+        for old in replaced {
+            info!(node, old_session = %old.id, new_session = %new.id, instance = claim.instance, attempt = claim.attempt, "a session replaces the node's previous one here (the edge restarted, discarded its streams, or resumed another)");
+            old.end(
+                ResetCode::SessionLost,
+                &format!("edge {node} started a new session (it restarted or lost its state)"),
+            );
+        }
+    };
     match admitted {
         Admitted::Joined(s) => {
             registry.set_addresses(&s, hello.addresses.clone());
-            Ok(Some((s, true)))
+            Ok(Ok((s, true)))
         }
-        Admitted::Superseded => Ok(None),
+        Admitted::Superseded => Ok(Err((
+            RefusalCode::Superseded,
+            "a newer connection of this edge is attached".into(),
+        ))),
+        Admitted::StaleTicket(why) => {
+            warn!(node, %why, "refusing a stale resume ticket; the live session is untouched");
+            Ok(Err((
+                RefusalCode::Superseded,
+                format!("stale resume ticket: {why}"),
+            )))
+        }
+        Admitted::Resumed { session, replaced } => {
+            end_replaced(replaced, &session);
+            registry.set_addresses(&session, hello.addresses.clone());
+            info!(node, session = %session.id, owned_streams = session.open_streams(), "the edge resumes its session here with a ticket");
+            Ok(Ok((session, true)))
+        }
         Admitted::New { session, replaced } => {
-            if let Some(old) = replaced {
-                info!(node, old_session = %old.id, new_session = %session.id, instance = claim.instance, attempt = claim.attempt, "a new session replaces the node's previous one (the edge restarted or discarded its streams)");
-                old.end(
-                    ResetCode::SessionLost,
-                    &format!("edge {node} started a new session (it restarted or lost its state)"),
-                );
-            }
+            end_replaced(replaced, &session);
+            // Epoch 0: no connection was ever attached.
             expire_unless_resumed(registry.clone(), session.clone(), 0, cfg.grace);
-            Ok(Some((session, false)))
+            Ok(Ok((session, false)))
         }
     }
 }
 
-/// Ends `session` after `grace` unless a connection newer than generation
-/// `gen` was attached meanwhile (generation 0: none ever was).
+/// How often a connected edge's ticket is refreshed: half the grace period
+/// (so a ticket always outlives the connection by at least the grace
+/// period), between 1 s and 60 s.
+fn ticket_refresh(grace: Duration) -> Duration {
+    (grace / 2).clamp(Duration::from_secs(1), Duration::from_secs(60))
+}
+
+/// A ticket for `session` at generation `gen`, valid for the grace period
+/// after the next refresh would have come.
+fn issue_ticket(
+    key: &TicketKey,
+    session: &Session,
+    gen: u64,
+    hello: &Hello,
+    grace: Duration,
+) -> Ticket {
+    let valid = grace + ticket_refresh(grace);
+    key.issue(
+        &session.node,
+        session.id,
+        gen,
+        unix_ms() + valid.as_millis() as u64,
+        &hello.resume,
+    )
+}
+
+/// What the control loop needs to refresh the edge's ticket.
+struct TicketIssuer {
+    key: Arc<TicketKey>,
+    gen: u64,
+    state: tether_proto::token::ResumeToken,
+    grace: Duration,
+    every: Duration,
+}
+
+impl TicketIssuer {
+    fn next(&self, session: &Session) -> Ticket {
+        let valid = self.grace + self.every;
+        self.key.issue(
+            &session.node,
+            session.id,
+            self.gen,
+            unix_ms() + valid.as_millis() as u64,
+            &self.state,
+        )
+    }
+}
+
+/// Ends `session` after `grace` unless its link changed since the
+/// disconnection of `epoch` (a resume here, or the edge moved elsewhere and
+/// this replica relays to it).
 fn expire_unless_resumed(
     registry: Arc<Registry>,
     session: Arc<Session>,
-    gen: u64,
+    epoch: u64,
     grace: Duration,
 ) {
     tokio::spawn(async move {
         tokio::time::sleep(grace).await;
-        if let Link::Disconnected { gen: g, .. } = session.link() {
-            if g == gen {
-                let reason = format!(
-                    "edge {} did not come back within the grace period ({grace:?})",
-                    session.node
-                );
-                warn!(node = %session.node, session = %session.id, "{reason}; ending its streams");
-                registry.remove(&session);
-                session.end(ResetCode::SessionLost, &reason);
-            }
+        if session.still_disconnected(epoch) {
+            let reason = format!(
+                "edge {} did not come back within the grace period ({grace:?})",
+                session.node
+            );
+            warn!(node = %session.node, session = %session.id, "{reason}; ending its streams");
+            registry.remove(&session);
+            session.end(ResetCode::SessionLost, &reason);
         }
     });
 }
@@ -747,10 +867,21 @@ async fn control_loop(
     join: Option<Arc<JoinCtx>>,
     renew_for: Option<Duration>,
     max: usize,
+    tickets: TicketIssuer,
 ) -> anyhow::Result<()> {
     let mut reports = ReportRate::new(std::time::Instant::now());
+    let mut refresh =
+        tokio::time::interval_at(tokio::time::Instant::now() + tickets.every, tickets.every);
+    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        match reader.next(&mut recv).await? {
+        let frame = tokio::select! {
+            f = reader.next(&mut recv) => f?,
+            _ = refresh.tick() => {
+                write_frame(&mut send, &Frame::Ticket(tickets.next(&session)), max).await?;
+                continue;
+            }
+        };
+        match frame {
             Some(Frame::RenewCert { csr_pem }) => {
                 // The node is the session's (from its certificate), never the CSR's say-so.
                 let allowed = join.as_ref().map(|j| {

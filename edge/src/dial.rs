@@ -45,6 +45,7 @@ use tether_proto::handshake::{
     close_code, Hello, RefusalCode, Welcome, ALPN_TUNNEL, PROTOCOL_VERSION,
 };
 use tether_proto::io::{write_frame, FrameReader};
+use tether_proto::ticket::Ticket;
 use tether_proto::token::{ResumeToken, SessionId};
 use tether_proto::Frame;
 use tokio::net::lookup_host;
@@ -82,6 +83,9 @@ pub struct Dialer {
     attempts: AtomicU64,
     /// The session the streams belong to (from the last welcome taken).
     session: Option<SessionId>,
+    /// The last resume ticket the cloud gave this state (welcome, then the
+    /// control stream's refreshes): any replica resumes the session with it.
+    ticket: Arc<std::sync::Mutex<Option<Ticket>>>,
     /// Rounds of attempts that all timed out since the last connection.
     timed_out_rounds: u32,
     /// Reconnect rounds so far (every round after the first dials from a
@@ -179,6 +183,7 @@ impl Dialer {
             },
             attempts: AtomicU64::new(0),
             session: None,
+            ticket: Arc::new(std::sync::Mutex::new(None)),
             timed_out_rounds: 0,
             rounds: 0,
             grace: Duration::from_secs(300),
@@ -228,16 +233,7 @@ impl Dialer {
                         self.node, self.grace
                     ));
                     self.metrics.sessions_lost.inc();
-                    // A new state: the cloud must not re-attach the old streams.
-                    match ResumeToken::generate() {
-                        Ok(t) => {
-                            self.token = t;
-                            self.session = None;
-                        }
-                        Err(e) => {
-                            warn!(node = %self.node, error = %e, "cannot draw a new resume token; keeping the old one")
-                        }
-                    }
+                    self.new_state();
                 }
             }
             if matches!(ended, Ended::Moved | Ended::Reset) {
@@ -340,6 +336,21 @@ impl Dialer {
         }
     }
 
+    /// Starts a new state: the cloud must not re-attach the old streams
+    /// (they were ended), so a new token, no ticket, no session.
+    fn new_state(&mut self) {
+        match ResumeToken::generate() {
+            Ok(t) => {
+                self.token = t;
+                self.session = None;
+                *self.ticket.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            }
+            Err(e) => {
+                warn!(node = %self.node, error = %e, "cannot draw a new resume token; keeping the old one")
+            }
+        }
+    }
+
     fn attempt_ctx(&self) -> Attempt {
         Attempt {
             endpoint: self.endpoint.clone(),
@@ -358,6 +369,11 @@ impl Dialer {
                 instance: self.instance,
                 attempt: self.attempts.fetch_add(1, Ordering::Relaxed) + 1,
                 limits: self.cfg.limits,
+                ticket: self
+                    .ticket
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone(),
             },
             max: self.cfg.limits.max_frame_bytes as usize,
         }
@@ -371,7 +387,19 @@ impl Dialer {
         self.rounds += 1;
         let (conn, mut send, recv, welcome) = match self.establish().await {
             Ok(x) => x,
-            Err(e) => return Ended::Failed(e),
+            Err(e) => {
+                let ticket_refused = e.downcast_ref::<TicketRefused>().is_some();
+                if ticket_refused && !self.streams.is_empty() {
+                    // No replica will resume this state: end its streams now
+                    // and come back as a new one.
+                    self.streams.end_all(&format!("{e:#}"));
+                    self.metrics.sessions_lost.inc();
+                }
+                if ticket_refused {
+                    self.new_state();
+                }
+                return Ended::Failed(e);
+            }
         };
         // Commit to this connection: only now does the cloud attach it.
         if let Err(e) = write_frame(
@@ -386,13 +414,16 @@ impl Dialer {
             return Ended::Failed(anyhow::Error::new(e).context("sending the commit"));
         }
         self.grace = Duration::from_millis(welcome.grace_ms);
+        self.streams.set_grace(self.grace);
+        *self.ticket.lock().unwrap_or_else(|p| p.into_inner()) = Some(welcome.ticket.clone());
         self.metrics.connected.set(1);
         self.metrics.connects.inc();
         let resumed = self.session == Some(welcome.session);
         if resumed {
+            // Every replica that owns one of the streams re-attaches it
+            // through this connection; one nobody re-attaches within the
+            // grace period is ended (see `EdgeStreams`).
             self.metrics.resumes.inc();
-            // Streams the cloud dropped meanwhile will never be re-attached.
-            self.streams.retain_only(&welcome.streams);
         } else {
             if !self.streams.is_empty() {
                 self.metrics.sessions_lost.inc();
@@ -404,7 +435,7 @@ impl Dialer {
         }
         self.session = Some(welcome.session);
         self.disconnected_since = None;
-        info!(node = %self.node, session = %welcome.session, resumed, streams = welcome.streams.len(), remote = %conn.remote_address(), "connected to the cloud");
+        info!(node = %self.node, session = %welcome.session, resumed, gen = welcome.gen, streams = self.streams.len(), remote = %conn.remote_address(), "connected to the cloud");
         println!(
             "tether-edge connected node={} session={} resumed={resumed}",
             self.node, welcome.session
@@ -419,7 +450,7 @@ impl Dialer {
             max,
             out_rx,
         );
-        let control = read_control(recv, renewed_tx, &self.node);
+        let control = read_control(recv, renewed_tx, &self.node, &self.ticket);
         let renewer = renew_certificate(&self.cfg, &self.node, out_tx, renewed_rx);
         let acceptor = async {
             loop {
@@ -603,6 +634,11 @@ fn is_refused(e: &quinn::ConnectionError) -> bool {
         if c.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED)
 }
 
+/// Marks a refusal of the hello's resume ticket: the state cannot be resumed.
+#[derive(Debug, thiserror::Error)]
+#[error("the cloud refused the resume ticket; starting a new session")]
+struct TicketRefused;
+
 /// What one handshake attempt needs (owned, so attempts can overlap).
 struct Attempt {
     endpoint: quinn::Endpoint,
@@ -653,6 +689,7 @@ impl Attempt {
                     anyhow::anyhow!("the cloud refused this edge ({:?}): {}", r.code, r.message);
                 match r.code {
                     RefusalCode::Superseded => Err(AttemptError::Transient(e)),
+                    RefusalCode::Ticket => Err(AttemptError::Definite(e.context(TicketRefused))),
                     // A draining replica: the round's other attempts share its
                     // source port and so reach it too; the next round dials
                     // from a new port.
@@ -681,9 +718,16 @@ async fn read_control(
     mut ctl: ControlReader,
     renewed: tokio::sync::mpsc::Sender<Result<String, String>>,
     node: &str,
+    ticket: &std::sync::Mutex<Option<Ticket>>,
 ) -> anyhow::Result<()> {
     loop {
         match ctl.reader.next(&mut ctl.recv).await? {
+            Some(Frame::Ticket(t)) => {
+                if t.node != node {
+                    anyhow::bail!("the cloud sent a ticket for node {:?}", t.node);
+                }
+                *ticket.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+            }
             Some(Frame::RenewedCert { result }) => {
                 let _ = renewed.try_send(result);
             }

@@ -1,17 +1,26 @@
 //! The logical streams of the edge's session, which survive reconnections.
 //!
-//! The cloud opens a QUIC stream per logical stream and sends `Attach` first.
-//! [`EdgeStreams::accept`] reads it and either re-attaches a stream this edge
-//! already holds (a resume: both ends replay from each other's delivered
-//! offset), starts a new one (a new id, nothing delivered yet), or answers
-//! with a reset when the stream is unknown (this edge restarted, or the stream
-//! already ended).
+//! The replica that owns a logical stream (the one the apiserver's connection
+//! arrived on) opens a QUIC stream for it — on this edge's connection, or
+//! spliced through the replica this edge is connected to — and sends `Attach`
+//! first. [`EdgeStreams::accept`] reads it and either re-attaches a stream
+//! this edge already holds (a resume: both ends replay from each other's
+//! delivered offset), starts a new one (a new id, nothing delivered yet), or
+//! answers with a reset when the stream is unknown (this edge restarted, or
+//! the stream already ended).
+//!
+//! No replica knows every stream of the session (each owns its own), so a
+//! welcome does not list them. Instead a stream whose transport broke is
+//! ended when no owner re-attaches it within the grace period, and at once
+//! when the replica splicing it says its owner is gone
+//! ([`stream_code::OWNER_GONE`]): no slot outlives its owner.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tether_proto::frame::ResetCode;
+use tether_proto::handshake::stream_code;
 use tether_proto::io::{drive, write_frame, FrameReader, PeerAttach, ResumableIo, SharedStream};
 use tether_proto::stream::{StreamLimits, StreamState};
 use tether_proto::{Frame, Limits, StreamId};
@@ -27,6 +36,9 @@ const ENDED_MEMORY: usize = 4096;
 struct Live {
     shared: Arc<SharedStream>,
     driver: Option<tokio::task::AbortHandle>,
+    /// Counts the transports attached so far (a detach timer checks that
+    /// none came since).
+    attaches: u64,
 }
 
 #[derive(Default)]
@@ -50,34 +62,11 @@ impl Table {
     }
 }
 
-impl Table {
-    /// Takes out every live stream whose id is not in `keep` (the streams the
-    /// cloud still holds): they can never be re-attached. Returned for the
-    /// caller to reset outside the lock.
-    fn prune(&mut self, keep: &HashSet<StreamId>) -> Vec<(StreamId, Arc<SharedStream>)> {
-        let gone: Vec<StreamId> = self
-            .live
-            .keys()
-            .filter(|id| !keep.contains(id))
-            .copied()
-            .collect();
-        gone.into_iter()
-            .filter_map(|id| {
-                let live = self.live.get_mut(&id)?;
-                if let Some(d) = live.driver.take() {
-                    d.abort();
-                }
-                let shared = live.shared.clone();
-                self.end(id);
-                Some((id, shared))
-            })
-            .collect()
-    }
-}
-
 /// The streams of the current session.
 pub struct EdgeStreams {
     streams: Mutex<Table>,
+    /// How long a detached stream waits for its owner, ms.
+    grace_ms: std::sync::atomic::AtomicU64,
     limits: Limits,
     forward: Arc<Forward>,
     node: String,
@@ -93,6 +82,7 @@ impl EdgeStreams {
     ) -> Arc<Self> {
         Arc::new(EdgeStreams {
             streams: Mutex::new(Table::default()),
+            grace_ms: std::sync::atomic::AtomicU64::new(300_000),
             limits,
             forward,
             node,
@@ -138,24 +128,61 @@ impl EdgeStreams {
         t.ended_order.clear();
     }
 
-    /// On a resume: ends every stream the cloud no longer holds (not in the
-    /// welcome's list), so no slot is kept for a stream nobody will
-    /// re-attach. Returns how many were ended.
-    pub fn retain_only(&self, cloud_holds: &[StreamId]) -> usize {
-        let keep: HashSet<StreamId> = cloud_holds.iter().copied().collect();
-        let gone = self.map().prune(&keep);
-        for (id, s) in &gone {
-            info!(node = %self.node, stream = id, "the cloud no longer holds this stream; ending it");
-            s.reset(
-                ResetCode::UnknownStream,
-                format!(
-                    "the cloud no longer holds stream {id} of edge {}",
-                    self.node
-                ),
-            );
-        }
+    /// Sets how long a detached stream waits for its owner (the welcome's
+    /// grace period).
+    pub fn set_grace(&self, grace: Duration) {
+        self.grace_ms.store(
+            grace.as_millis() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// Ends stream `id` (if it is still live) with `why`.
+    fn end_one(&self, id: StreamId, code: ResetCode, why: String) {
+        let shared = {
+            let mut t = self.map();
+            let Some(live) = t.live.get_mut(&id) else {
+                return;
+            };
+            if let Some(d) = live.driver.take() {
+                d.abort();
+            }
+            let shared = live.shared.clone();
+            t.end(id);
+            shared
+        };
+        info!(node = %self.node, stream = %format_args!("{id:x}"), %why, "ending the stream");
+        shared.reset(code, why);
         self.metrics.streams_open.set(self.len() as i64);
-        gone.len()
+    }
+
+    /// After a detach: ends the stream if no owner re-attached it within
+    /// the grace period.
+    fn expire_detached(self: &Arc<Self>, id: StreamId) {
+        let attaches = match self.map().live.get(&id) {
+            Some(l) => l.attaches,
+            None => return,
+        };
+        let grace = Duration::from_millis(self.grace_ms.load(std::sync::atomic::Ordering::Relaxed));
+        let this = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            let stale = this
+                .map()
+                .live
+                .get(&id)
+                .is_some_and(|l| l.attaches == attaches && !l.shared.is_done());
+            if stale {
+                this.end_one(
+                    id,
+                    ResetCode::SessionLost,
+                    format!(
+                        "no cloud replica re-attached stream {id:x} of edge {} within the grace period ({grace:?})",
+                        this.node
+                    ),
+                );
+            }
+        });
     }
 
     /// Handles one QUIC stream the cloud opened.
@@ -205,6 +232,7 @@ impl EdgeStreams {
                     Live {
                         shared: shared.clone(),
                         driver: None,
+                        attaches: 0,
                     },
                 );
                 let io = ResumableIo::new(shared.clone()).with_counters(self.metrics.bytes.clone());
@@ -253,6 +281,7 @@ impl EdgeStreams {
             let mut t = self.map();
             match t.live.get_mut(&id) {
                 Some(live) => {
+                    live.attaches += 1;
                     if let Some(old) = live.driver.replace(task.abort_handle()) {
                         old.abort();
                     }
@@ -274,36 +303,30 @@ impl EdgeStreams {
                 self.metrics.streams_open.set(self.len() as i64);
                 debug!(node = %self.node, stream = id, "stream done");
             }
+            Err(e) if owner_gone(&e) => self.end_one(
+                id,
+                ResetCode::SessionLost,
+                format!(
+                    "the cloud replica that owned stream {id:x} of edge {} is gone",
+                    self.node
+                ),
+            ),
             Err(e) => {
-                debug!(node = %self.node, stream = id, error = %e, "stream detached; waiting for a resume")
+                debug!(node = %self.node, stream = id, error = %e, "stream detached; waiting for a resume");
+                self.expire_detached(id);
             }
         }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn live(id: StreamId) -> Live {
-        Live {
-            shared: SharedStream::new(StreamState::new(id, StreamLimits::from(&Limits::default()))),
-            driver: None,
-        }
-    }
-
-    #[test]
-    fn prune_ends_streams_the_cloud_no_longer_holds() {
-        let mut t = Table::default();
-        for id in [1, 2, 3] {
-            t.live.insert(id, live(id));
-        }
-        let keep: HashSet<StreamId> = [2].into_iter().collect();
-        let mut gone: Vec<StreamId> = t.prune(&keep).into_iter().map(|(id, _)| id).collect();
-        gone.sort_unstable();
-        assert_eq!(gone, vec![1, 3]);
-        assert_eq!(t.live.keys().copied().collect::<Vec<_>>(), vec![2]);
-        // Remembered as ended: a late re-attach is refused, not taken as new.
-        assert!(t.ended.contains(&1) && t.ended.contains(&3));
-    }
+/// Whether a transport failure is the splicing replica saying the stream's
+/// owner is gone.
+fn owner_gone(e: &tether_proto::io::TransportError) -> bool {
+    let tether_proto::io::TransportError::Io(io) = e else {
+        return false;
+    };
+    matches!(
+        io.get_ref().and_then(|i| i.downcast_ref::<quinn::ReadError>()),
+        Some(quinn::ReadError::Reset(code)) if *code == quinn::VarInt::from_u32(stream_code::OWNER_GONE)
+    )
 }

@@ -283,12 +283,26 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         instance: 11,
         attempt: 3,
         limits: Limits::default(),
+        ticket: Some(tether_proto::ticket::Ticket {
+            node: "edge-1".into(),
+            session: SessionId(42),
+            gen: 1_700_000_000_000,
+            expires_ms: 1_700_000_360_000,
+            mac: [9; 32],
+        }),
     };
     let welcome = Welcome {
         version: PROTOCOL_VERSION,
         session: SessionId(42),
         resumed: true,
-        streams: vec![1, 3, 5],
+        gen: 1_700_000_000_001,
+        ticket: tether_proto::ticket::Ticket {
+            node: "edge-1".into(),
+            session: SessionId(42),
+            gen: 1_700_000_000_001,
+            expires_ms: 1_700_000_360_001,
+            mac: [8; 32],
+        },
         grace_ms: 300_000,
         limits: Limits::default(),
     };

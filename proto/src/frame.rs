@@ -21,8 +21,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::handshake::{Hello, PodReport, Refusal, Welcome};
 
-/// A logical stream's id: assigned by the cloud, unique within a session,
-/// increasing, and independent of QUIC stream ids.
+/// A logical stream's id: assigned by the replica that owns the stream (the
+/// one the apiserver's connection arrived on), unique across the replicas'
+/// streams of one session (the high 32 bits name the owner, see
+/// `tether-cloud`'s session), and independent of QUIC stream ids.
 pub type StreamId = u64;
 
 /// Bytes taken by the length prefix.
@@ -102,6 +104,10 @@ pub enum Frame {
     /// the edge took: attach session `session` to this connection. Until it
     /// arrives the cloud attaches nothing, so abandoned attempts are harmless.
     Commit { session: crate::token::SessionId },
+    /// Cloud → edge on the control stream: a fresh resume ticket (replaces
+    /// the previous one; sent while the connection lives, so the ticket
+    /// expires the grace period after the connection is lost).
+    Ticket(crate::ticket::Ticket),
 }
 
 impl Frame {
@@ -133,6 +139,7 @@ impl Frame {
             Frame::RenewCert { .. } => "renew-cert",
             Frame::RenewedCert { .. } => "renewed-cert",
             Frame::Commit { .. } => "commit",
+            Frame::Ticket(_) => "ticket",
         }
     }
 }
@@ -231,6 +238,20 @@ mod tests {
                 instance: 42,
                 attempt: 3,
                 limits: crate::Limits::default(),
+                ticket: Some(crate::ticket::Ticket {
+                    node: "edge-1".into(),
+                    session: crate::token::SessionId(9),
+                    gen: 1_700_000_000_000,
+                    expires_ms: 1_700_000_060_000,
+                    mac: [3; 32],
+                }),
+            }),
+            Frame::Ticket(crate::ticket::Ticket {
+                node: "edge-1".into(),
+                session: crate::token::SessionId(9),
+                gen: 2,
+                expires_ms: 3,
+                mac: [4; 32],
             }),
             Frame::Commit {
                 session: crate::token::SessionId(9),

@@ -9,25 +9,27 @@
 //! edge abandoned is never attached). After that
 //! the edge sends a [`PodReport`] whenever its kubelet's pod list changes,
 //! asks for a renewed certificate (`RenewCert` → `RenewedCert`) when two
-//! thirds of its certificate's lifetime have passed, and either side may send
+//! thirds of its certificate's lifetime have passed, the cloud refreshes the
+//! edge's resume [`Ticket`] (`Frame::Ticket`), and either side may send
 //! `GoAway`. Logical streams travel on their own QUIC
 //! streams (see [`frame`](crate::frame)).
 
 use serde::{Deserialize, Serialize};
 
 use crate::limits::Limits;
+use crate::ticket::Ticket;
 use crate::token::{ResumeToken, SessionId};
-use crate::StreamId;
 
 /// The protocol version this build speaks. Version 2: the edge draws its
 /// resume token, hellos carry the attempt order, and the edge commits to the
-/// connection whose welcome it takes.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// connection whose welcome it takes. Version 3: resume tickets any replica
+/// verifies, session generations, stream ids unique across owning replicas.
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// ALPN of the tunnel connection between edge and cloud. It names the
 /// protocol version, so an edge and a cloud of incompatible versions fail in
 /// the TLS handshake with a clear "no application protocol" error.
-pub const ALPN_TUNNEL: &[u8] = b"tether/2";
+pub const ALPN_TUNNEL: &[u8] = b"tether/3";
 
 /// QUIC application close codes.
 pub mod close_code {
@@ -47,6 +49,17 @@ pub mod close_code {
     /// UDP source port, so the load balancer (whose connection tracking pins
     /// the old port to this replica) picks another replica.
     pub const MOVE: u32 = 5;
+}
+
+/// QUIC stream error codes on an edge's connection (what a replica that only
+/// splices a stream for its owner resets the edge's end with).
+pub mod stream_code {
+    /// The stream's transport broke but its owner lives: the edge keeps the
+    /// stream and waits for the owner to re-attach it.
+    pub const DETACHED: u32 = 0x10;
+    /// The replica that owned the stream is gone (its peer link died): no one
+    /// will re-attach it, so the edge ends it at once.
+    pub const OWNER_GONE: u32 = 0x11;
 }
 
 /// Picks the version both sides speak: the highest of the edge's offers that
@@ -82,6 +95,9 @@ pub struct Hello {
     pub attempt: u64,
     /// The edge's own limits (what it accepts).
     pub limits: Limits,
+    /// The last resume ticket the cloud gave this state of the edge (none
+    /// for a new state): with it any replica resumes the session.
+    pub ticket: Option<Ticket>,
 }
 
 /// Cloud → edge, answer to an accepted hello.
@@ -90,12 +106,14 @@ pub struct Welcome {
     pub version: u16,
     /// The session this connection belongs to (new, or the resumed one).
     pub session: SessionId,
-    /// True if the hello's token resumed an existing session (the edge
-    /// itself decides by comparing `session` with the one it had).
+    /// True if the hello's token or ticket resumed an existing session (the
+    /// edge itself decides by comparing `session` with the one it had).
     pub resumed: bool,
-    /// Logical streams the cloud still holds for this session; the cloud
-    /// re-attaches each on a new QUIC stream. Empty for a new session.
-    pub streams: Vec<StreamId>,
+    /// The generation this connection gets when the edge commits to it.
+    pub gen: u64,
+    /// The ticket to present in the next hello (refreshed by
+    /// `Frame::Ticket` while the connection lives).
+    pub ticket: Ticket,
     /// How long the cloud keeps a disconnected session's streams, in ms.
     pub grace_ms: u64,
     /// The cloud's limits (what it accepts).
@@ -116,6 +134,9 @@ pub enum RefusalCode {
     /// A newer connection of this edge is already attached; this attempt is
     /// obsolete (not an error of the edge: it takes the newer one).
     Superseded,
+    /// The hello's resume ticket does not verify (another node's, expired,
+    /// or not from this cloud): the edge starts over with a new state.
+    Ticket,
 }
 
 /// Cloud → edge, answer to a refused hello.

@@ -15,6 +15,7 @@
 //!   written, sent, acknowledged, received and delivered; the replay buffer;
 //!   what to transmit next and what to replay after a re-attach.
 //! - [`token`]: resume tokens and session ids.
+//! - [`ticket`]: resume tickets any replica can verify (shared key, node, generation, expiry).
 //! - [`limits`]: every bound, with its default.
 //! - [`units`]: parsing durations and sizes in configuration.
 //! - [`io`]: the tokio adapter that makes a [`stream::StreamState`] an
@@ -34,6 +35,7 @@ pub mod ops;
 pub mod quic;
 pub mod route;
 pub mod stream;
+pub mod ticket;
 pub mod token;
 pub mod units;
 

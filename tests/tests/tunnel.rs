@@ -631,6 +631,7 @@ async fn hello_as(env: &Env, cert_node: &str, hello_node: &str) -> String {
         instance: 1,
         attempt: 1,
         limits: tether_proto::Limits::default(),
+        ticket: None,
     };
     write_frame(&mut send, &tether_proto::Frame::Hello(hello), 1 << 20)
         .await

@@ -187,6 +187,8 @@ async fn handshake(
         instance: state.instance,
         attempt: state.attempts.fetch_add(1, Ordering::Relaxed) + 1,
         limits: Default::default(),
+        // Simulated edges resume by their token on the replica they left.
+        ticket: None,
     };
     let max = 1 << 20;
     write_frame(&mut send, &Frame::Hello(hello), max).await?;
