@@ -1205,6 +1205,84 @@ mod tests {
         }
     }
 
+    fn ticket(session: u64, gen: u64) -> Ticket {
+        Ticket {
+            node: "n".into(),
+            session: SessionId(session),
+            gen,
+            expires_ms: u64::MAX,
+            mac: [0; 32],
+        }
+    }
+
+    /// A ticket (verified by the caller) resumes its session on a replica that never
+    /// held it — taking over the streams this replica owned of it — unless a newer
+    /// generation of the edge is known; then it is refused and nothing is touched.
+    #[tokio::test]
+    async fn tickets_resume_anywhere_but_never_over_a_newer_generation() {
+        let (c1, _s1, _e1) = crate::relay::testlink::pair().await;
+        let peer = crate::peer::PeerLink {
+            addr: c1.remote_address(),
+            replica: crate::peer::ReplicaId::new("b"),
+            conn: c1,
+        };
+        let r = Registry::new(Duration::from_secs(60));
+        let record = |gen: u64, sid: u64, attached: bool| EdgeRecord {
+            node: "n".into(),
+            session: format!("{sid:016x}"),
+            attached,
+            since_ms: gen,
+            sid,
+            gen,
+            pods: vec![],
+            addresses: vec![],
+        };
+        // Replica b holds n (session 7, generation 100); this replica owns a
+        // stream of it, relayed through b.
+        r.apply_remote(&peer, Update::Upsert(vec![record(100, 7, true)]));
+        let owned = r.owner_session("n", Limits::default()).unwrap();
+        assert_eq!((owned.id, owned.gen()), (SessionId(7), 100));
+        assert!(owned.relayed_via().is_some() && !owned.is_held());
+        let make = |resume: Option<(SessionId, u64)>| {
+            let (id, gen) = resume.expect("a ticket resumes");
+            Ok::<_, rand::rand_core::OsError>(Session::resumed(
+                "n".into(),
+                id,
+                gen,
+                vec![],
+                Limits::default(),
+                &claim(1, 1),
+            ))
+        };
+        // An older generation of that session: refused, nothing touched.
+        assert!(matches!(
+            r.admit("n", &claim(1, 1), Some(&ticket(7, 99)), make),
+            Ok(Admitted::StaleTicket(_))
+        ));
+        // Another session older than the one attached: refused likewise.
+        assert!(matches!(
+            r.admit("n", &claim(1, 1), Some(&ticket(8, 50)), make),
+            Ok(Admitted::StaleTicket(_))
+        ));
+        assert!(!owned.is_ended() && r.get("n").is_none());
+        // The current generation (the edge's link to b died): resumed here, in the
+        // very session object that owns the stream.
+        let Ok(Admitted::Resumed { session, replaced }) =
+            r.admit("n", &claim(1, 1), Some(&ticket(7, 100)), make)
+        else {
+            panic!("the ticket resumes")
+        };
+        assert!(Arc::ptr_eq(&session, &owned) && replaced.is_empty());
+        // b learns nothing newer; a newer generation at b later wins here too.
+        r.apply_remote(&peer, Update::Upsert(vec![record(200, 7, true)]));
+        assert_eq!(session.gen(), 200);
+        assert!(session.relayed_via().is_some());
+        // A newer generation of *another* session (the edge restarted): this
+        // replica's session of the old state ends.
+        r.apply_remote(&peer, Update::Upsert(vec![record(300, 9, true)]));
+        assert!(session.is_ended());
+    }
+
     #[test]
     fn admit_joins_attempts_of_one_state_and_replaces_for_another() {
         let r = Registry::new(Duration::from_secs(1));

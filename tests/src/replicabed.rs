@@ -164,6 +164,8 @@ pub struct Bed {
     udp: Vec<usize>,
     tcp: Vec<usize>,
     cuts: Vec<(usize, usize)>,
+    /// The edge site's link is down (every packet to or from it dropped).
+    edge_site_cut: bool,
     prefix: String,
     _ns: Namespaces,
 }
@@ -329,6 +331,7 @@ impl Bed {
             udp: (0..REPLICAS).collect(),
             tcp: (0..REPLICAS).collect(),
             cuts: Vec::new(),
+            edge_site_cut: false,
             prefix,
             spec,
             _ns: created,
@@ -397,6 +400,12 @@ impl Bed {
             ));
         }
         let mut fwd = String::new();
+        if self.edge_site_cut {
+            fwd.push_str(&format!(
+                "    ip saddr {EDGE_NET} drop\n\
+                 \x20   ip daddr {EDGE_NET} drop\n"
+            ));
+        }
         for (a, b) in &self.cuts {
             for (x, y) in [(a, b), (b, a)] {
                 let (x, y) = (replica_ip(*x), replica_ip(*y));
@@ -443,6 +452,13 @@ impl Bed {
     /// Drops the peer traffic between replicas `a` and `b` (both stay alive).
     pub fn cut_peer(&mut self, a: usize, b: usize) -> Result<()> {
         self.cuts.push((a, b));
+        self.program()
+    }
+
+    /// Takes the edge site's link down (`true`: a total outage, every packet to or
+    /// from the edges dropped at the router) or brings it back.
+    pub fn cut_edge_site(&mut self, cut: bool) -> Result<()> {
+        self.edge_site_cut = cut;
         self.program()
     }
 
@@ -856,6 +872,15 @@ impl Bed {
             }
         }
         Ok(None)
+    }
+
+    /// What edge `j`'s process has logged so far (stderr).
+    pub fn edge_log(&self, j: usize) -> String {
+        self.edges[j]
+            .edge
+            .as_ref()
+            .map(|p| std::fs::read_to_string(p.log_path()).unwrap_or_default())
+            .unwrap_or_default()
     }
 
     /// The container log file kubelet-sim serves for `ns/pod/container` on edge `j`.

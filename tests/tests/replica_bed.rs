@@ -30,7 +30,7 @@
 //! `TETHER_E2E_LOG` sets their filter).
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -1185,5 +1185,303 @@ async fn a_rolling_restart_never_misroutes_then_kill_9_edges_serve_again() {
         Ok::<_, anyhow::Error>(())
     };
     let result = run.await;
+    finish(bed, dir, result);
+}
+
+// ---------------------------------------------------------------------------------------
+// Issue "Streams survive a replica's roll": the apiserver's connections reach replica A
+// (0) only, edge-1 is held by replica B (1); a checksummed `kubectl exec -i` and a
+// `kubectl logs -f` of numbered lines are fed all through each fault.
+
+const OWNER: usize = 0;
+const HOLDER: usize = 1;
+const THIRD: usize = 2;
+
+/// The bed of the roll tests: edge-1 (pod p1) held by [`HOLDER`], the TCP service on
+/// [`OWNER`] only; drains short so the owner's SIGTERM ends its streams in seconds.
+async fn roll_bed(dir: &Path) -> Bed {
+    let mut cloud_extra = cloud_flags();
+    cloud_extra.extend(
+        [
+            "--shutdown-grace",
+            "8s",
+            "--drain-spread",
+            "1s",
+            "--shutdown-delay",
+            "2s",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    let spec = BedSpec {
+        edges: vec![edge("edge-1", &["p1"])],
+        api_pods: Vec::new(),
+        cloud_extra,
+        edge_extra: edge_flags(),
+        pin: vec![Some(HOLDER)],
+        authority: true,
+    };
+    let mut bed = Bed::start(spec, &dir.join("bed")).await.unwrap();
+    bed.set_tcp_backends(&[OWNER]).unwrap();
+    bed.set_udp_backends(&[HOLDER]).unwrap();
+    bed
+}
+
+/// One round of feed: this much stdin (the replay buffers hold a minute of it).
+const FEED_BYTES: usize = 4096;
+const FEED_EVERY: Duration = Duration::from_millis(500);
+
+/// The two sessions kept open through a fault.
+struct Sessions {
+    exec: tether_tests::process::Proc,
+    follow: tether_tests::process::Proc,
+    sent: Vec<u8>,
+    log: PathBuf,
+    want: Vec<String>,
+    tag: String,
+}
+
+impl Sessions {
+    /// Starts both through `k` and feeds them until they flow.
+    async fn start(bed: &Bed, k: &Kubectl, tag: &str) -> Result<Sessions> {
+        let log = bed.log_path(0, "default", "p1", "follow");
+        std::fs::write(&log, "")?;
+        let exec = k.spawn(
+            &format!("exec-{tag}"),
+            &["exec", "-i", "p1", "-c", "c1", "--", "sha256sum"],
+            true,
+        )?;
+        let follow = k.spawn(
+            &format!("follow-{tag}"),
+            &["logs", "-f", "p1", "-c", "follow"],
+            false,
+        )?;
+        let mut s = Sessions {
+            exec,
+            follow,
+            sent: Vec::new(),
+            log,
+            want: Vec::new(),
+            tag: tag.to_string(),
+        };
+        s.feed_for(Duration::from_secs(2)).await?;
+        s.follow
+            .wait_lines(s.want.len(), Duration::from_secs(20))
+            .await
+            .context("logs -f before the fault")?;
+        Ok(s)
+    }
+
+    /// Feeds both for `d`: stdin chunks and numbered log lines, every [`FEED_EVERY`].
+    async fn feed_for(&mut self, d: Duration) -> Result<()> {
+        let end = Instant::now() + d;
+        while Instant::now() < end {
+            let chunk = random_bytes(FEED_BYTES);
+            tokio::time::timeout(Duration::from_secs(10), self.exec.write_stdin(&chunk))
+                .await
+                .context("kubectl exec's stdin blocked for 10 s")??;
+            self.sent.extend_from_slice(&chunk);
+            let line = format!("{} line {:05}", self.tag, self.want.len() + 1);
+            {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new().append(true).open(&self.log)?;
+                writeln!(f, "{line}")?;
+            }
+            self.want.push(line);
+            tokio::time::sleep(FEED_EVERY).await;
+        }
+        Ok(())
+    }
+
+    /// Ends both cleanly: every byte of stdin exactly once (the checksum the command
+    /// printed), every log line exactly once and in order, kubectl exits 0.
+    async fn finish_ok(mut self) -> Result<()> {
+        self.exec.close_stdin();
+        let status = self.exec.wait_exit(Duration::from_secs(30)).await?;
+        let out = self.exec.lines();
+        let want_sum = format!("{}  -", sha256_hex(&self.sent));
+        ensure!(
+            status.success() && out == vec![want_sum.clone()],
+            "kubectl exec -i ({} bytes sent): exit {status:?}, stdout {out:?}, want {want_sum:?}; stderr {}",
+            self.sent.len(),
+            self.exec.stderr_tail(10)
+        );
+        let got = self
+            .follow
+            .wait_lines(self.want.len(), Duration::from_secs(30))
+            .await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let after = self.follow.lines();
+        self.follow.kill().await;
+        ensure!(
+            got == self.want && after.len() == got.len(),
+            "logs -f: {} lines, want {}; first difference at {:?}",
+            after.len(),
+            self.want.len(),
+            after.iter().zip(&self.want).position(|(a, b)| a != b)
+        );
+        println!(
+            "FIGURE roll {}: exec -i {} bytes and logs -f {} lines exactly once",
+            self.tag,
+            self.sent.len(),
+            self.want.len()
+        );
+        Ok(())
+    }
+}
+
+/// Waits (bounded) until `node` is held by replica `i`.
+async fn wait_held_by(bed: &Bed, node: &str, i: usize, limit: Duration) -> Result<()> {
+    let end = Instant::now() + limit;
+    loop {
+        if bed.holder_of(node).await? == Some(i) {
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < end,
+            "{node} not held by replica {i} within {limit:?} (held by {:?})",
+            bed.holder_of(node).await?
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The kubectl of the roll tests: the oldest (SPDY) or the newest (WebSocket).
+async fn roll_kubectl(bed: &Bed, newest: bool) -> Result<Kubectl> {
+    let bins = kubectl::under_test().await?;
+    let bin = if newest { bins.last() } else { bins.first() }.context("no kubectl")?;
+    kubectl_for(bed, bin)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_of_the_edges_holder_loses_no_byte_of_a_stream_owned_elsewhere() {
+    let dir = tempdir();
+    let mut bed = roll_bed(dir.path()).await;
+    let result = async {
+        let k = roll_kubectl(&bed, false).await?;
+        let mut s = Sessions::start(&bed, &k, "sigterm-holder").await?;
+        // The load balancer takes the draining replica out; the edge moves to C.
+        bed.set_udp_backends(&[THIRD])?;
+        bed.sigterm_replica(HOLDER)?;
+        let t = Instant::now();
+        s.feed_for(Duration::from_secs(4)).await?;
+        let status = bed
+            .wait_replica_exit(HOLDER, Duration::from_secs(30))
+            .await?;
+        ensure!(status.success(), "the holder exited with {status:?}");
+        wait_held_by(&bed, "edge-1", THIRD, Duration::from_secs(20)).await?;
+        println!(
+            "FIGURE roll holder SIGTERM: edge-1 held by replica {THIRD} {:.1} s after",
+            t.elapsed().as_secs_f64()
+        );
+        s.feed_for(Duration::from_secs(3)).await?;
+        s.finish_ok().await
+    }
+    .await;
+    finish(bed, dir, result);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_9_of_the_edges_holder_loses_no_byte_of_a_stream_owned_elsewhere() {
+    let dir = tempdir();
+    let mut bed = roll_bed(dir.path()).await;
+    let result = async {
+        let k = roll_kubectl(&bed, true).await?;
+        let mut s = Sessions::start(&bed, &k, "kill-holder").await?;
+        bed.kill_replica(HOLDER).await;
+        let t = Instant::now();
+        // The endpoint goes; the router's conntrack is left alone (flushing it
+        // would also re-map the apiserver's TCP flows, which kube-proxy never does):
+        // the edge notices at its idle timeout and its next round, from a new source
+        // port, is balanced to C.
+        bed.set_udp_backends(&[THIRD])?;
+        s.feed_for(Duration::from_secs(6)).await?;
+        wait_held_by(&bed, "edge-1", THIRD, Duration::from_secs(30)).await?;
+        println!(
+            "FIGURE roll holder kill -9: edge-1 held by replica {THIRD} {:.1} s after",
+            t.elapsed().as_secs_f64()
+        );
+        s.feed_for(Duration::from_secs(3)).await?;
+        s.finish_ok().await
+    }
+    .await;
+    finish(bed, dir, result);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_60_s_outage_then_another_replica_loses_no_byte() {
+    let dir = tempdir();
+    let mut bed = roll_bed(dir.path()).await;
+    let result = async {
+        let k = roll_kubectl(&bed, false).await?;
+        let mut s = Sessions::start(&bed, &k, "outage").await?;
+        bed.cut_edge_site(true)?;
+        s.feed_for(Duration::from_secs(60)).await?;
+        // The link comes back, and the load balancer now sends the edge to C (its
+        // reconnect rounds dial from new source ports: new flows).
+        bed.set_udp_backends(&[THIRD])?;
+        bed.cut_edge_site(false)?;
+        let t = Instant::now();
+        s.feed_for(Duration::from_secs(3)).await?;
+        wait_held_by(&bed, "edge-1", THIRD, Duration::from_secs(60)).await?;
+        println!(
+            "FIGURE roll 60 s outage: edge-1 held by replica {THIRD} {:.1} s after the link came back",
+            t.elapsed().as_secs_f64()
+        );
+        s.feed_for(Duration::from_secs(3)).await?;
+        s.finish_ok().await
+    }
+    .await;
+    finish(bed, dir, result);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_of_the_owner_ends_both_sides_with_clear_errors_after_the_drain() {
+    let dir = tempdir();
+    let bed = roll_bed(dir.path()).await;
+    let result = async {
+        let k = roll_kubectl(&bed, true).await?;
+        let mut s = Sessions::start(&bed, &k, "sigterm-owner").await?;
+        bed.sigterm_replica(OWNER)?;
+        let t = Instant::now();
+        // The streams keep flowing through the drain (--shutdown-grace 8s)...
+        s.feed_for(Duration::from_secs(4)).await?;
+        s.follow
+            .wait_lines(s.want.len(), Duration::from_secs(5))
+            .await
+            .context("logs -f during the owner's drain")?;
+        // ... then both end with an error, never a clean end.
+        let exec = s.exec.wait_exit(Duration::from_secs(30)).await?;
+        let follow = s.follow.wait_exit(Duration::from_secs(30)).await?;
+        let took = t.elapsed();
+        // The command never finished (it would have printed its checksum): its
+        // stdin was cut, not closed. kubectl's own exit code is the apiserver's
+        // verdict on a kubelet connection that went away (kube-apiserver, and
+        // apiserver-sim like it, may end the exec without a status): reported.
+        ensure!(
+            s.exec.lines().is_empty(),
+            "kubectl exec must not end as if its stdin had been closed: {exec:?}, stdout {:?}",
+            s.exec.lines()
+        );
+        ensure!(!follow.success(), "kubectl logs -f must fail: {follow:?}");
+        ensure!(
+            took >= Duration::from_secs(7),
+            "the streams ended {took:?} after SIGTERM, before the drain (--shutdown-grace 8s)"
+        );
+        let edge_log = bed.edge_log(0);
+        ensure!(
+            edge_log.contains("owned this stream is shutting down"),
+            "the edge must end its side with the reason; its log:\n{}",
+            tether_tests::kubectl::clip(&edge_log)
+        );
+        println!(
+            "FIGURE roll owner SIGTERM: exec and logs -f failed {:.1} s after SIGTERM (exec {exec:?}, logs -f {follow:?}); stderr: {} | {}",
+            took.as_secs_f64(),
+            s.exec.stderr_tail(2).replace('\n', " "),
+            s.follow.stderr_tail(2).replace('\n', " ")
+        );
+        Ok(())
+    }
+    .await;
     finish(bed, dir, result);
 }
