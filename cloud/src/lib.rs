@@ -121,6 +121,13 @@ impl Cloud {
             authority,
             metrics.claims_refused.clone(),
         ));
+        registry.set_timeouts(session::Timeouts {
+            relay: cfg
+                .peer
+                .as_ref()
+                .map_or(cfg.response_timeout, |p| p.timeout),
+            first_attach: cfg.route_wait,
+        });
         let shutting_down = Arc::new(AtomicBool::new(false));
         let endpoint = tunnel::bind(&cfg).context("starting the QUIC listener for edges")?;
         let tunnel_addr = endpoint

@@ -401,6 +401,8 @@ pub struct Registry {
     local_changes: watch::Sender<u64>,
     /// Bumped on every change at all (what a waiting request watches).
     any_changes: watch::Sender<u64>,
+    /// The waits of the streams of sessions made here.
+    timeouts: Mutex<crate::session::Timeouts>,
 }
 
 /// Normalizes a `Host` or SNI value: lowercase, without port or IPv6 brackets.
@@ -425,6 +427,7 @@ impl Registry {
             claims_refused: Family::default(),
             local_changes: watch::channel(0).0,
             any_changes: watch::channel(0).0,
+            timeouts: Mutex::new(crate::session::Timeouts::default()),
         }
     }
 
@@ -440,6 +443,17 @@ impl Registry {
             claims_refused,
             ..Registry::new(grace)
         }
+    }
+
+    /// Sets the waits of streams on a peer (`--peer-timeout`, `--route-wait`)
+    /// for every session made from now on.
+    pub fn set_timeouts(&self, t: crate::session::Timeouts) {
+        *self.timeouts.lock().unwrap_or_else(|p| p.into_inner()) = t;
+    }
+
+    /// The waits sessions get.
+    pub fn timeouts(&self) -> crate::session::Timeouts {
+        *self.timeouts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Counts and logs an edge's claim the apiserver contradicts.
@@ -551,16 +565,18 @@ impl Registry {
                     o.set_gate(claim);
                     (o, Vec::new())
                 }
-                other => (
-                    create(Some((tk.session, tk.gen)))?,
-                    other.into_iter().collect(),
-                ),
+                other => {
+                    let s = create(Some((tk.session, tk.gen)))?;
+                    s.set_timeouts(self.timeouts());
+                    (s, other.into_iter().collect())
+                }
             };
             replaced.extend(self.insert_locked(&mut t, session.clone()));
             replaced.retain(|r| !Arc::ptr_eq(r, &session));
             return Ok(Admitted::Resumed { session, replaced });
         }
         let session = create(None)?;
+        session.set_timeouts(self.timeouts());
         let mut replaced: Vec<_> = t.owned.remove(node).into_iter().collect();
         replaced.extend(self.insert_locked(&mut t, session.clone()));
         Ok(Admitted::New { session, replaced })
@@ -618,6 +634,7 @@ impl Registry {
             best.replica.clone(),
             best.conn.clone(),
         );
+        s.set_timeouts(self.timeouts());
         t.owned.insert(node.to_string(), s.clone());
         Some(s)
     }
@@ -641,7 +658,8 @@ impl Registry {
                 continue;
             }
             if let Some(r) = &best {
-                if r.record.gen > s.gen() {
+                let lost_relay = !s.is_held() && s.relayed_via().is_none();
+                if r.record.gen > s.gen() || (lost_relay && r.record.gen == s.gen()) {
                     if r.record.sid == s.id.0 {
                         s.relay_to(r.replica.clone(), r.conn.clone(), r.record.gen);
                     } else {

@@ -131,8 +131,30 @@ pub struct Session {
     next_epoch: AtomicU64,
     /// The newest generation of the edge's connections this replica knows of.
     gen: AtomicU64,
-    /// How long a relay splice may take to open (`--peer-timeout`).
-    relay_timeout: Duration,
+    /// How long a relay splice may take to open, and how long a new stream
+    /// waits for its first transport ([`Timeouts`]).
+    timeouts: Mutex<Timeouts>,
+}
+
+/// The waits of a session's streams on a peer.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// Opening a splice through the replica holding the edge (`--peer-timeout`).
+    pub relay: Duration,
+    /// A new stream that has no transport to the edge within this is reset
+    /// (the apiserver gets a 502 naming the reason), rather than waiting for
+    /// the edge to come back the way an established stream does
+    /// (`--route-wait`).
+    pub first_attach: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            relay: Duration::from_secs(10),
+            first_attach: Duration::from_secs(10),
+        }
+    }
 }
 
 impl Session {
@@ -218,7 +240,7 @@ impl Session {
             next_stream: AtomicU64::new(1),
             next_epoch: AtomicU64::new(1),
             gen: AtomicU64::new(gen),
-            relay_timeout: Duration::from_secs(10),
+            timeouts: Mutex::new(Timeouts::default()),
         })
     }
 
@@ -228,6 +250,15 @@ impl Session {
 
     fn streams(&self) -> std::sync::MutexGuard<'_, HashMap<StreamId, Arc<SharedStream>>> {
         self.streams.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sets the waits of this session's streams on a peer.
+    pub fn set_timeouts(&self, t: Timeouts) {
+        *self.timeouts.lock().unwrap_or_else(|p| p.into_inner()) = t;
+    }
+
+    fn timeouts(&self) -> Timeouts {
+        *self.timeouts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The verdict on a hello for this session: an ended session is joined
@@ -362,15 +393,20 @@ impl Session {
 
     /// The edge's connection of generation `gen` is held by peer `replica`
     /// (reached over `conn`): streams re-attach through it. Ignored unless
-    /// `gen` is newer than what is known here; a live connection of this
-    /// replica's (older) is closed. Returns true if the link changed.
+    /// `gen` is newer than what is known here (or the same, when the relay to
+    /// it had been lost); a live connection of this replica's (older) is
+    /// closed. Returns true if the link changed.
     pub fn relay_to(&self, replica: ReplicaId, conn: quinn::Connection, gen: u64) -> bool {
         let mut old = None;
         let changed = self.link.send_if_modified(|l| {
             if matches!(l, Link::Ended(_)) {
                 return false;
             }
-            if gen <= self.gen.load(Ordering::Relaxed) {
+            // The same generation again is taken only to come back from a
+            // lost relay (the peer link healed, the holder still has the edge).
+            let current = self.gen.load(Ordering::Relaxed);
+            let lost_relay = matches!(l, Link::Disconnected { held: false, .. });
+            if gen < current || (gen == current && !lost_relay) {
                 return false;
             }
             self.gen.store(gen, Ordering::Relaxed);
@@ -508,7 +544,21 @@ impl Session {
         // head follows our Attach at once (see `PeerAttach::Fresh`).
         let mut peer = PeerAttach::Fresh;
         let max_frame = self.limits.max_frame_bytes as usize;
+        let timeouts = self.timeouts();
+        let first_deadline = tokio::time::Instant::now() + timeouts.first_attach;
+        let mut last_error = String::from("the edge is not connected to any replica");
         loop {
+            // A new stream that never reached the edge is answered now (502)
+            // rather than kept waiting: the request can be sent again.
+            if matches!(peer, PeerAttach::Fresh) && tokio::time::Instant::now() >= first_deadline {
+                let why = format!(
+                    "edge {} could not be reached within {:?} (--route-wait): {last_error}",
+                    self.node, timeouts.first_attach
+                );
+                info!(%why, "giving up on a new stream");
+                shared.reset(ResetCode::SessionLost, why);
+                break;
+            }
             // Wait for a link newer than the one that failed us.
             let link = loop {
                 let link = rx.borrow_and_update().clone();
@@ -524,12 +574,23 @@ impl Session {
                 if shared.is_done() {
                     break None;
                 }
+                let fresh = matches!(peer, PeerAttach::Fresh);
                 tokio::select! {
                     r = rx.changed() => if r.is_err() { break None },
                     _ = shared.wait_done() => break None,
+                    _ = tokio::time::sleep_until(first_deadline), if fresh => break Some(Link::Disconnected {
+                        epoch: last_epoch,
+                        gen: 0,
+                        since: Instant::now(),
+                        held: false,
+                    }),
                 }
             };
             let Some(link) = link else { break };
+            if matches!(link, Link::Disconnected { .. }) {
+                // The first-attach deadline passed while waiting.
+                continue;
+            }
             last_epoch = link.epoch();
             let opened = match &link {
                 Link::Connected { conn, .. } => conn
@@ -542,13 +603,8 @@ impl Session {
                         session: self.id.0,
                         stream: id,
                     };
-                    match crate::relay::splice_open(
-                        conn,
-                        &replica.name,
-                        &header,
-                        self.relay_timeout,
-                    )
-                    .await
+                    match crate::relay::splice_open(conn, &replica.name, &header, timeouts.relay)
+                        .await
                     {
                         Ok(Ok(pair)) => Ok(pair),
                         Ok(Err(crate::relay::Answer::Ended(m))) => {
@@ -568,6 +624,7 @@ impl Session {
                 Ok(s) => s,
                 Err(e) => {
                     debug!(error = %e, "no transport to the edge; waiting for the next link");
+                    last_error = e;
                     continue;
                 }
             };

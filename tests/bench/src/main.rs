@@ -30,6 +30,7 @@ mod footprint;
 mod kubelet;
 mod measure;
 mod replicas;
+mod roll;
 mod scale;
 mod soak;
 mod table;
@@ -669,7 +670,7 @@ fn args() -> Result<Args> {
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "-h" | "--help" => {
                 println!(
-                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|scale|sessions|replicas|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]\n\
+                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|scale|sessions|replicas|roll|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]\n\
                      tether-bench --soak MINUTES [--sessions N] [--out DIR]   (exits non-zero unless 0 sessions lost, 0 bytes lost, RSS within 10 %)"
                 );
                 std::process::exit(0);
@@ -719,6 +720,9 @@ async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
         replicas::run(r, plan.replica_edges, plan.replica_bulk_mib)
             .await
             .context("replicas scenario")?;
+    }
+    if want("roll replicas") {
+        roll::run(r).await.context("roll scenario")?;
     }
     if want("scale edges") {
         for n in &plan.scale_edges {
