@@ -1291,10 +1291,32 @@ mod tests {
             panic!("the ticket resumes")
         };
         assert!(Arc::ptr_eq(&session, &owned) && replaced.is_empty());
-        // b learns nothing newer; a newer generation at b later wins here too.
+        // The edge commits here: generation 150, held here.
+        let (edge_conn, _far, _e2) = crate::relay::testlink::pair().await;
+        session
+            .attach_connection(edge_conn.clone(), &claim(1, 1), 150)
+            .unwrap();
+        r.hold(&session);
+        assert!(session.is_held() && Arc::ptr_eq(&r.get("n").unwrap(), &session));
+        // A commit of an older generation is refused.
+        let (old_conn, _far2, _e3) = crate::relay::testlink::pair().await;
+        assert!(session
+            .attach_connection(old_conn, &claim(1, 2), 120)
+            .is_err());
+        // Two connections raced on two replicas: b's newer generation wins here
+        // too — ours is closed, the session is relayed through b and no longer
+        // held (published) here.
         r.apply_remote(&peer, Update::Upsert(vec![record(200, 7, true)]));
         assert_eq!(session.gen(), 200);
         assert!(session.relayed_via().is_some());
+        assert!(
+            edge_conn.close_reason().is_some(),
+            "the older connection is closed"
+        );
+        assert!(r.get("n").is_none());
+        // b's older generation never displaces a newer one here.
+        r.apply_remote(&peer, Update::Upsert(vec![record(180, 7, true)]));
+        assert_eq!(session.gen(), 200);
         // A newer generation of *another* session (the edge restarted): this
         // replica's session of the old state ends.
         r.apply_remote(&peer, Update::Upsert(vec![record(300, 9, true)]));

@@ -330,3 +330,27 @@ fn owner_gone(e: &tether_proto::io::TransportError) -> bool {
         Some(quinn::ReadError::Reset(code)) if *code == quinn::VarInt::from_u32(stream_code::OWNER_GONE)
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reset(code: u32) -> tether_proto::io::TransportError {
+        let e: std::io::Error = quinn::ReadError::Reset(quinn::VarInt::from_u32(code)).into();
+        tether_proto::io::TransportError::Io(e)
+    }
+
+    /// Only the splicing replica's "owner gone" ends a stream at once; any other
+    /// transport failure (the connection died, the owner only detached) waits for
+    /// a re-attach.
+    #[test]
+    fn only_owner_gone_ends_a_stream_at_once() {
+        assert!(owner_gone(&reset(stream_code::OWNER_GONE)));
+        assert!(!owner_gone(&reset(stream_code::DETACHED)));
+        assert!(!owner_gone(&reset(0)));
+        assert!(!owner_gone(&tether_proto::io::TransportError::Closed));
+        let lost: std::io::Error =
+            quinn::ReadError::ConnectionLost(quinn::ConnectionError::TimedOut).into();
+        assert!(!owner_gone(&tether_proto::io::TransportError::Io(lost)));
+    }
+}

@@ -540,9 +540,31 @@ async fn bad_inputs_get_clear_errors_and_spare_healthy_streams() {
     }
 
     // A hello whose node name differs from the certificate's.
-    let refusal = hello_as(&env, "edge-intruder", "edge-1").await;
+    let refusal = hello_as(&env, "edge-intruder", "edge-1", None).await;
     assert!(
         refusal.contains("NodeMismatch") && refusal.contains("edge-intruder"),
+        "{refusal}"
+    );
+
+    // Resume tickets that are not this node's, or not this cloud's: refused
+    // with the reason, logged, and the live session of edge-1 untouched.
+    let forged = |node: &str| tether_proto::ticket::Ticket {
+        node: node.into(),
+        session: tether_proto::token::SessionId(1),
+        gen: u64::MAX / 2,
+        expires_ms: u64::MAX,
+        mac: [7; 32],
+    };
+    let refusal = hello_as(&env, "edge-1", "edge-1", Some(forged("edge-2"))).await;
+    assert!(
+        refusal.contains("Ticket")
+            && refusal.contains("issued to node")
+            && refusal.contains("edge-2"),
+        "{refusal}"
+    );
+    let refusal = hello_as(&env, "edge-1", "edge-1", Some(forged("edge-1"))).await;
+    assert!(
+        refusal.contains("Ticket") && refusal.contains("MAC does not verify"),
         "{refusal}"
     );
 
@@ -591,7 +613,12 @@ async fn bad_inputs_get_clear_errors_and_spare_healthy_streams() {
 
 /// Connects to the cloud as `cert_node` and says hello as `hello_node`;
 /// returns what the cloud answered.
-async fn hello_as(env: &Env, cert_node: &str, hello_node: &str) -> String {
+async fn hello_as(
+    env: &Env,
+    cert_node: &str,
+    hello_node: &str,
+    ticket: Option<tether_proto::ticket::Ticket>,
+) -> String {
     use tether_proto::handshake::{Hello, ALPN_TUNNEL, PROTOCOL_VERSION};
     use tether_proto::io::{write_frame, FrameReader};
     let pair = &env.pki.edges[cert_node];
@@ -631,7 +658,7 @@ async fn hello_as(env: &Env, cert_node: &str, hello_node: &str) -> String {
         instance: 1,
         attempt: 1,
         limits: tether_proto::Limits::default(),
-        ticket: None,
+        ticket,
     };
     write_frame(&mut send, &tether_proto::Frame::Hello(hello), 1 << 20)
         .await
