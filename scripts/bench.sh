@@ -17,7 +17,7 @@ scripts/install-peers.sh
 export RATHOLE="$root/target/bench-tools/bin/rathole"
 
 # kubelet-sim and apiserver-sim: the replicas scenario runs a whole cluster (tests/src/cluster.rs).
-cargo build --release -p tether-cloud -p tether-edge -p linkemu -p tether-bench -p kubelet-sim -p apiserver-sim
+cargo build --release -p tether-cloud -p tether-edge -p tether-certs -p linkemu -p tether-bench -p kubelet-sim -p apiserver-sim
 # The edge as shipped (Containerfile, systemd): the `edge` profile.
 cargo build --profile edge -p tether-edge
 export TETHER_EDGE_BIN="${CARGO_TARGET_DIR:-$root/target}/edge/tether-edge"
