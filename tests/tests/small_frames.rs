@@ -27,7 +27,6 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use support::Env;
 use tether_proto::frame::{self, Frame};
-use tether_proto::handshake::{Hello, ALPN_TUNNEL, PROTOCOL_VERSION};
 use tether_proto::head::{encode_head, ResponseHead};
 use tether_proto::io::{write_frame, FrameReader};
 
@@ -50,69 +49,6 @@ fn rss_bytes(pid: u32) -> u64 {
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .expect("VmRSS in /proc/PID/status");
     kb * 1024
-}
-
-/// Connects as `NODE` with its certificate, says hello and commits to the session.
-async fn connect(env: &Env) -> (quinn::Endpoint, quinn::Connection, quinn::SendStream) {
-    let pair = &env.pki.edges[NODE];
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(
-            tether_certs::pem::certs_from_pem(&env.pki.tether_ca_pem, "ca")
-                .unwrap()
-                .remove(0),
-        )
-        .unwrap();
-    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_client_auth_cert(
-            tether_certs::pem::certs_from_pem(&pair.cert_pem, "c").unwrap(),
-            tether_certs::pem::key_from_pem(&pair.key_pem, "k").unwrap(),
-        )
-        .unwrap();
-    tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
-    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
-    let conn = ep
-        .connect(env.tunnel, tether_tests::pki::CLOUD_SERVER_NAME)
-        .unwrap()
-        .await
-        .unwrap();
-    let (mut send, mut recv) = conn.open_bi().await.unwrap();
-    let hello = Hello {
-        versions: vec![PROTOCOL_VERSION],
-        node: NODE.into(),
-        addresses: vec![],
-        resume: tether_proto::token::ResumeToken([7; 16]),
-        instance: 1,
-        attempt: 1,
-        limits: tether_proto::Limits::default(),
-    };
-    write_frame(&mut send, &Frame::Hello(hello), 1 << 20)
-        .await
-        .unwrap();
-    let mut reader = FrameReader::new(1 << 20);
-    let welcome = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv))
-        .await
-        .expect("a welcome within 10 s")
-        .unwrap();
-    let Some(Frame::Welcome(w)) = welcome else {
-        panic!("expected a welcome, got {welcome:?}");
-    };
-    write_frame(&mut send, &Frame::Commit { session: w.session }, 1 << 20)
-        .await
-        .unwrap();
-    // The control stream's receive side is read (and ignored) so that nothing the
-    // cloud sends on it ever blocks.
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 4096];
-        while let Ok(Some(_)) = recv.read(&mut buf).await {}
-    });
-    (ep, conn, send)
 }
 
 /// Answers one stream the cloud opened: our attach, a 200 head, then 1-byte frames until
@@ -208,7 +144,25 @@ async fn one_byte_frames_to_paused_readers_keep_cloud_memory_bounded() {
         .await
         .unwrap();
     let pid = env.cloud.pid().expect("the cloud's pid");
-    let (_ep, conn, _control) = connect(&env).await;
+    let pair = &env.pki.edges[NODE];
+    let edge = support::RawEdge::connect(
+        env.tunnel,
+        &env.pki.tether_ca_pem,
+        &pair.cert_pem,
+        &pair.key_pem,
+        NODE,
+    )
+    .await
+    .unwrap();
+    let conn = edge.conn.clone();
+    // The control stream's receive side is read (and ignored) so that nothing the
+    // cloud sends on it ever blocks.
+    let mut control = edge.recv;
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        while let Ok(Some(_)) = control.read(&mut buf).await {}
+    });
+    let (_endpoint, _control_send) = (edge.endpoint, edge.send);
 
     // The paused readers: HTTP/2 requests (as kube-apiserver may send them) from a client
     // that never reads the bodies nor opens their flow-control window (0), so that neither
