@@ -29,7 +29,7 @@
 //! [`Registry::local_session`] never looks at the peers' edges: it is what a
 //! relayed request is served from, so a relay never goes a second hop.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -39,7 +39,7 @@ use tokio::sync::watch;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tether_proto::handshake::PodRef;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::admission::{Claim, Verdict};
 use crate::authority::{Authority, PodPlacement};
@@ -147,6 +147,14 @@ struct Tables {
     departed: HashMap<(String, String), String>,
     /// node → its pods in `departed`.
     node_departed: HashMap<String, Vec<(String, String)>>,
+    /// Departures, oldest first: (node, departure number). An entry whose number is
+    /// not the node's current one (`departed_seq`) is stale: the node came back.
+    departed_order: VecDeque<(String, u64)>,
+    /// node in `node_departed` → the number of its departure.
+    departed_seq: HashMap<String, u64>,
+    departures: u64,
+    /// Bound on `departed` (`--max-departed-pods`).
+    max_departed: DepartedLimit,
     /// node → the pod claims of its last report the apiserver contradicted
     /// (a claim repeated in every report is logged and counted once).
     node_refused: HashMap<String, BTreeSet<String>>,
@@ -168,10 +176,75 @@ struct Tables {
     forgotten_through: u64,
 }
 
+/// Default of `--max-departed-pods`.
+pub const DEFAULT_MAX_DEPARTED_PODS: usize = 100_000;
+
+/// How many departed pods are remembered.
+#[derive(Debug, Clone, Copy)]
+struct DepartedLimit(usize);
+
+impl Default for DepartedLimit {
+    fn default() -> Self {
+        DepartedLimit(DEFAULT_MAX_DEPARTED_PODS)
+    }
+}
+
 /// Entries the change log keeps beyond one per local session.
 const CHANGE_LOG_SLACK: usize = 1024;
 
 impl Tables {
+    /// Remembers `keys` as the pods of `node`, which went away; then forgets the
+    /// oldest departures beyond `--max-departed-pods`.
+    fn depart(&mut self, node: &str, keys: impl IntoIterator<Item = (String, String)>) {
+        if !self.departed_seq.contains_key(node) {
+            self.departures += 1;
+            self.departed_seq.insert(node.to_string(), self.departures);
+            self.departed_order
+                .push_back((node.to_string(), self.departures));
+        }
+        let list = self.node_departed.entry(node.to_string()).or_default();
+        for key in keys {
+            self.departed.insert(key.clone(), node.to_string());
+            list.push(key);
+        }
+        let mut forgotten = 0;
+        while self.departed.len() > self.max_departed.0 {
+            let Some((oldest, seq)) = self.departed_order.pop_front() else {
+                break;
+            };
+            if self.departed_seq.get(&oldest) == Some(&seq) {
+                forgotten += self.forget_departed(&oldest);
+            }
+        }
+        if forgotten > 0 {
+            info!(
+                forgotten,
+                limit = self.max_departed.0,
+                "forgot the pods of nodes that left first (--max-departed-pods)"
+            );
+        }
+    }
+
+    /// Forgets `node`'s departed pods (it came back, or is evicted); returns how many.
+    fn forget_departed(&mut self, node: &str) -> usize {
+        self.departed_seq.remove(node);
+        let mut n = 0;
+        for key in self.node_departed.remove(node).unwrap_or_default() {
+            if self.departed.get(&key).map(String::as_str) == Some(node) {
+                self.departed.remove(&key);
+                n += 1;
+            }
+        }
+        // Stale entries of nodes that came back: dropped once they outnumber the live ones.
+        if self.departed_order.len() > 2 * self.departed_seq.len() + 64 {
+            let seq = &self.departed_seq;
+            let mut seen = HashSet::new();
+            self.departed_order
+                .retain(|(n, s)| seq.get(n) == Some(s) && seen.insert(n.clone()));
+        }
+        n
+    }
+
     /// Records that local `node` changed.
     fn mark(&mut self, node: &str) {
         self.change_seq += 1;
@@ -331,14 +404,8 @@ impl Tables {
         // Held nowhere now: its pods are remembered as departed, so a request
         // for them is "edge not connected" (502), as for a local edge.
         if !self.remote.contains_key(node) && !self.sessions.contains_key(node) {
-            for (ns, pod) in &old.record.pods {
-                let key = (ns.clone(), pod.clone());
-                self.departed.insert(key.clone(), node.to_string());
-                self.node_departed
-                    .entry(node.to_string())
-                    .or_default()
-                    .push(key);
-            }
+            let keys: Vec<(String, String)> = old.record.pods.to_vec();
+            self.depart(node, keys);
         }
         if let Some(set) = self.remote_by_replica.get_mut(&instance) {
             set.remove(node);
@@ -387,6 +454,15 @@ impl Registry {
             local_changes: watch::channel(0).0,
             any_changes: watch::channel(0).0,
         }
+    }
+
+    /// The same registry, remembering at most `n` pods of departed nodes.
+    pub fn with_max_departed(self, n: usize) -> Self {
+        self.tables
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .max_departed = DepartedLimit(n);
+        self
     }
 
     /// A registry that routes by `authority` and counts refused claims in
@@ -500,11 +576,7 @@ impl Registry {
         let old = t.sessions.insert(node.clone(), session.clone());
         let addresses = self.vet_addresses(&node, session.addresses());
         Self::index_addresses(t, &node, addresses);
-        for key in t.node_departed.remove(&node).unwrap_or_default() {
-            if t.departed.get(&key) == Some(&node) {
-                t.departed.remove(&key);
-            }
-        }
+        t.forget_departed(&node);
         old
     }
 
@@ -631,11 +703,11 @@ impl Registry {
         t.sessions.remove(&node);
         t.node_refused.remove(&node);
         Self::unindex_addresses(&mut t, &node);
-        for p in Self::unindex_pods(&mut t, &node) {
-            let key = (p.namespace, p.name);
-            t.departed.insert(key.clone(), node.clone());
-            t.node_departed.entry(node.clone()).or_default().push(key);
-        }
+        let keys: Vec<(String, String)> = Self::unindex_pods(&mut t, &node)
+            .into_iter()
+            .map(|p| (p.namespace, p.name))
+            .collect();
+        t.depart(&node, keys);
         t.mark(&node);
         self.touch();
         true
@@ -709,11 +781,7 @@ impl Registry {
                     let node = record.node.clone();
                     t.remove_remote(instance, &node);
                     t.index_remote(&record, true);
-                    for key in t.node_departed.remove(&node).unwrap_or_default() {
-                        if t.departed.get(&key) == Some(&node) {
-                            t.departed.remove(&key);
-                        }
-                    }
+                    t.forget_departed(&node);
                     t.remote.entry(node.clone()).or_default().push(RemoteEdge {
                         replica: link.replica.clone(),
                         conn: link.conn.clone(),
@@ -1050,6 +1118,53 @@ mod tests {
         ));
         let t = r.tables();
         assert!(t.departed.is_empty() && t.node_departed.is_empty());
+    }
+
+    #[test]
+    fn departed_pods_are_bounded_oldest_node_first() {
+        let r = Registry::new(Duration::from_secs(1)).with_max_departed(5);
+        let leave = |node: &str, pods: &[&str]| {
+            let s = session(node, &[]);
+            r.insert(s.clone());
+            r.report_pods(&s, pods.iter().map(|p| pod("default", p)).collect());
+            assert!(r.remove(&s));
+        };
+        leave("edge-a", &["a1", "a2"]);
+        leave("edge-b", &["b1", "b2"]);
+        // A node that comes back and leaves again departs anew (its old place is stale).
+        leave("edge-a", &["a1", "a2"]);
+        assert_eq!(r.tables().departed.len(), 4);
+        leave("edge-c", &["c1", "c2"]);
+        // Six pods: edge-b, the oldest departure, is forgotten (404, not 502).
+        let t = r.tables();
+        assert_eq!(t.departed.len(), 4);
+        assert!(!t.node_departed.contains_key("edge-b"));
+        drop(t);
+        for (p, gone) in [("b1", false), ("a1", true), ("c2", true)] {
+            let route = r.route_pod("default", p);
+            assert_eq!(
+                matches!(route, Err(RouteError::PodNodeGone { .. })),
+                gone,
+                "{p}: {:?}",
+                route.err().map(|e| e.to_string())
+            );
+        }
+        assert!(matches!(
+            r.route_pod("default", "b1"),
+            Err(RouteError::UnknownPod { .. })
+        ));
+        // Flapping nodes never grow the order beyond its compaction bound.
+        for i in 0..500 {
+            leave(&format!("edge-f{}", i % 3), &[]);
+            r.insert(session(&format!("edge-f{}", i % 3), &[]));
+        }
+        let t = r.tables();
+        assert!(t.departed.len() <= 5);
+        assert!(
+            t.departed_order.len() <= 2 * t.departed_seq.len() + 65,
+            "{}",
+            t.departed_order.len()
+        );
     }
 
     fn refused(r: &Registry, kind: &'static str) -> u64 {
