@@ -135,6 +135,7 @@ fn route_status(e: &RouteError) -> StatusCode {
             StatusCode::CONFLICT
         }
         RouteError::PodNodeGone { .. } => StatusCode::BAD_GATEWAY,
+        RouteError::ForwardedUriUntrusted { .. } => StatusCode::MISDIRECTED_REQUEST,
     }
 }
 

@@ -127,6 +127,11 @@ pub enum RouteError {
     },
     #[error("no node named in the request (no X-Forwarded-Uri node, SNI or Host)")]
     NoHint,
+    /// A client can put any `X-Forwarded-Uri` on a request the apiserver proxies (its
+    /// upgrade path copies the client's headers): the header may only choose among
+    /// the nodes the apiserver's own connection (SNI, `Host`) stands for.
+    #[error("X-Forwarded-Uri names node {node}, but {why}; refusing it")]
+    ForwardedUriUntrusted { node: String, why: String },
     #[error("the apiserver has pod {namespace}/{pod} bound to no node")]
     PodUnscheduled { namespace: String, pod: String },
 }
@@ -934,9 +939,31 @@ impl Registry {
         by_address()
     }
 
-    /// The session for a node-scoped request: the node named by the
-    /// apiserver's node proxy (`X-Forwarded-Uri`), else TLS SNI, else `Host`,
-    /// each a node name or an address its edge announced.
+    /// The nodes a connection hint (SNI or `Host`) can stand for: the node it
+    /// names, and those its address belongs to.
+    fn hint_nodes(&self, t: &Tables, value: &str) -> BTreeSet<String> {
+        let v = host_only(value);
+        let mut nodes = BTreeSet::new();
+        if v.is_empty() {
+            return nodes;
+        }
+        if t.holder(&v).is_some() {
+            nodes.insert(v.clone());
+        }
+        nodes.extend(match &self.authority {
+            Some(auth) => auth.address_nodes(&v),
+            None => t.address_nodes(&v),
+        });
+        nodes
+    }
+
+    /// The session for a node-scoped request: by TLS SNI, else `Host`, each a
+    /// node name or an address its edge announced. The node named by the
+    /// apiserver's node proxy (`X-Forwarded-Uri`) only chooses among the nodes
+    /// SNI and `Host` stand for (an address several edges share, say): it must
+    /// be one of them for every hint that stands for any node, and at least
+    /// one hint must, else the request is refused — a client could have put it
+    /// there to reach a node it was not let through to.
     pub fn route_node(
         &self,
         forwarded_node: Option<&str>,
@@ -945,6 +972,32 @@ impl Registry {
     ) -> Result<Target, RouteError> {
         let t = self.tables();
         if let Some(n) = forwarded_node {
+            let mut confirmed = false;
+            for (what, value) in [("SNI", sni), ("Host", host)] {
+                let Some(v) = value else { continue };
+                let nodes = self.hint_nodes(&t, v);
+                if nodes.is_empty() {
+                    continue;
+                }
+                if !nodes.contains(n) {
+                    return Err(RouteError::ForwardedUriUntrusted {
+                        node: n.to_string(),
+                        why: format!(
+                            "the apiserver's connection has {what} {:?}, which stands for {}",
+                            host_only(v),
+                            nodes.into_iter().collect::<Vec<_>>().join(", ")
+                        ),
+                    });
+                }
+                confirmed = true;
+            }
+            if !confirmed {
+                return Err(RouteError::ForwardedUriUntrusted {
+                    node: n.to_string(),
+                    why: "neither the connection's SNI nor its Host stands for a connected node"
+                        .to_string(),
+                });
+            }
             return t.holder(n).ok_or_else(|| RouteError::UnknownNode {
                 looked_up: format!("node {n:?} (from X-Forwarded-Uri)"),
             });
@@ -1118,6 +1171,45 @@ mod tests {
         ));
         let t = r.tables();
         assert!(t.departed.is_empty() && t.node_departed.is_empty());
+    }
+
+    #[test]
+    fn forwarded_uri_only_chooses_among_the_connections_nodes() {
+        let r = Registry::new(Duration::from_secs(1));
+        // Two edges behind one NAT address, a third elsewhere.
+        r.insert(session("edge-a", &["10.0.0.9"]));
+        r.insert(session("edge-b", &["10.0.0.9"]));
+        r.insert(session("edge-c", &["10.0.0.7"]));
+        let node = |fwd, sni, host| r.route_node(fwd, sni, host).map(|t| t.node);
+        assert!(matches!(
+            node(None, None, Some("10.0.0.9:10250")),
+            Err(RouteError::AmbiguousAddress { .. })
+        ));
+        assert_eq!(
+            node(Some("edge-b"), None, Some("10.0.0.9:10250")),
+            Ok("edge-b".to_string())
+        );
+        assert_eq!(
+            node(Some("edge-c"), Some("edge-c"), Some("10.96.0.1:443")),
+            Ok("edge-c".to_string())
+        );
+        for (fwd, sni, host) in [
+            // Another node than the connection's address or name.
+            ("edge-c", None, Some("10.0.0.9:10250")),
+            ("edge-b", None, Some("edge-a:10250")),
+            ("edge-b", Some("edge-a"), Some("10.0.0.9:10250")),
+            // Nothing in the connection stands for a node.
+            ("edge-b", None, Some("10.96.0.1:443")),
+            ("edge-b", None, None),
+        ] {
+            assert!(
+                matches!(
+                    node(Some(fwd), sni, host),
+                    Err(RouteError::ForwardedUriUntrusted { .. })
+                ),
+                "{fwd} {sni:?} {host:?}"
+            );
+        }
     }
 
     #[test]
@@ -1307,13 +1399,17 @@ mod tests {
             r.route_pod("default", "nope"),
             Err(RouteError::UnknownPod { .. })
         ));
-        // Node-scoped.
+        // Node-scoped (X-Forwarded-Uri picks among the address's nodes, never another).
         assert_eq!(
-            r.route_node(Some("edge-b"), None, Some("edge-a"))
+            r.route_node(Some("edge-b"), None, Some("10.0.0.1"))
                 .unwrap()
                 .node,
             "edge-b"
         );
+        assert!(matches!(
+            r.route_node(Some("edge-b"), None, Some("edge-a")),
+            Err(RouteError::ForwardedUriUntrusted { .. })
+        ));
         assert_eq!(
             r.route_node(None, Some("edge-a"), None).unwrap().node,
             "edge-a"
@@ -1334,7 +1430,7 @@ mod tests {
         ));
         assert!(matches!(
             r.route_node(Some("nope"), None, None),
-            Err(RouteError::UnknownNode { .. })
+            Err(RouteError::ForwardedUriUntrusted { .. })
         ));
         assert!(matches!(
             r.route_node(None, None, None),
