@@ -37,9 +37,9 @@
 #              --kubelet-certificate-authority) on the control-plane host dials
 #              edge nodes' addresses on 10350; the helper's rule sends it to
 #              tether-cloud, which serves it from the right edge's kubelet
-#              (kubelet-sim) over QUIC, routing by pod, by Host and by
-#              X-Forwarded-Uri; unknown pods get 404, missing client certs are
-#              refused
+#              (kubelet-sim) over QUIC, routing by pod and by Host, an
+#              X-Forwarded-Uri naming another node than the one dialled refused;
+#              unknown pods get 404, missing client certs are refused
 #
 #   scripts/check-deploy.sh            every step
 #   scripts/check-deploy.sh STEP...    only those steps (tools always runs)
@@ -1126,9 +1126,15 @@ step_dnat-e2e() {
 		"pod-scoped paths route by the pod, whatever address was dialled"
 	expect_served https://198.51.100.7:10350/pods edge-1 "" "node-scoped paths route by Host (edge-1's address)"
 	expect_served https://198.51.100.8:10350/pods edge-2 "" "node-scoped paths route by Host (edge-2's address)"
-	expect_served https://198.51.100.8:10350/pods edge-1 "" "the node proxy's X-Forwarded-Uri wins over Host" \
-		-H "X-Forwarded-Uri: /api/v1/nodes/edge-1/proxy/pods"
+	expect_served https://198.51.100.8:10350/pods edge-2 "" "the node proxy's X-Forwarded-Uri naming the node dialled" \
+		-H "X-Forwarded-Uri: /api/v1/nodes/edge-2/proxy/pods"
 	local out
+	# A client can add any X-Forwarded-Uri to a request the apiserver proxies: it never
+	# redirects a request to another node than the one dialled.
+	out=$(api -w '%{http_code}' -H "X-Forwarded-Uri: /api/v1/nodes/edge-1/proxy/pods" \
+		https://198.51.100.8:10350/pods 2>&1 || true)
+	case $out in *"X-Forwarded-Uri names node edge-1"*421) ;; *) fail "an X-Forwarded-Uri naming another node: got '$out'" ;; esac
+	echo "  ok: an X-Forwarded-Uri naming another node than the one dialled is refused (421)"
 	out=$(api -w '%{http_code}' https://198.51.100.8:10350/containerLogs/default/nope/c 2>&1 || true)
 	case $out in *"no connected edge reports pod default/nope"*404) ;; *) fail "unknown pod: got '$out'" ;; esac
 	echo "  ok: an unknown pod is a 404 naming it"

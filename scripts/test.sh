@@ -29,6 +29,9 @@ if ! TETHER_E2E_REPLICAS=3 cargo test -p tether-tests --test kubectl_e2e 2>&1 | 
 echo "== kubectl e2e again with apiserver-sim passing exec/attach WebSockets through (kubectl 1.33; the default run translates them to SPDY like kube-apiserver)"
 if ! TETHER_E2E_APISERVER_STREAMS=passthrough KUBECTL=/usr/lib/google-cloud-sdk/bin/kubectl.1.33 cargo test -p tether-tests --test kubectl_e2e 2>&1 | tee -a target/test-output.txt; then status=1; fi
 
+echo "== kubectl e2e again against real containers: cri-kubelet on a private containerd, every case (kubectl 1.28 and 1.33)"
+if ! TETHER_E2E_KUBELET=cri cargo test -p tether-tests --test kubectl_e2e 2>&1 | tee -a target/test-output.txt; then status=1; fi
+
 echo "== fuzz: corpus and crash-regression replay, then a short AFL++ pass per target"
 if ! (cd fuzz && cargo test 2>&1) | tee -a target/test-output.txt; then status=1; fi
 if ! scripts/fuzz.sh --seconds "${FUZZ_SECONDS:-15}"; then status=1; fi

@@ -186,6 +186,11 @@ pub struct CloudArgs {
     /// Concurrent edge connections (handshaking or established).
     #[arg(long, env = "TETHER_MAX_EDGES", default_value_t = 20000)]
     pub max_edges: usize,
+    /// Pods remembered for nodes that went away (so that a request for one is "its
+    /// node is not connected", 502, rather than "unknown pod", 404). Beyond this, the
+    /// nodes that left first are forgotten first.
+    #[arg(long, env = "TETHER_MAX_DEPARTED_PODS", default_value_t = crate::registry::DEFAULT_MAX_DEPARTED_PODS)]
+    pub max_departed_pods: usize,
     /// Edge QUIC/TLS handshakes in progress at once; the Initial
     /// packets of further edges are dropped, and their QUIC retransmits them
     /// later. Keeps a reconnect storm (every edge after a cloud restart) from
@@ -333,6 +338,7 @@ pub struct CloudConfig {
     pub max_http_header_bytes: usize,
     pub max_apiserver_connections: usize,
     pub max_edges: usize,
+    pub max_departed_pods: usize,
     pub max_pending_handshakes: usize,
     pub handshakes_per_source: u32,
     pub metrics_listen: SocketAddr,
@@ -422,6 +428,7 @@ impl CloudArgs {
         // A zero limit or timeout would refuse everything or spin: refuse it.
         for (flag, n) in [
             ("--max-edges", self.max_edges),
+            ("--max-departed-pods", self.max_departed_pods),
             ("--max-pending-handshakes", self.max_pending_handshakes),
             (
                 "--max-apiserver-connections",
@@ -511,6 +518,7 @@ impl CloudArgs {
             max_http_header_bytes: self.max_http_header_bytes as usize,
             max_apiserver_connections: self.max_apiserver_connections,
             max_edges: self.max_edges,
+            max_departed_pods: self.max_departed_pods,
             max_pending_handshakes: self.max_pending_handshakes,
             handshakes_per_source: self.handshakes_per_source,
             metrics_listen: self.metrics_listen,
@@ -593,6 +601,7 @@ mod tests {
         assert!(config(&[]).is_ok());
         for (flag, zero) in [
             ("--max-edges", "0"),
+            ("--max-departed-pods", "0"),
             ("--max-pending-handshakes", "0"),
             ("--max-apiserver-connections", "0"),
             ("--handshakes-per-source", "0"),

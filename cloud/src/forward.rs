@@ -141,6 +141,7 @@ fn route_status(e: &RouteError) -> StatusCode {
             StatusCode::CONFLICT
         }
         RouteError::PodNodeGone { .. } => StatusCode::BAD_GATEWAY,
+        RouteError::ForwardedUriUntrusted { .. } => StatusCode::MISDIRECTED_REQUEST,
     }
 }
 

@@ -116,11 +116,14 @@ impl Cloud {
                 None
             }
         };
-        let registry = Arc::new(registry::Registry::with_authority(
-            cfg.grace,
-            authority,
-            metrics.claims_refused.clone(),
-        ));
+        let registry = Arc::new(
+            registry::Registry::with_authority(
+                cfg.grace,
+                authority,
+                metrics.claims_refused.clone(),
+            )
+            .with_max_departed(cfg.max_departed_pods),
+        );
         registry.set_timeouts(session::Timeouts {
             relay: cfg
                 .peer

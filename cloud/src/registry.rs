@@ -29,7 +29,7 @@
 //! [`Registry::local_session`] never looks at the peers' edges: it is what a
 //! relayed request is served from, so a relay never goes a second hop.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -139,6 +139,11 @@ pub enum RouteError {
     },
     #[error("no node named in the request (no X-Forwarded-Uri node, SNI or Host)")]
     NoHint,
+    /// A client can put any `X-Forwarded-Uri` on a request the apiserver proxies (its
+    /// upgrade path copies the client's headers): the header may only choose among
+    /// the nodes the apiserver's own connection (SNI, `Host`) stands for.
+    #[error("X-Forwarded-Uri names node {node}, but {why}; refusing it")]
+    ForwardedUriUntrusted { node: String, why: String },
     #[error("the apiserver has pod {namespace}/{pod} bound to no node")]
     PodUnscheduled { namespace: String, pod: String },
 }
@@ -164,6 +169,14 @@ struct Tables {
     departed: HashMap<(String, String), String>,
     /// node → its pods in `departed`.
     node_departed: HashMap<String, Vec<(String, String)>>,
+    /// Departures, oldest first: (node, departure number). An entry whose number is
+    /// not the node's current one (`departed_seq`) is stale: the node came back.
+    departed_order: VecDeque<(String, u64)>,
+    /// node in `node_departed` → the number of its departure.
+    departed_seq: HashMap<String, u64>,
+    departures: u64,
+    /// Bound on `departed` (`--max-departed-pods`).
+    max_departed: DepartedLimit,
     /// node → the pod claims of its last report the apiserver contradicted
     /// (a claim repeated in every report is logged and counted once).
     node_refused: HashMap<String, BTreeSet<String>>,
@@ -185,10 +198,75 @@ struct Tables {
     forgotten_through: u64,
 }
 
+/// Default of `--max-departed-pods`.
+pub const DEFAULT_MAX_DEPARTED_PODS: usize = 100_000;
+
+/// How many departed pods are remembered.
+#[derive(Debug, Clone, Copy)]
+struct DepartedLimit(usize);
+
+impl Default for DepartedLimit {
+    fn default() -> Self {
+        DepartedLimit(DEFAULT_MAX_DEPARTED_PODS)
+    }
+}
+
 /// Entries the change log keeps beyond one per local session.
 const CHANGE_LOG_SLACK: usize = 1024;
 
 impl Tables {
+    /// Remembers `keys` as the pods of `node`, which went away; then forgets the
+    /// oldest departures beyond `--max-departed-pods`.
+    fn depart(&mut self, node: &str, keys: impl IntoIterator<Item = (String, String)>) {
+        if !self.departed_seq.contains_key(node) {
+            self.departures += 1;
+            self.departed_seq.insert(node.to_string(), self.departures);
+            self.departed_order
+                .push_back((node.to_string(), self.departures));
+        }
+        let list = self.node_departed.entry(node.to_string()).or_default();
+        for key in keys {
+            self.departed.insert(key.clone(), node.to_string());
+            list.push(key);
+        }
+        let mut forgotten = 0;
+        while self.departed.len() > self.max_departed.0 {
+            let Some((oldest, seq)) = self.departed_order.pop_front() else {
+                break;
+            };
+            if self.departed_seq.get(&oldest) == Some(&seq) {
+                forgotten += self.forget_departed(&oldest);
+            }
+        }
+        if forgotten > 0 {
+            info!(
+                forgotten,
+                limit = self.max_departed.0,
+                "forgot the pods of nodes that left first (--max-departed-pods)"
+            );
+        }
+    }
+
+    /// Forgets `node`'s departed pods (it came back, or is evicted); returns how many.
+    fn forget_departed(&mut self, node: &str) -> usize {
+        self.departed_seq.remove(node);
+        let mut n = 0;
+        for key in self.node_departed.remove(node).unwrap_or_default() {
+            if self.departed.get(&key).map(String::as_str) == Some(node) {
+                self.departed.remove(&key);
+                n += 1;
+            }
+        }
+        // Stale entries of nodes that came back: dropped once they outnumber the live ones.
+        if self.departed_order.len() > 2 * self.departed_seq.len() + 64 {
+            let seq = &self.departed_seq;
+            let mut seen = HashSet::new();
+            self.departed_order
+                .retain(|(n, s)| seq.get(n) == Some(s) && seen.insert(n.clone()));
+        }
+        n
+    }
+
     /// Records that local `node` changed.
     fn mark(&mut self, node: &str) {
         self.change_seq += 1;
@@ -370,14 +448,8 @@ impl Tables {
         // Held nowhere now: its pods are remembered as departed, so a request
         // for them is "edge not connected" (502), as for a local edge.
         if !self.remote.contains_key(node) && !self.sessions.contains_key(node) {
-            for (ns, pod) in &old.record.pods {
-                let key = (ns.clone(), pod.clone());
-                self.departed.insert(key.clone(), node.to_string());
-                self.node_departed
-                    .entry(node.to_string())
-                    .or_default()
-                    .push(key);
-            }
+            let keys: Vec<(String, String)> = old.record.pods.to_vec();
+            self.depart(node, keys);
         }
         if let Some(set) = self.remote_by_replica.get_mut(&instance) {
             set.remove(node);
@@ -429,6 +501,15 @@ impl Registry {
             any_changes: watch::channel(0).0,
             timeouts: Mutex::new(crate::session::Timeouts::default()),
         }
+    }
+
+    /// The same registry, remembering at most `n` pods of departed nodes.
+    pub fn with_max_departed(self, n: usize) -> Self {
+        self.tables
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .max_departed = DepartedLimit(n);
+        self
     }
 
     /// A registry that routes by `authority` and counts refused claims in
@@ -758,11 +839,7 @@ impl Registry {
         let old = t.sessions.insert(node.clone(), session.clone());
         let addresses = self.vet_addresses(&node, session.addresses());
         Self::index_addresses(t, &node, addresses);
-        for key in t.node_departed.remove(&node).unwrap_or_default() {
-            if t.departed.get(&key) == Some(&node) {
-                t.departed.remove(&key);
-            }
-        }
+        t.forget_departed(&node);
         old
     }
 
@@ -889,11 +966,11 @@ impl Registry {
         t.sessions.remove(&node);
         t.node_refused.remove(&node);
         Self::unindex_addresses(&mut t, &node);
-        for p in Self::unindex_pods(&mut t, &node) {
-            let key = (p.namespace, p.name);
-            t.departed.insert(key.clone(), node.clone());
-            t.node_departed.entry(node.clone()).or_default().push(key);
-        }
+        let keys: Vec<(String, String)> = Self::unindex_pods(&mut t, &node)
+            .into_iter()
+            .map(|p| (p.namespace, p.name))
+            .collect();
+        t.depart(&node, keys);
         t.mark(&node);
         self.touch();
         true
@@ -969,11 +1046,7 @@ impl Registry {
                     touched.push(node.clone());
                     t.remove_remote(instance, &node);
                     t.index_remote(&record, true);
-                    for key in t.node_departed.remove(&node).unwrap_or_default() {
-                        if t.departed.get(&key) == Some(&node) {
-                            t.departed.remove(&key);
-                        }
-                    }
+                    t.forget_departed(&node);
                     t.remote.entry(node.clone()).or_default().push(RemoteEdge {
                         replica: link.replica.clone(),
                         conn: link.conn.clone(),
@@ -1154,9 +1227,31 @@ impl Registry {
         by_address()
     }
 
-    /// The session for a node-scoped request: the node named by the
-    /// apiserver's node proxy (`X-Forwarded-Uri`), else TLS SNI, else `Host`,
-    /// each a node name or an address its edge announced.
+    /// The nodes a connection hint (SNI or `Host`) can stand for: the node it
+    /// names, and those its address belongs to.
+    fn hint_nodes(&self, t: &Tables, value: &str) -> BTreeSet<String> {
+        let v = host_only(value);
+        let mut nodes = BTreeSet::new();
+        if v.is_empty() {
+            return nodes;
+        }
+        if t.holder(&v).is_some() {
+            nodes.insert(v.clone());
+        }
+        nodes.extend(match &self.authority {
+            Some(auth) => auth.address_nodes(&v),
+            None => t.address_nodes(&v),
+        });
+        nodes
+    }
+
+    /// The session for a node-scoped request: by TLS SNI, else `Host`, each a
+    /// node name or an address its edge announced. The node named by the
+    /// apiserver's node proxy (`X-Forwarded-Uri`) only chooses among the nodes
+    /// SNI and `Host` stand for (an address several edges share, say): it must
+    /// be one of them for every hint that stands for any node, and at least
+    /// one hint must, else the request is refused — a client could have put it
+    /// there to reach a node it was not let through to.
     pub fn route_node(
         &self,
         forwarded_node: Option<&str>,
@@ -1165,6 +1260,32 @@ impl Registry {
     ) -> Result<Target, RouteError> {
         let t = self.tables();
         if let Some(n) = forwarded_node {
+            let mut confirmed = false;
+            for (what, value) in [("SNI", sni), ("Host", host)] {
+                let Some(v) = value else { continue };
+                let nodes = self.hint_nodes(&t, v);
+                if nodes.is_empty() {
+                    continue;
+                }
+                if !nodes.contains(n) {
+                    return Err(RouteError::ForwardedUriUntrusted {
+                        node: n.to_string(),
+                        why: format!(
+                            "the apiserver's connection has {what} {:?}, which stands for {}",
+                            host_only(v),
+                            nodes.into_iter().collect::<Vec<_>>().join(", ")
+                        ),
+                    });
+                }
+                confirmed = true;
+            }
+            if !confirmed {
+                return Err(RouteError::ForwardedUriUntrusted {
+                    node: n.to_string(),
+                    why: "neither the connection's SNI nor its Host stands for a connected node"
+                        .to_string(),
+                });
+            }
             return t.holder(n).ok_or_else(|| RouteError::UnknownNode {
                 looked_up: format!("node {n:?} (from X-Forwarded-Uri)"),
             });
@@ -1440,6 +1561,92 @@ mod tests {
         assert!(t.departed.is_empty() && t.node_departed.is_empty());
     }
 
+    #[test]
+    fn forwarded_uri_only_chooses_among_the_connections_nodes() {
+        let r = Registry::new(Duration::from_secs(1));
+        // Two edges behind one NAT address, a third elsewhere.
+        r.insert(session("edge-a", &["10.0.0.9"]));
+        r.insert(session("edge-b", &["10.0.0.9"]));
+        r.insert(session("edge-c", &["10.0.0.7"]));
+        let node = |fwd, sni, host| r.route_node(fwd, sni, host).map(|t| t.node);
+        assert!(matches!(
+            node(None, None, Some("10.0.0.9:10250")),
+            Err(RouteError::AmbiguousAddress { .. })
+        ));
+        assert_eq!(
+            node(Some("edge-b"), None, Some("10.0.0.9:10250")),
+            Ok("edge-b".to_string())
+        );
+        assert_eq!(
+            node(Some("edge-c"), Some("edge-c"), Some("10.96.0.1:443")),
+            Ok("edge-c".to_string())
+        );
+        for (fwd, sni, host) in [
+            // Another node than the connection's address or name.
+            ("edge-c", None, Some("10.0.0.9:10250")),
+            ("edge-b", None, Some("edge-a:10250")),
+            ("edge-b", Some("edge-a"), Some("10.0.0.9:10250")),
+            // Nothing in the connection stands for a node.
+            ("edge-b", None, Some("10.96.0.1:443")),
+            ("edge-b", None, None),
+        ] {
+            assert!(
+                matches!(
+                    node(Some(fwd), sni, host),
+                    Err(RouteError::ForwardedUriUntrusted { .. })
+                ),
+                "{fwd} {sni:?} {host:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn departed_pods_are_bounded_oldest_node_first() {
+        let r = Registry::new(Duration::from_secs(1)).with_max_departed(5);
+        let leave = |node: &str, pods: &[&str]| {
+            let s = session(node, &[]);
+            r.insert(s.clone());
+            r.report_pods(&s, pods.iter().map(|p| pod("default", p)).collect());
+            assert!(r.remove(&s));
+        };
+        leave("edge-a", &["a1", "a2"]);
+        leave("edge-b", &["b1", "b2"]);
+        // A node that comes back and leaves again departs anew (its old place is stale).
+        leave("edge-a", &["a1", "a2"]);
+        assert_eq!(r.tables().departed.len(), 4);
+        leave("edge-c", &["c1", "c2"]);
+        // Six pods: edge-b, the oldest departure, is forgotten (404, not 502).
+        let t = r.tables();
+        assert_eq!(t.departed.len(), 4);
+        assert!(!t.node_departed.contains_key("edge-b"));
+        drop(t);
+        for (p, gone) in [("b1", false), ("a1", true), ("c2", true)] {
+            let route = r.route_pod("default", p);
+            assert_eq!(
+                matches!(route, Err(RouteError::PodNodeGone { .. })),
+                gone,
+                "{p}: {:?}",
+                route.err().map(|e| e.to_string())
+            );
+        }
+        assert!(matches!(
+            r.route_pod("default", "b1"),
+            Err(RouteError::UnknownPod { .. })
+        ));
+        // Flapping nodes never grow the order beyond its compaction bound.
+        for i in 0..500 {
+            leave(&format!("edge-f{}", i % 3), &[]);
+            r.insert(session(&format!("edge-f{}", i % 3), &[]));
+        }
+        let t = r.tables();
+        assert!(t.departed.len() <= 5);
+        assert!(
+            t.departed_order.len() <= 2 * t.departed_seq.len() + 65,
+            "{}",
+            t.departed_order.len()
+        );
+    }
+
     fn refused(r: &Registry, kind: &'static str) -> u64 {
         r.claims_refused.get_or_create(&KindLabel { kind }).get()
     }
@@ -1580,13 +1787,17 @@ mod tests {
             r.route_pod("default", "nope"),
             Err(RouteError::UnknownPod { .. })
         ));
-        // Node-scoped.
+        // Node-scoped (X-Forwarded-Uri picks among the address's nodes, never another).
         assert_eq!(
-            r.route_node(Some("edge-b"), None, Some("edge-a"))
+            r.route_node(Some("edge-b"), None, Some("10.0.0.1"))
                 .unwrap()
                 .node,
             "edge-b"
         );
+        assert!(matches!(
+            r.route_node(Some("edge-b"), None, Some("edge-a")),
+            Err(RouteError::ForwardedUriUntrusted { .. })
+        ));
         assert_eq!(
             r.route_node(None, Some("edge-a"), None).unwrap().node,
             "edge-a"
@@ -1607,7 +1818,7 @@ mod tests {
         ));
         assert!(matches!(
             r.route_node(Some("nope"), None, None),
-            Err(RouteError::UnknownNode { .. })
+            Err(RouteError::ForwardedUriUntrusted { .. })
         ));
         assert!(matches!(
             r.route_node(None, None, None),

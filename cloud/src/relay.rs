@@ -514,7 +514,7 @@ mod link_tests {
             &b,
             Update::Upsert(vec![record("edge-1", &["p9"], false, 5)]),
         );
-        let who = |r: &Registry| match r.route_node(Some("edge-1"), None, None).unwrap().holder {
+        let who = |r: &Registry| match r.route_node(None, Some("edge-1"), None).unwrap().holder {
             Holder::Remote { replica, .. } => replica.name,
             Holder::Local(_) => "local".into(),
         };
@@ -524,7 +524,7 @@ mod link_tests {
         // A detached local session loses to a live remote holder of the node.
         r.apply_remote(&a, Update::Upsert(vec![record("edge-3", &[], true, 9)]));
         assert!(matches!(
-            r.route_node(Some("edge-3"), None, None).unwrap().holder,
+            r.route_node(None, Some("edge-3"), None).unwrap().holder,
             Holder::Remote { .. }
         ));
         // Both "live": the newer attach wins, here or there (an edge killed
@@ -544,7 +544,7 @@ mod link_tests {
             Update::Upsert(vec![record("edge-4", &[], true, attached_ms - 1000)]),
         );
         assert!(matches!(
-            r.route_node(Some("edge-4"), None, None).unwrap().holder,
+            r.route_node(None, Some("edge-4"), None).unwrap().holder,
             Holder::Local(_)
         ));
         r.apply_remote(
@@ -552,7 +552,7 @@ mod link_tests {
             Update::Upsert(vec![record("edge-4", &[], true, attached_ms + 1000)]),
         );
         assert!(matches!(
-            r.route_node(Some("edge-4"), None, None).unwrap().holder,
+            r.route_node(None, Some("edge-4"), None).unwrap().holder,
             Holder::Remote { .. }
         ));
         // Everything learnt from a peer goes with it; counts stay right.

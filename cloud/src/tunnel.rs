@@ -640,8 +640,12 @@ async fn handle(
         registry.clone(),
         session.clone(),
         (recv, reader, send),
-        join,
-        renew_for,
+        Renewal {
+            join,
+            renew_for,
+            conn: conn.clone(),
+            metrics,
+        },
         max,
         tickets_for_control,
     );
@@ -860,15 +864,30 @@ fn expire_unless_resumed(
     });
 }
 
+/// What the control loop needs to answer `RenewCert`.
+struct Renewal<'a> {
+    join: Option<Arc<JoinCtx>>,
+    /// How long a renewed certificate may live (never longer than the presented one).
+    renew_for: Option<Duration>,
+    /// The edge's connection: closed when its certificate turns out revoked.
+    conn: quinn::Connection,
+    metrics: &'a CloudMetrics,
+}
+
 async fn control_loop(
     registry: Arc<Registry>,
     session: Arc<Session>,
     (mut recv, mut reader, mut send): (quinn::RecvStream, FrameReader, quinn::SendStream),
-    join: Option<Arc<JoinCtx>>,
-    renew_for: Option<Duration>,
+    renewal: Renewal<'_>,
     max: usize,
     tickets: TicketIssuer,
 ) -> anyhow::Result<()> {
+    let Renewal {
+        join,
+        renew_for,
+        conn,
+        metrics,
+    } = renewal;
     let mut reports = ReportRate::new(std::time::Instant::now());
     let mut refresh =
         tokio::time::interval_at(tokio::time::Instant::now() + tickets.every, tickets.every);
@@ -883,6 +902,23 @@ async fn control_loop(
         };
         match frame {
             Some(Frame::RenewCert { csr_pem }) => {
+                if let Some(why) = join.as_ref().and_then(|j| revoked(j, &conn, &session.node)) {
+                    // Revoked since this connection's handshake: no new certificate,
+                    // and the connection ends now (its next handshake is refused too).
+                    warn!(node = %session.node, reason = %why, "refusing certificate renewal: the presented certificate is revoked; closing the connection");
+                    metrics.refuse_edge("revoked");
+                    let _ = write_frame(
+                        &mut send,
+                        &Frame::RenewedCert {
+                            result: Err(format!("certificate revoked: {why}")),
+                        },
+                        max,
+                    )
+                    .await;
+                    let _ = send.finish();
+                    conn.close(close_code::REFUSED.into(), b"certificate revoked");
+                    return Ok(());
+                }
                 // The node is the session's (from its certificate), never the CSR's say-so.
                 let allowed = join.as_ref().map(|j| {
                     j.renewals
@@ -930,6 +966,14 @@ async fn control_loop(
             Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
             None => return Ok(()),
         }
+    }
+}
+
+/// Why the certificate `conn` presented is revoked, if it is.
+fn revoked(join: &JoinCtx, conn: &quinn::Connection, node: &str) -> Option<String> {
+    match leaf_of(conn) {
+        Ok(leaf) => join.revocations.check(&leaf, node).err(),
+        Err(e) => Some(format!("{e:#}")),
     }
 }
 

@@ -11,6 +11,13 @@
 //!   baseline that tells fixture problems from tunnel problems;
 //! - `apiserver-sim`, with the pods and nodes above, writing the kubeconfig kubectl uses.
 //!
+//! With [`ClusterSpec::cri_runtime`], each node's kubelet is instead a `cri-kubelet` whose
+//! pods are containers of that containerd (several nodes and clusters may share one
+//! containerd: their pods' uids carry the cluster's tag, and each stand-in reports only
+//! its own pods). Every container of a node sees the node's share directory at `/share`,
+//! where a FIFO per container (`/share/NS_POD_CONTAINER`) can feed its main process;
+//! [`Cluster::append_log`] writes there and waits until containerd has logged the lines.
+//!
 //! With [`ClusterSpec::replicas`] above one, the cloud is that many `tether-cloud`
 //! replicas linked over the peer listener (a static `--peers` list on loopback); node
 //! *i*'s edge dials replica *i* mod N, and apiserver-sim dials the replicas' kubelet
@@ -114,6 +121,9 @@ pub struct ClusterSpec {
     /// Run the pods as containers of this containerd (its CRI socket) with the
     /// CRI-backed kubelet stand-in (`cri-kubelet`) instead of kubelet-sim.
     pub cri_runtime: Option<PathBuf>,
+    /// The shell script every CRI container runs (`$CONTAINER`, `$POD_NAME`,
+    /// `$POD_NAMESPACE`, `$NODE_NAME` are set); `None`: cri-kubelet's default.
+    pub cri_script: Option<String>,
     /// How many cloud replicas (tunnel mode; 0 and 1 both mean one, without peers).
     pub replicas: usize,
 }
@@ -126,6 +136,16 @@ pub fn replicas_from_env() -> Result<usize> {
             Ok(n) if (1..=5).contains(&n) => Ok(n),
             _ => bail!("TETHER_E2E_REPLICAS={v:?}: expected 1 to 5"),
         },
+    }
+}
+
+/// `TETHER_E2E_KUBELET` = `sim` (default: kubelet-sim) or `cri` (cri-kubelet on a
+/// private containerd): which kubelet a suite's nodes run.
+pub fn cri_from_env() -> Result<bool> {
+    match std::env::var("TETHER_E2E_KUBELET").as_deref() {
+        Err(_) | Ok("") | Ok("sim") => Ok(false),
+        Ok("cri") => Ok(true),
+        Ok(other) => bail!("TETHER_E2E_KUBELET={other:?}: expected `sim` or `cri`"),
     }
 }
 
@@ -149,10 +169,81 @@ pub struct RunningNode {
     pub pods: Vec<PodSpec>,
     /// Where its kubelet-sim listens.
     pub kubelet_addr: SocketAddr,
-    /// Its kubelet-sim's container log directory.
+    /// Its kubelet-sim's container log directory (with cri-kubelet: the root of the
+    /// CRI log directories).
     pub log_dir: PathBuf,
+    /// With cri-kubelet: the pods' uids and the share directory.
+    pub cri: Option<CriNode>,
     kubelet: Proc,
     edge: Option<Proc>,
+}
+
+/// What the harness knows of a cri-kubelet node.
+#[derive(Debug, Clone)]
+pub struct CriNode {
+    /// Host directory mounted at `/share` in every container of the node.
+    pub share_dir: PathBuf,
+    /// The uid each pod was given (`namespace/name` → uid).
+    pub uids: std::collections::HashMap<String, String>,
+}
+
+impl CriNode {
+    /// The FIFO feeding the main process of `ns/pod/container`, on the host.
+    pub fn feed(&self, ns: &str, pod: &str, container: &str) -> PathBuf {
+        self.share_dir.join(format!("{ns}_{pod}_{container}"))
+    }
+}
+
+/// Makes a FIFO at `path`.
+fn mkfifo(path: &Path) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .with_context(|| format!("{} has a NUL byte", path.display()))?;
+    // SAFETY: `c` is a valid NUL-terminated path.
+    if unsafe { libc::mkfifo(c.as_ptr(), 0o666) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("mkfifo {}", path.display()));
+    }
+    Ok(())
+}
+
+/// Writes all of `data` to the FIFO at `path` once its reader is there (bounded).
+async fn write_fifo(path: &Path, data: &[u8]) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut f = loop {
+        // Non-blocking: fails with ENXIO while nothing reads the FIFO yet.
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+        {
+            Ok(f) => break f,
+            Err(e) if Instant::now() < deadline && e.raw_os_error() == Some(libc::ENXIO) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(e).with_context(|| format!("opening {}", path.display())),
+        }
+    };
+    let mut rest = data;
+    while !rest.is_empty() {
+        match f.write(rest) {
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => return Err(e).with_context(|| format!("writing {}", path.display())),
+        }
+    }
+    Ok(())
+}
+
+/// Lines in the file at `path` (0 if missing).
+fn count_lines(path: &Path) -> usize {
+    std::fs::read(path)
+        .map(|b| b.iter().filter(|&&c| c == b'\n').count())
+        .unwrap_or(0)
 }
 
 /// The tunnel's cloud end.
@@ -327,6 +418,15 @@ impl Cluster {
                 if spec.mode == Mode::Direct {
                     bail!("the CRI-backed kubelet serves plain HTTP: tunnel mode only");
                 }
+                let share_dir = node_dir.join("share");
+                std::fs::create_dir_all(&share_dir)
+                    .with_context(|| format!("creating {}", share_dir.display()))?;
+                // Pod uids unique to this cluster, as several may share one containerd.
+                let tag = &crate::sha256_hex(dir.display().to_string().as_bytes())[..10];
+                let mut cri = CriNode {
+                    share_dir,
+                    uids: Default::default(),
+                };
                 let mut cmd = command(&kubelet_bin);
                 cmd.arg("--listen")
                     .arg("127.0.0.1:0")
@@ -335,12 +435,27 @@ impl Cluster {
                     .arg("--runtime-endpoint")
                     .arg(sock)
                     .arg("--log-root")
-                    .arg(&log_dir);
+                    .arg(&log_dir)
+                    .arg("--share-dir")
+                    .arg(&cri.share_dir);
+                if let Some(script) = &spec.cri_script {
+                    cmd.arg("--script").arg(script);
+                }
                 for p in &node.pods {
-                    cmd.arg("--pod").arg(pod_arg(p));
+                    let uid = format!("{}-{}-{tag}", p.namespace, p.name);
+                    for c in &p.containers {
+                        mkfifo(&cri.feed(&p.namespace, &p.name, c))?;
+                    }
+                    cmd.arg("--pod").arg(format!(
+                        "{}/{}/{uid}={}",
+                        p.namespace,
+                        p.name,
+                        p.containers.join(",")
+                    ));
+                    cri.uids.insert(format!("{}/{}", p.namespace, p.name), uid);
                 }
                 let proc = Proc::spawn(&format!("cri-kubelet-{}", node.name), cmd, &logs, opts)?;
-                starting.push((node, log_dir, proc));
+                starting.push((node, log_dir, Some(cri), proc));
                 continue;
             }
             let mut cmd = command(&kubelet_bin);
@@ -365,10 +480,10 @@ impl Cluster {
                     .arg(&pki.apiserver_client_ca);
             }
             let proc = Proc::spawn(&format!("kubelet-sim-{}", node.name), cmd, &logs, opts)?;
-            starting.push((node, log_dir, proc));
+            starting.push((node, log_dir, None, proc));
         }
         let mut nodes = Vec::new();
-        for (node, log_dir, mut proc) in starting {
+        for (node, log_dir, cri, mut proc) in starting {
             let line = proc
                 .wait_line("its listening line", READY_TIMEOUT, |l| {
                     l.starts_with("kubelet-sim listening on ")
@@ -388,6 +503,7 @@ impl Cluster {
                 pods: node.pods.clone(),
                 kubelet_addr: parse_addr(addr, "kubelet-sim address")?,
                 log_dir,
+                cri,
                 kubelet: proc,
                 edge: None,
             });
@@ -585,12 +701,93 @@ impl Cluster {
             .with_context(|| format!("no node {name} in this cluster"))
     }
 
-    /// The container log file kubelet-sim serves for `ns/pod/container` on `node`.
+    /// The container log file the kubelet serves for `ns/pod/container` on `node`:
+    /// kubelet-sim's plain file, or the CRI log file containerd writes.
     pub fn log_path(&self, node: &str, ns: &str, pod: &str, container: &str) -> Result<PathBuf> {
-        Ok(self
-            .node(node)?
-            .log_dir
-            .join(format!("{ns}_{pod}_{container}.log")))
+        let n = self.node(node)?;
+        match &n.cri {
+            None => Ok(n.log_dir.join(format!("{ns}_{pod}_{container}.log"))),
+            Some(cri) => {
+                let uid = cri
+                    .uids
+                    .get(&format!("{ns}/{pod}"))
+                    .with_context(|| format!("no pod {ns}/{pod} on {node}"))?;
+                Ok(n.log_dir
+                    .join(format!("{ns}_{pod}_{uid}"))
+                    .join(container)
+                    .join("0.log"))
+            }
+        }
+    }
+
+    /// Appends `text` to what the container `ns/pod/container` on `node` has logged:
+    /// with kubelet-sim, to its log file; with cri-kubelet, through the FIFO its main
+    /// process copies to its stdout (the container must run `cat` of
+    /// `/share/NS_POD_CONTAINER`), then waits (bounded) until containerd has logged
+    /// every complete line of it.
+    pub async fn append_log(
+        &self,
+        node: &str,
+        ns: &str,
+        pod: &str,
+        container: &str,
+        text: &str,
+    ) -> Result<()> {
+        let path = self.log_path(node, ns, pod, container)?;
+        let Some(cri) = &self.node(node)?.cri else {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            return f
+                .write_all(text.as_bytes())
+                .with_context(|| format!("appending to {}", path.display()));
+        };
+        let before = count_lines(&path);
+        let want = before + text.matches('\n').count();
+        write_fifo(&cri.feed(ns, pod, container), text.as_bytes()).await?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let n = count_lines(&path);
+            if n >= want {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "containerd logged {} of {} lines written to {ns}/{pod}/{container} within 10 s ({})",
+                    n - before,
+                    want - before,
+                    path.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// With cri-kubelet: every upgrade containerd's streaming server answered, as the
+    /// stand-ins logged them, shortened to `METHOD /verb -> status headers`, in order.
+    pub fn cri_negotiated(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for n in self.nodes.iter().filter(|n| n.cri.is_some()) {
+            let log = n.kubelet.log_path();
+            let text = std::fs::read_to_string(log)
+                .with_context(|| format!("reading {}", log.display()))?;
+            out.extend(
+                text.lines()
+                    .filter_map(|l| l.split("cri-kubelet: upgrade ").nth(1))
+                    .map(|l| {
+                        let words: Vec<&str> = l.split_whitespace().collect();
+                        let verb = words
+                            .get(1)
+                            .and_then(|p| p.split('/').nth(1))
+                            .unwrap_or("?");
+                        let rest = words.get(2..).map(|w| w.join(" ")).unwrap_or_default();
+                        format!("{} /{verb} {rest}", words.first().unwrap_or(&"?"))
+                    }),
+            );
+        }
+        Ok(out)
     }
 
     /// The HTTPS client with the apiserver's kubelet-client certificate.

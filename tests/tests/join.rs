@@ -276,6 +276,19 @@ async fn edge_joins_with_a_token_then_serves() {
         .unwrap()
         .contains("renewed the edge's certificate"));
 
+    // An edge connected before the revocation below (hand-driven, with edge-7's current
+    // certificate), to ask for a renewal after it.
+    edge.kill().await;
+    let mut raw = support::RawEdge::connect(
+        tunnel.parse().unwrap(),
+        &std::fs::read_to_string(d.join("edge/ca.crt")).unwrap(),
+        &std::fs::read_to_string(d.join("edge/node.crt")).unwrap(),
+        &std::fs::read_to_string(d.join("edge/node.key")).unwrap(),
+        "edge-7",
+    )
+    .await
+    .unwrap();
+
     // A stolen key: the operator revokes every certificate of edge-7 issued so far.
     // The running cloud refuses the edge at its next handshake, no restart needed.
     let out = certs(
@@ -291,9 +304,37 @@ async fn edge_joins_with_a_token_then_serves() {
     );
     assert!(out.contains("edge-7"), "{out}");
     assert!(certs(d, &["cert", "revoked"]).contains("stolen laptop"));
-    edge.kill().await;
     // The cloud looks at the store at most once a second.
     tokio::time::sleep(Duration::from_millis(1100)).await;
+
+    // The edge still connected with its now-revoked certificate asks for a renewal: no
+    // certificate; the cloud logs it with the node and closes the connection.
+    let csr = tether_certs::csr::make_edge_csr("edge-7").unwrap().csr_pem;
+    tether_proto::io::write_frame(
+        &mut raw.send,
+        &tether_proto::Frame::RenewCert { csr_pem: csr },
+        1 << 20,
+    )
+    .await
+    .unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(10), raw.conn.closed())
+        .await
+        .expect("the cloud closes a revoked edge's connection when it asks for a renewal");
+    match &closed {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(&c.reason[..], b"certificate revoked", "{closed}")
+        }
+        other => panic!("closed for another reason: {other}"),
+    }
+    let log = std::fs::read_to_string(d.join("tether-cloud.log")).unwrap();
+    assert!(
+        log.lines().any(|l| l
+            .contains("refusing certificate renewal: the presented certificate is revoked")
+            && l.contains("node=edge-7")
+            && l.contains("stolen laptop")),
+        "the refused renewal is not logged with the node and the reason: {}",
+        cloud.stderr_tail(10)
+    );
     let edge = spawn_edge(d, &tunnel, kubelet.addr, "tether-edge-3", &[]);
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {

@@ -18,6 +18,13 @@
 //! `TETHER_E2E_REPLICAS=3` runs the cloud as three replicas, the edges held by different
 //! ones and apiserver-sim dialling each replica in turn, so every case runs both served
 //! locally and relayed over the peer link;
+//! `TETHER_E2E_KUBELET=cri` runs every case against real containers: a private containerd
+//! (one for the run, shared by both nodes of both versions' clusters, whose pods have
+//! distinct uids) runs the pods as CRI sandboxes with host networking, and each node's
+//! kubelet is `cri-kubelet`, which proxies exec/attach/port-forward to containerd's
+//! streaming server and reads the CRI's logs and statistics; the containers' logs are
+//! fed through FIFOs their main processes copy to stdout, the upgrade protocols
+//! containerd negotiated are printed, and nothing may be left in containerd at the end;
 //! `TETHER_E2E_KEEP=1` keeps the run directory (process logs, certificates) after a pass.
 //! The binaries must have been built first: `cargo build --workspace --bins`.
 
@@ -31,6 +38,7 @@ use bytes::Bytes;
 use http::Method;
 use tether_tests::bins;
 use tether_tests::cluster::{Cluster, ClusterSpec, Mode, NodeSpec, PodSpec};
+use tether_tests::containerd::Containerd;
 use tether_tests::kubectl::{self, clip, Kubectl, KubectlBin};
 use tether_tests::podhttp::{HttpClient, PodHttpServer};
 use tether_tests::pty::PtySession;
@@ -86,7 +94,13 @@ fn main() -> ExitCode {
     }
 }
 
-fn spec(mode: Mode, replicas: usize) -> ClusterSpec {
+/// What every container runs under cri-kubelet: `attach` a shell on its stdin (like
+/// kubelet-sim's main process), the others copy their FIFO (`Cluster::append_log`) to
+/// their stdout, which containerd logs.
+const CRI_SCRIPT: &str = "case $CONTAINER in attach) exec sh ;; \
+     *) exec cat 0<>\"/share/${POD_NAMESPACE}_${POD_NAME}_$CONTAINER\" ;; esac";
+
+fn spec(mode: Mode, replicas: usize, cri_runtime: Option<PathBuf>) -> ClusterSpec {
     ClusterSpec {
         mode,
         nodes: vec![
@@ -102,7 +116,8 @@ fn spec(mode: Mode, replicas: usize) -> ClusterSpec {
         phantom_pods: vec![(NODE2.into(), PodSpec::new(NS, "ghost", &["c1"]))],
         own_process_groups: false,
         certs_via_cli: false,
-        cri_runtime: None,
+        cri_script: cri_runtime.as_ref().map(|_| CRI_SCRIPT.to_string()),
+        cri_runtime,
         replicas,
     }
 }
@@ -150,8 +165,17 @@ async fn suite(selection: Selection) -> Result<bool> {
     if replicas > 1 && mode != Mode::Tunnel {
         bail!("TETHER_E2E_REPLICAS={replicas} needs the tunnel mode");
     }
+    let cri = tether_tests::cluster::cri_from_env()?;
+    if cri && mode != Mode::Tunnel {
+        bail!("TETHER_E2E_KUBELET=cri needs the tunnel mode (cri-kubelet serves plain HTTP)");
+    }
     // Every binary first, so that a missing one is reported once, with how to build it.
-    let mut needed = vec![bins::KUBELET_SIM, bins::APISERVER_SIM];
+    let kubelet = if cri {
+        bins::CRI_KUBELET
+    } else {
+        bins::KUBELET_SIM
+    };
+    let mut needed = vec![kubelet, bins::APISERVER_SIM];
     if mode == Mode::Tunnel {
         needed.extend([bins::CLOUD, bins::EDGE]);
     }
@@ -163,8 +187,24 @@ async fn suite(selection: Selection) -> Result<bool> {
         .prefix("tether-e2e-")
         .tempdir()
         .context("creating the run directory")?;
+    let containerd = if cri {
+        let logs = root.path().join("process-logs-containerd");
+        std::fs::create_dir_all(&logs).context("creating containerd's log directory")?;
+        Some(
+            Containerd::start(&root.path().join("containerd"), &logs)
+                .await
+                .context("a private containerd must run here (scripts/setup.sh installs it)")?,
+        )
+    } else {
+        None
+    };
     println!(
-        "kubectl e2e: {mode}; {replicas} cloud replica(s); apiserver-sim exec/attach over WebSocket: {}; kubectl {}; run directory {}",
+        "kubectl e2e: {mode}; kubelet: {}; {replicas} cloud replica(s); apiserver-sim exec/attach over WebSocket: {}; kubectl {}; run directory {}",
+        if cri {
+            "cri-kubelet, pods in a private containerd"
+        } else {
+            "kubelet-sim"
+        },
         tether_tests::cluster::apiserver_streams_from_env()?,
         bins.iter()
             .map(|b| format!("{} ({})", b.version, b.path.display()))
@@ -174,10 +214,30 @@ async fn suite(selection: Selection) -> Result<bool> {
     );
     let runs = bins.iter().enumerate().map(|(i, bin)| {
         let dir = root.path().join(format!("{i}-kubectl-{}", bin.version));
-        run_version(bin.clone(), mode, replicas, dir, selection.clone())
+        let spec = spec(
+            mode,
+            replicas,
+            containerd.as_ref().map(|c| c.socket.clone()),
+        );
+        run_version(bin.clone(), spec, dir, selection.clone())
     });
     let results: Vec<Vec<CaseResult>> = futures_util::future::join_all(runs).await;
-    let all: Vec<CaseResult> = results.into_iter().flatten().collect();
+    let mut all: Vec<CaseResult> = results.into_iter().flatten().collect();
+    if let Some(ctd) = containerd {
+        // cri-kubelet removes its pods at SIGTERM: nothing may be left for the safety net.
+        let started = std::time::Instant::now();
+        let error = match ctd.stop().await {
+            Ok(left) if left.is_empty() => None,
+            Ok(left) => Some(format!("left behind in containerd: {left:?}")),
+            Err(e) => Some(format!("stopping containerd: {e:#}")),
+        };
+        all.push(CaseResult {
+            group: "containerd".into(),
+            name: "containerd-left-clean",
+            elapsed: started.elapsed(),
+            error,
+        });
+    }
     let ok = all.iter().all(CaseResult::passed);
     println!();
     for r in all.iter().filter(|r| !r.passed()) {
@@ -225,6 +285,8 @@ struct Ctx {
     k: Kubectl,
     /// A scratch directory of this version's run.
     scratch: PathBuf,
+    /// The pods are containerd's (cri-kubelet), not kubelet-sim's.
+    cri: bool,
 }
 
 type CaseFn = fn(Arc<Ctx>) -> report::CaseFuture;
@@ -239,6 +301,9 @@ fn cases() -> Vec<(&'static str, CaseFn)> {
         ("logs", |c| Box::pin(logs_all(c))),
         ("logs-tail-5", |c| Box::pin(logs_tail(c))),
         ("logs-timestamps", |c| Box::pin(logs_timestamps(c))),
+        ("logs-limit-bytes-previous", |c| {
+            Box::pin(logs_limit_previous(c))
+        }),
         ("logs-follow-appended", |c| Box::pin(logs_follow(c))),
         ("attach", |c| Box::pin(attach(c))),
         ("port-forward-http", |c| Box::pin(port_forward(c))),
@@ -253,11 +318,11 @@ fn cases() -> Vec<(&'static str, CaseFn)> {
 
 async fn run_version(
     bin: KubectlBin,
-    mode: Mode,
-    replicas: usize,
+    spec: ClusterSpec,
     dir: PathBuf,
     selection: Selection,
 ) -> Vec<CaseResult> {
+    let replicas = spec.replicas;
     let selected: Vec<(&'static str, CaseFn)> = cases()
         .into_iter()
         .filter(|(name, _)| selection.selects(name))
@@ -276,7 +341,7 @@ async fn run_version(
             .collect()
     };
     let started = std::time::Instant::now();
-    let cluster = match Cluster::start(&spec(mode, replicas), &dir).await {
+    let cluster = match Cluster::start(&spec, &dir).await {
         Ok(c) => c,
         Err(e) => return fail_all(format!("{e:#}")),
     };
@@ -321,6 +386,21 @@ async fn run_version(
             elapsed: started.elapsed(),
             error,
         });
+    }
+    if ctx.cri {
+        // What containerd's streaming server answered each upgrade, for the record.
+        match ctx.cluster.cri_negotiated() {
+            Ok(all) => {
+                let mut counts = std::collections::BTreeMap::<String, usize>::new();
+                for l in all {
+                    *counts.entry(l).or_default() += 1;
+                }
+                for (l, n) in counts {
+                    println!("FIGURE [kubectl {version}] containerd negotiated: {n}x {l}");
+                }
+            }
+            Err(e) => println!("[kubectl {version}] containerd's upgrades unknown: {e:#}"),
+        }
     }
     let Ok(mut ctx) = Arc::try_unwrap(ctx) else {
         println!("[kubectl {version}] a case still holds the cluster; it is killed on exit");
@@ -387,7 +467,23 @@ fn stream_protocols(cluster: &Cluster, version: &str) -> Result<()> {
             translated == 0,
             "translated although mode {mode}, kubectl {version}: {seen:?}"
         );
-        if minor >= 30 {
+        let cri = cluster.nodes.iter().any(|n| n.cri.is_some());
+        if minor >= 30 && cri {
+            // containerd 1.6's streaming server answers a WebSocket exec/attach with 403;
+            // kubectl then falls back to SPDY, which is what got through.
+            let refused = cluster
+                .cri_negotiated()?
+                .iter()
+                .filter(|l| {
+                    l.starts_with("GET /exec -> 403") || l.starts_with("GET /attach -> 403")
+                })
+                .count();
+            ensure!(
+                refused > 0 && ws_through == 0,
+                "want containerd to refuse the passed-through WebSockets (403) and kubectl to \
+                 fall back to SPDY: {refused} refused, {seen:?}"
+            );
+        } else if minor >= 30 {
             ensure!(
                 ws_through > 0,
                 "no WebSocket exec/attach passed through: {seen:?}"
@@ -438,21 +534,17 @@ async fn relayed_everywhere(cluster: &Cluster) -> Result<()> {
 
 /// Log contents and scratch space the cases rely on.
 async fn prepare(cluster: Cluster, bin: KubectlBin, dir: &Path) -> Result<Ctx> {
-    std::fs::write(
-        cluster.log_path(NODE1, NS, "p1", "c1")?,
-        numbered_lines("edge-1 p1/c1", 1..=20),
-    )
-    .context("writing p1/c1's log")?;
-    std::fs::write(
-        cluster.log_path(NODE2, NS, "p2", "c1")?,
-        numbered_lines("edge-2 p2/c1", 1..=20),
-    )
-    .context("writing p2/c1's log")?;
-    std::fs::write(
-        cluster.log_path(NODE1, NS, "p1", "follow")?,
-        numbered_lines("follow", 1..=3),
-    )
-    .context("writing p1/follow's log")?;
+    for (node, pod, container, text) in [
+        (NODE1, "p1", "c1", numbered_lines("edge-1 p1/c1", 1..=20)),
+        (NODE2, "p2", "c1", numbered_lines("edge-2 p2/c1", 1..=20)),
+        (NODE1, "p1", "follow", numbered_lines("follow", 1..=3)),
+    ] {
+        cluster
+            .append_log(node, NS, pod, container, &text)
+            .await
+            .with_context(|| format!("writing {pod}/{container}'s log"))?;
+    }
+    let cri = cluster.node(NODE1)?.cri.is_some();
     let scratch = dir.join("scratch");
     std::fs::create_dir_all(&scratch).context("creating the scratch directory")?;
     let k = Kubectl::new(bin, &cluster.kubeconfig, &dir.join("kubectl-home"))?;
@@ -460,6 +552,7 @@ async fn prepare(cluster: Cluster, bin: KubectlBin, dir: &Path) -> Result<Ctx> {
         cluster,
         k,
         scratch,
+        cri,
     })
 }
 
@@ -526,8 +619,12 @@ async fn exec_exit_code(ctx: Arc<Ctx>) -> Result<()> {
     // Which upgrade reached the kubelet side: kubectl's SPDY (POST) before 1.30;
     // kubectl's WebSocket (GET) after, when apiserver-sim passes it through; SPDY (POST)
     // again when apiserver-sim translates it, as kube-apiserver does by default.
+    // containerd's streaming server refuses a WebSocket exec (403) and kubectl falls back
+    // to SPDY: with cri-kubelet the last attempt is a POST either way.
     let method = proxied_method(&ctx, "/exec/default/p1/c1?command=sh");
-    let want = if minor(&ctx.k.bin.version) >= 30 && ctx.cluster.apiserver_streams == "passthrough"
+    let want = if minor(&ctx.k.bin.version) >= 30
+        && ctx.cluster.apiserver_streams == "passthrough"
+        && !ctx.cri
     {
         "GET"
     } else {
@@ -607,8 +704,10 @@ async fn exec_tty(ctx: Arc<Ctx>) -> Result<()> {
     pty.expect_after(mark, "pty-42\r\n", Duration::from_secs(10))
         .await?;
     let mark = pty.mark();
-    pty.send("test -t 0 && echo stdin-is-a-tty\r")?;
+    pty.send("test -t 0 && echo stdin-is-a-tty; tty\r")?;
     pty.expect_after(mark, "stdin-is-a-tty\r\n", Duration::from_secs(10))
+        .await?;
+    pty.expect_after(mark, "\r\n/dev/pts/", Duration::from_secs(10))
         .await?;
     stty_size_shows(&mut pty, "31 97").await?;
     pty.resize(42, 123)?;
@@ -656,6 +755,35 @@ async fn logs_tail(ctx: Arc<Ctx>) -> Result<()> {
     Ok(())
 }
 
+async fn logs_limit_previous(ctx: Arc<Ctx>) -> Result<()> {
+    let out = ctx
+        .k
+        .run(&["logs", "p1", "-c", "c1", "--limit-bytes=9"], None, T)
+        .await?
+        .ok("logs --limit-bytes=9")?;
+    ensure!(
+        out.stdout == b"edge-1 p1",
+        "logs --limit-bytes=9: {:?}",
+        out.stdout_text()
+    );
+    // c1 never restarted: there is no previous container, and kubectl says so.
+    let out = ctx
+        .k
+        .run(&["logs", "p1", "-c", "c1", "--previous"], None, T)
+        .await?;
+    ensure!(
+        out.code != Some(0)
+            && out.stdout.is_empty()
+            && out.stderr.contains("previous terminated container")
+            && out.stderr.contains("c1"),
+        "logs --previous: exit {:?}, stdout {:?}, stderr {:?}",
+        out.code,
+        out.stdout_text(),
+        out.stderr
+    );
+    Ok(())
+}
+
 async fn logs_timestamps(ctx: Arc<Ctx>) -> Result<()> {
     let out = ctx
         .k
@@ -684,23 +812,25 @@ async fn logs_timestamps(ctx: Arc<Ctx>) -> Result<()> {
             (now - t).whole_hours().abs() < 24,
             "implausible timestamp {ts}"
         );
+        // The kubelet's RFC3339NanoFixed: always nine fractional digits.
+        ensure!(
+            ts.len() == "2006-01-02T15:04:05.000000000Z".len(),
+            "timestamp {ts:?} is not fixed-width nanoseconds"
+        );
         ensure!(rest == want, "line {rest:?}, want {want:?}");
     }
     Ok(())
 }
 
-fn append(path: &Path, text: &str) -> Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::OpenOptions::new()
-        .append(true)
-        .open(path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    f.write_all(text.as_bytes())
-        .with_context(|| format!("appending to {}", path.display()))
-}
-
 async fn logs_follow(ctx: Arc<Ctx>) -> Result<()> {
-    let path = ctx.cluster.log_path(NODE1, NS, "p1", "follow")?;
+    let append = |text: String| {
+        let ctx = ctx.clone();
+        async move {
+            ctx.cluster
+                .append_log(NODE1, NS, "p1", "follow", &text)
+                .await
+        }
+    };
     let mut proc = ctx
         .k
         .spawn("logs-follow", &["logs", "-f", "p1", "-c", "follow"], false)?;
@@ -713,13 +843,13 @@ async fn logs_follow(ctx: Arc<Ctx>) -> Result<()> {
         let text = numbered_lines("follow", next..=next + size - 1);
         want.extend(text.lines().map(str::to_string));
         next += size;
-        append(&path, &text)?;
+        append(text).await?;
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
     // A line written in two pieces is printed once, whole.
-    append(&path, "follow line split-")?;
+    append("follow line split-".into()).await?;
     tokio::time::sleep(Duration::from_millis(350)).await;
-    append(&path, "in-two\n")?;
+    append("in-two\n".into()).await?;
     want.push("follow line split-in-two".into());
     let got = proc.wait_lines(want.len(), Duration::from_secs(20)).await?;
     // Anything doubled would show up a little later: give it the chance.
@@ -852,8 +982,11 @@ async fn port_forward(ctx: Arc<Ctx>) -> Result<()> {
 // cp
 
 /// A directory that only this case uses, as the pod sees it (the simulator's containers
-/// share this machine's filesystem).
+/// share this machine's filesystem; a containerd container has its own).
 fn pod_dir(ctx: &Ctx, name: &str) -> Result<String> {
+    if ctx.cri {
+        return Ok(format!("/tmp/{name}"));
+    }
     let d = ctx.scratch.join(name).join("in-pod");
     d.to_str()
         .map(str::to_string)
@@ -889,6 +1022,7 @@ async fn cp_to_pod(ctx: Arc<Ctx>) -> Result<()> {
         .await?
         .ok("exec mkdir")?;
     let local = ctx.scratch.join("cp-to-pod").join("upload.bin");
+    std::fs::create_dir_all(ctx.scratch.join("cp-to-pod")).context("creating the local dir")?;
     let data = random_bytes(3 << 20);
     std::fs::write(&local, &data).with_context(|| format!("writing {}", local.display()))?;
     let local_s = local.to_str().context("scratch path is not UTF-8")?;
@@ -966,9 +1100,20 @@ async fn node_metrics(ctx: Arc<Ctx>) -> Result<()> {
         clip(&text)
     );
     let text = get_raw(&ctx, "/api/v1/nodes/edge-1/proxy/metrics/resource").await?;
+    for series in [
+        "container_cpu_usage_seconds_total{container=\"c1\",namespace=\"default\",pod=\"p1\"} ",
+        "container_memory_working_set_bytes{container=\"c1\",namespace=\"default\",pod=\"p1\"} ",
+        "node_cpu_usage_seconds_total ",
+    ] {
+        ensure!(
+            text.lines().any(|l| l.starts_with(series)),
+            "resource metrics lack {series}: {}",
+            clip(&text)
+        );
+    }
     ensure!(
-        text.contains("container_cpu_usage_seconds_total") || text.contains("node_cpu_usage"),
-        "resource metrics look wrong: {}",
+        !text.contains("pod=\"p2\""),
+        "edge-1's resource metrics show edge-2's pod: {}",
         clip(&text)
     );
     Ok(())
@@ -1003,34 +1148,57 @@ async fn node_stats(ctx: Arc<Ctx>) -> Result<()> {
         "stats/summary pods {:?}",
         pod_names(&s)
     );
+    // p1's c1 (running since the start) has used CPU and memory.
+    let c1 = s["pods"][0]["containers"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == "c1"))
+        .with_context(|| format!("no container c1 in p1's stats: {}", s["pods"][0]))?;
+    ensure!(
+        c1["cpu"]["usageCoreNanoSeconds"].as_u64().unwrap_or(0) > 0
+            && c1["memory"]["workingSetBytes"].as_u64().unwrap_or(0) > 0,
+        "p1/c1's stats show no CPU or memory use: {c1}"
+    );
     Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
 // two edges
 
-async fn pwd_of(ctx: &Ctx, pod: &str) -> Result<String> {
+/// Where an exec in `pod`'s c1 ran: kubelet-sim's working directory, named after the
+/// node and container; in a containerd container, the node, pod and container its
+/// cri-kubelet gave it in its environment (as the downward API would).
+async fn whereabouts(ctx: &Ctx, pod: &str) -> Result<String> {
+    let probe: &[&str] = if ctx.cri {
+        &[
+            "sh",
+            "-c",
+            "echo $NODE_NAME $POD_NAMESPACE/$POD_NAME/$CONTAINER",
+        ]
+    } else {
+        &["pwd"]
+    };
+    let mut args = vec!["exec", pod, "-c", "c1", "--"];
+    args.extend(probe);
     Ok(ctx
         .k
-        .run(&["exec", pod, "-c", "c1", "--", "pwd"], None, T)
+        .run(&args, None, T)
         .await?
-        .ok(&format!("exec {pod} pwd"))?
+        .ok(&format!("exec {pod} {probe:?}"))?
         .stdout_text())
 }
 
 async fn two_edges(ctx: Arc<Ctx>) -> Result<()> {
-    // Both at once: each container runs in its own node's kubelet, whose working
-    // directories are named after the node.
-    let (pwd1, pwd2) = tokio::join!(pwd_of(&ctx, "p1"), pwd_of(&ctx, "p2"));
-    let (pwd1, pwd2) = (pwd1?, pwd2?);
-    ensure!(
-        pwd1.contains("/kubelet-sim-edge-1/default_p1_c1"),
-        "p1 ran at {pwd1:?}"
-    );
-    ensure!(
-        pwd2.contains("/kubelet-sim-edge-2/default_p2_c1"),
-        "p2 ran at {pwd2:?}"
-    );
+    // Both at once: each container runs in its own node's kubelet.
+    let (at1, at2) = tokio::join!(whereabouts(&ctx, "p1"), whereabouts(&ctx, "p2"));
+    let (at1, at2) = (at1?, at2?);
+    for (at, node, pod) in [(&at1, NODE1, "p1"), (&at2, NODE2, "p2")] {
+        let right = if ctx.cri {
+            *at == format!("{node} {NS}/{pod}/c1\n")
+        } else {
+            at.contains(&format!("/kubelet-sim-{node}/{NS}_{pod}_c1"))
+        };
+        ensure!(right, "{pod}'s exec ran at {at:?}");
+    }
     let (l1, l2) = tokio::join!(
         ctx.k.run(&["logs", "p1", "-c", "c1", "--tail=1"], None, T),
         ctx.k.run(&["logs", "p2", "--tail=1"], None, T)

@@ -309,7 +309,20 @@ async fn routing_never_guesses() {
         echo(TokioIo::new(up), b"ping".to_vec()).await.unwrap(),
         b"ping"
     );
-    // Node-scoped: by X-Forwarded-Uri (wins over a Host naming the other node)…
+    // Node-scoped: X-Forwarded-Uri only chooses among the nodes the connection stands
+    // for — an address both edges announce…
+    let r = c
+        .get(
+            "/metrics",
+            "10.77.9.9:10350",
+            None,
+            &[("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics")],
+        )
+        .await
+        .unwrap();
+    assert_eq!((r.status, r.node()), (StatusCode::OK, Some("edge-b")));
+    // …never redirects a request whose Host (or SNI) names another node, as a client
+    // could through the apiserver's proxy: refused, both named…
     let r = c
         .get(
             "/metrics",
@@ -319,7 +332,34 @@ async fn routing_never_guesses() {
         )
         .await
         .unwrap();
-    assert_eq!(r.node(), Some("edge-b"));
+    assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST, "{}", r.body);
+    assert!(r.node().is_none());
+    assert!(
+        r.body.contains("X-Forwarded-Uri names node edge-b") && r.body.contains("edge-a"),
+        "{}",
+        r.body
+    );
+    let r = c
+        .get(
+            "/metrics",
+            "10.96.0.1:6443",
+            Some("edge-a"),
+            &[("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST, "{}", r.body);
+    // …and is not enough on its own (nothing in the connection stands for a node).
+    let r = c
+        .get(
+            "/metrics",
+            "10.96.0.1:6443",
+            None,
+            &[("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST, "{}", r.body);
     // …by Host naming the node or an address it announced…
     assert_eq!(
         c.get("/metrics", "edge-a:10250", None, &[])

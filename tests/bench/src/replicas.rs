@@ -74,6 +74,7 @@ async fn real_processes(bulk_mib: usize) -> Result<Vec<(String, f64, f64)>> {
         own_process_groups: false,
         certs_via_cli: false,
         cri_runtime: None,
+        cri_script: None,
         replicas: 3,
     };
     let cluster = Cluster::start(&spec, dir.path()).await?;

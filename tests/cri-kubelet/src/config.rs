@@ -34,6 +34,10 @@ pub struct Cli {
     /// Root of the pods' CRI log directories.
     #[arg(long)]
     pub log_root: PathBuf,
+    /// A host directory bind-mounted read-write at `/share` in every container (the
+    /// tests keep FIFOs there that feed the containers' main processes).
+    #[arg(long)]
+    pub share_dir: Option<PathBuf>,
     /// Bound on each CRI call.
     #[arg(long, default_value = "30")]
     pub cri_timeout_secs: u64,

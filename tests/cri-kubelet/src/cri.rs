@@ -1,5 +1,6 @@
 //! The CRI client: a tonic channel over containerd's unix socket, running the configured
-//! pods (sandbox with host network, one container per name) and looking containers up.
+//! pods (sandbox with host network, one container per name), looking containers up and
+//! reading their statistics.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -86,6 +87,7 @@ impl Runtime {
         log_root: &Path,
         image: &str,
         script: &str,
+        share_dir: Option<&Path>,
     ) -> Result<RunningPod> {
         let log_dir = log_root.join(format!("{}_{}_{}", spec.namespace, spec.name, spec.uid));
         std::fs::create_dir_all(&log_dir)
@@ -131,7 +133,15 @@ impl Runtime {
             .into_inner()
             .pod_sandbox_id;
         match self
-            .start_containers(spec, &sandbox_id, &sandbox_config, image, script)
+            .start_containers(
+                spec,
+                node,
+                &sandbox_id,
+                &sandbox_config,
+                image,
+                script,
+                share_dir,
+            )
             .await
         {
             Ok(containers) => Ok(RunningPod {
@@ -149,16 +159,31 @@ impl Runtime {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn start_containers(
         &mut self,
         spec: &PodSpec,
+        node: &str,
         sandbox_id: &str,
         sandbox_config: &cri::PodSandboxConfig,
         image: &str,
         script: &str,
+        share_dir: Option<&Path>,
     ) -> Result<HashMap<String, String>> {
         let mut containers = HashMap::new();
+        let mounts: Vec<cri::Mount> = share_dir
+            .map(|d| cri::Mount {
+                container_path: "/share".into(),
+                host_path: d.display().to_string(),
+                ..Default::default()
+            })
+            .into_iter()
+            .collect();
         for c in &spec.containers {
+            let env = |key: &str, value: &str| cri::KeyValue {
+                key: key.into(),
+                value: value.into(),
+            };
             let config = cri::ContainerConfig {
                 metadata: Some(cri::ContainerMetadata {
                     name: c.clone(),
@@ -169,16 +194,16 @@ impl Runtime {
                     ..Default::default()
                 }),
                 command: vec!["/bin/sh".into(), "-c".into(), script.to_string()],
+                // What a pod spec would pass with the downward API (spec.nodeName,
+                // metadata.name, metadata.namespace), and the container's name.
                 envs: vec![
-                    cri::KeyValue {
-                        key: "CONTAINER".into(),
-                        value: c.clone(),
-                    },
-                    cri::KeyValue {
-                        key: "HOME".into(),
-                        value: "/tmp".into(),
-                    },
+                    env("CONTAINER", c),
+                    env("HOME", "/tmp"),
+                    env("NODE_NAME", node),
+                    env("POD_NAME", &spec.name),
+                    env("POD_NAMESPACE", &spec.namespace),
                 ],
+                mounts: mounts.clone(),
                 working_dir: "/tmp".into(),
                 log_path: format!("{c}/0.log"),
                 stdin: true,
@@ -298,6 +323,19 @@ impl Runtime {
             .into_inner()
             .containers;
         Ok((sandboxes, containers))
+    }
+}
+
+impl Runtime {
+    /// CRI ListContainerStats: every container's CPU, memory and writable-layer usage.
+    pub async fn container_stats(&mut self) -> Result<Vec<cri::ContainerStats>> {
+        Ok(self
+            .client
+            .list_container_stats(self.req(cri::ListContainerStatsRequest::default()))
+            .await
+            .context("CRI ListContainerStats")?
+            .into_inner()
+            .stats)
     }
 }
 

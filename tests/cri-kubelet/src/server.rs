@@ -1,6 +1,6 @@
 //! The kubelet API over plain HTTP/1.1 with upgrades: start-up (connect to the CRI, run
-//! the pods, print the listening line), routing, `/pods`, and removing the pods on
-//! SIGTERM/SIGINT.
+//! the pods, print the listening line), routing, `/pods` (this stand-in's own pods only:
+//! several may share one containerd), and removing the pods on SIGTERM/SIGINT.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -18,7 +18,7 @@ use tokio::sync::Mutex;
 
 use crate::config::Cli;
 use crate::cri::{RunningPod, Runtime, StreamFlags};
-use crate::logs;
+use crate::{logs, stats};
 
 /// Header naming the node that served a response (as kubelet-sim sends it).
 pub const NODE_HEADER: &str = "x-kubelet-sim-node";
@@ -51,6 +51,7 @@ struct State {
     node: String,
     runtime: Mutex<Runtime>,
     pods: HashMap<(String, String), RunningPod>,
+    started: time::OffsetDateTime,
 }
 
 /// Connect, run the pods, serve until SIGTERM/SIGINT, then remove the pods.
@@ -65,7 +66,14 @@ pub async fn run(cli: Cli) -> Result<()> {
     let mut pods = HashMap::new();
     for p in &cli.pods {
         match runtime
-            .run_pod(p, &cli.node_name, &cli.log_root, &cli.image, &cli.script)
+            .run_pod(
+                p,
+                &cli.node_name,
+                &cli.log_root,
+                &cli.image,
+                &cli.script,
+                cli.share_dir.as_deref(),
+            )
             .await
         {
             Ok(running) => {
@@ -90,6 +98,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         node: cli.node_name.clone(),
         runtime: Mutex::new(runtime),
         pods,
+        started: time::OffsetDateTime::now_utc(),
     });
     println!(
         "cri-kubelet listening on http://{local} node={}",
@@ -254,9 +263,46 @@ async fn route(req: Request<Incoming>, state: Arc<State>) -> Response<Body> {
             container_logs(p, container, &q).await
         }
         ["pods"] | ["pods", ""] => pods(&state).await,
+        ["stats", "summary"] => match snapshot(&state).await {
+            Ok(s) => json(&stats::summary(&s, flag(&q, "only_cpu_and_memory"))),
+            Err(r) => r,
+        },
+        ["metrics", "resource"] => match snapshot(&state).await {
+            Ok(s) => prometheus(stats::resource_metrics(&s)),
+            Err(r) => r,
+        },
+        ["metrics"] => match snapshot(&state).await {
+            Ok(s) => prometheus(stats::kubelet_metrics(&s, state.started)),
+            Err(r) => r,
+        },
         ["healthz"] => text(StatusCode::OK, "ok"),
         _ => text(StatusCode::NOT_FOUND, "404 page not found\n"),
     }
+}
+
+async fn snapshot(state: &State) -> Result<stats::Snapshot, Response<Body>> {
+    let mut rt = state.runtime.lock().await;
+    stats::snapshot(&mut rt, &state.node, &state.pods)
+        .await
+        .map_err(|e| text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}\n")))
+}
+
+fn json(v: &serde_json::Value) -> Response<Body> {
+    let mut r = Response::new(full(v.to_string()));
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn prometheus(body: String) -> Response<Body> {
+    let mut r = Response::new(full(body));
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    r
 }
 
 async fn container_logs(p: &RunningPod, container: &str, q: &[(String, String)]) -> Response<Body> {
@@ -341,6 +387,7 @@ async fn pods(state: &State) -> Response<Body> {
     };
     let items: Vec<serde_json::Value> = sandboxes
         .iter()
+        .filter(|s| state.pods.values().any(|p| p.sandbox_id == s.id))
         .filter_map(|s| {
             let m = s.metadata.as_ref()?;
             let cs: Vec<_> = containers
@@ -377,14 +424,9 @@ async fn pods(state: &State) -> Response<Body> {
             }))
         })
         .collect();
-    let body =
-        serde_json::json!({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items});
-    let mut r = Response::new(full(body.to_string()));
-    r.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/json"),
-    );
-    r
+    json(
+        &serde_json::json!({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}),
+    )
 }
 
 #[cfg(test)]

@@ -83,6 +83,7 @@ fn spec(cri_runtime: Option<PathBuf>) -> ClusterSpec {
         own_process_groups: true,
         certs_via_cli: true,
         cri_runtime,
+        cri_script: None,
         replicas: 1,
     }
 }

@@ -751,3 +751,80 @@ pub async fn spawn_edge(
     .unwrap();
     edge
 }
+
+/// An edge driven by hand (a compromised edge, or one whose certificate an operator is
+/// revoking): QUIC with mutual TLS, the hello, the welcome and the commit, then its frames
+/// are the test's to write.
+pub struct RawEdge {
+    pub endpoint: quinn::Endpoint,
+    pub conn: quinn::Connection,
+    /// The control stream.
+    pub send: quinn::SendStream,
+    pub recv: quinn::RecvStream,
+    pub reader: tether_proto::io::FrameReader,
+}
+
+impl RawEdge {
+    /// Connects to `tunnel` with the edge certificate `cert_pem`/`key_pem` (trusting
+    /// `ca_pem`), says hello as `node` and commits to the new session.
+    pub async fn connect(
+        tunnel: SocketAddr,
+        ca_pem: &str,
+        cert_pem: &str,
+        key_pem: &str,
+        node: &str,
+    ) -> Result<RawEdge> {
+        use tether_proto::handshake::{Hello, ALPN_TUNNEL, PROTOCOL_VERSION};
+        use tether_proto::io::{write_frame, FrameReader};
+        use tether_proto::Frame as Wire;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        for c in tether_certs::pem::certs_from_pem(ca_pem, "ca")? {
+            roots.add(c)?;
+        }
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(
+                tether_certs::pem::certs_from_pem(cert_pem, "edge certificate")?,
+                tether_certs::pem::key_from_pem(key_pem, "edge key")?,
+            )?;
+        tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
+        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)?;
+        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
+        endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+        let conn = tokio::time::timeout(
+            Duration::from_secs(10),
+            endpoint.connect(tunnel, pki::CLOUD_SERVER_NAME)?,
+        )
+        .await
+        .context("QUIC handshake within 10 s")??;
+        let (mut send, mut recv) = conn.open_bi().await?;
+        let hello = Hello {
+            versions: vec![PROTOCOL_VERSION],
+            node: node.into(),
+            addresses: vec![],
+            resume: tether_proto::token::ResumeToken(rand::random()),
+            instance: 1,
+            attempt: 1,
+            limits: tether_proto::Limits::default(),
+            ticket: None,
+        };
+        write_frame(&mut send, &Wire::Hello(hello), 1 << 20).await?;
+        let mut reader = FrameReader::new(1 << 20);
+        let welcome = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv))
+            .await
+            .context("a welcome within 10 s")??;
+        let Some(Wire::Welcome(w)) = welcome else {
+            bail!("expected a welcome, got {welcome:?}");
+        };
+        write_frame(&mut send, &Wire::Commit { session: w.session }, 1 << 20).await?;
+        Ok(RawEdge {
+            endpoint,
+            conn,
+            send,
+            recv,
+            reader,
+        })
+    }
+}
