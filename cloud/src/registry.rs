@@ -308,6 +308,7 @@ impl Tables {
             since_ms,
             sid: s.id.0,
             gen: s.gen(),
+            limits: s.limits(),
             pods,
             addresses: self
                 .node_addresses
@@ -710,7 +711,7 @@ impl Registry {
         let s = Session::relayed(
             node.to_string(),
             SessionId(best.record.sid),
-            limits,
+            limits.agree(&best.record.limits),
             best.record.gen,
             best.replica.clone(),
             best.conn.clone(),
@@ -1373,6 +1374,7 @@ mod tests {
             since_ms: gen,
             sid,
             gen,
+            limits: Limits::default(),
             pods: vec![],
             addresses: vec![],
         };

@@ -448,6 +448,7 @@ mod link_tests {
             since_ms,
             sid: 7,
             gen: since_ms,
+            limits: Limits::default(),
             pods: pods
                 .iter()
                 .map(|p| ("default".to_string(), p.to_string()))

@@ -64,6 +64,9 @@ pub struct EdgeRecord {
     pub sid: u64,
     /// The generation of the holder's connection: the newest wins everywhere.
     pub gen: u64,
+    /// The wire bounds the holder agreed with the edge (what a replica
+    /// owning streams of it sends them with).
+    pub limits: tether_proto::Limits,
     /// Pods the edge reported (namespace, name), as the holder accepted them.
     pub pods: Vec<(String, String)>,
     /// Addresses the edge announced, as the holder indexed them.
@@ -280,6 +283,7 @@ mod tests {
             since_ms: 1,
             sid: 1,
             gen: 1,
+            limits: tether_proto::Limits::default(),
             pods: (0..pods)
                 .map(|i| ("default".to_string(), format!("pod-{i}")))
                 .collect(),

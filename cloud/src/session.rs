@@ -288,6 +288,11 @@ impl Session {
         self.book().connected_since
     }
 
+    /// The wire bounds this session's streams use (agreed with the edge).
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
     /// The newest generation of the edge's connections known here.
     pub fn gen(&self) -> u64 {
         self.gen.load(Ordering::Relaxed)

@@ -747,10 +747,15 @@ fn admit(
                 id,
                 gen,
                 hello.addresses.clone(),
-                cfg.limits,
+                cfg.limits.agree(&hello.limits),
                 claim,
             )),
-            None => Session::new(node.to_string(), hello.addresses.clone(), cfg.limits, claim),
+            None => Session::new(
+                node.to_string(),
+                hello.addresses.clone(),
+                cfg.limits.agree(&hello.limits),
+                claim,
+            ),
         })
         .context("generating session secrets")?;
     let end_replaced = |replaced: Vec<Arc<Session>>, new: &Arc<Session>| {

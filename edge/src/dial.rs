@@ -415,6 +415,7 @@ impl Dialer {
         }
         self.grace = Duration::from_millis(welcome.grace_ms);
         self.streams.set_grace(self.grace);
+        self.streams.agree_limits(&self.cfg.limits, &welcome.limits);
         *self.ticket.lock().unwrap_or_else(|p| p.into_inner()) = Some(welcome.ticket.clone());
         self.metrics.connected.set(1);
         self.metrics.connects.inc();

@@ -67,7 +67,8 @@ pub struct EdgeStreams {
     streams: Mutex<Table>,
     /// How long a detached stream waits for its owner, ms.
     grace_ms: std::sync::atomic::AtomicU64,
-    limits: Limits,
+    /// Our limits, agreed with the cloud's once welcomed ([`Limits::agree`]).
+    limits: Mutex<Limits>,
     forward: Arc<Forward>,
     node: String,
     metrics: crate::metrics::EdgeMetrics,
@@ -83,7 +84,7 @@ impl EdgeStreams {
         Arc::new(EdgeStreams {
             streams: Mutex::new(Table::default()),
             grace_ms: std::sync::atomic::AtomicU64::new(300_000),
-            limits,
+            limits: Mutex::new(limits),
             forward,
             node,
             metrics,
@@ -126,6 +127,17 @@ impl EdgeStreams {
         let mut t = self.map();
         t.ended.clear();
         t.ended_order.clear();
+    }
+
+    /// The wire bounds new transports use.
+    fn limits(&self) -> Limits {
+        *self.limits.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Agrees the wire bounds with the cloud's (from the welcome): frames and
+    /// payloads this edge sends are ones the cloud accepts.
+    pub fn agree_limits(&self, ours: &Limits, cloud: &Limits) {
+        *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = ours.agree(cloud);
     }
 
     /// Sets how long a detached stream waits for its owner (the welcome's
@@ -187,7 +199,8 @@ impl EdgeStreams {
 
     /// Handles one QUIC stream the cloud opened.
     pub async fn accept(self: Arc<Self>, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
-        let max = self.limits.max_frame_bytes as usize;
+        let limits = self.limits();
+        let max = limits.max_frame_bytes as usize;
         let mut reader = FrameReader::new(max);
         let first = tokio::time::timeout(Duration::from_secs(30), reader.next(&mut recv)).await;
         let (id, delivered, fin_received) = match first {
@@ -225,8 +238,7 @@ impl EdgeStreams {
                 s
             }
             None if delivered == 0 && !fin_received && !ended => {
-                let shared =
-                    SharedStream::new(StreamState::new(id, StreamLimits::from(&self.limits)));
+                let shared = SharedStream::new(StreamState::new(id, StreamLimits::from(&limits)));
                 self.map().live.insert(
                     id,
                     Live {

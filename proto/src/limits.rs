@@ -1,7 +1,9 @@
 //! Every bound the protocol enforces, with its default.
 //!
-//! Both ends carry a [`Limits`]; the cloud announces its own in the welcome so
-//! that the edge never sends a frame the cloud would reject. Each field is a
+//! Both ends carry a [`Limits`] and announce it (edge in the hello, cloud in
+//! the welcome); each side then sends with [`Limits::agree`]: frames and data
+//! payloads no bigger than *both* accept, so neither ever sends a frame the
+//! other would reject. Buffers and stream counts stay each side's own. Each field is a
 //! configuration key of both binaries (same name, `--kebab-case` flag).
 
 use serde::{Deserialize, Serialize};
@@ -43,6 +45,19 @@ impl Default for Limits {
 }
 
 impl Limits {
+    /// What this side uses on a link to a peer that announced `peer`: the
+    /// smaller frame, data-payload and head bounds of the two (both sides
+    /// compute the same), its own buffers and stream count. Consistent when
+    /// both inputs are ([`Limits::validate`]).
+    pub fn agree(&self, peer: &Limits) -> Limits {
+        Limits {
+            max_frame_bytes: self.max_frame_bytes.min(peer.max_frame_bytes),
+            max_data_payload: self.max_data_payload.min(peer.max_data_payload),
+            max_head_bytes: self.max_head_bytes.min(peer.max_head_bytes),
+            ..*self
+        }
+    }
+
     /// Checks that the bounds are consistent with each other.
     pub fn validate(&self) -> Result<(), String> {
         if self.max_data_payload == 0
@@ -76,6 +91,35 @@ impl Limits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn agreed_limits_are_the_smaller_bounds_and_stay_consistent() {
+        let ours = Limits::default();
+        let small = Limits {
+            max_frame_bytes: 8192,
+            max_data_payload: 4096,
+            max_head_bytes: 4096,
+            replay_buffer_bytes: 1,
+            recv_buffer_bytes: 1,
+            max_streams_per_edge: 1,
+        };
+        small.validate().unwrap();
+        let a = ours.agree(&small);
+        assert_eq!(
+            (a.max_frame_bytes, a.max_data_payload, a.max_head_bytes),
+            (8192, 4096, 4096)
+        );
+        // Buffers and stream count stay ours.
+        assert_eq!(a.replay_buffer_bytes, ours.replay_buffer_bytes);
+        assert_eq!(a.max_streams_per_edge, ours.max_streams_per_edge);
+        a.validate().unwrap();
+        // Both sides agree on the same wire bounds.
+        let b = small.agree(&ours);
+        assert_eq!(
+            (b.max_frame_bytes, b.max_data_payload, b.max_head_bytes),
+            (a.max_frame_bytes, a.max_data_payload, a.max_head_bytes)
+        );
+    }
 
     #[test]
     fn defaults_are_consistent() {

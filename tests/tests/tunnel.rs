@@ -110,6 +110,46 @@ async fn follow_log_streams_while_it_grows() {
     }
 }
 
+/// An edge that accepts only small frames (`--max-frame-bytes`, announced in its
+/// hello): the cloud sends it frames no bigger than that (limits agreed both ways), so
+/// 2 MiB cross byte-exact; with the cloud's own 32 KiB payloads the edge would refuse
+/// the first data frame.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_with_small_frame_limits_gets_frames_it_accepts() {
+    let env = Env::start_with(
+        ONE,
+        &[],
+        &[
+            "--max-frame-bytes",
+            "16384",
+            "--max-data-payload",
+            "4096",
+            "--max-head-bytes",
+            "8192",
+        ],
+        false,
+    )
+    .await
+    .unwrap();
+    let data = random_bytes(2 << 20);
+    let (_reply, up) = env
+        .client
+        .upgrade(
+            "/exec/default/p1/c?command=cat&input=1&output=1",
+            "apiserver.example:6443",
+        )
+        .await
+        .unwrap();
+    let back = tokio::time::timeout(
+        Duration::from_secs(60),
+        echo(TokioIo::new(up), data.clone()),
+    )
+    .await
+    .expect("the echo must not stall")
+    .unwrap();
+    assert_eq!(sha256_hex(&back), sha256_hex(&data));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upgrade_echo_10_mib_byte_exact_with_half_close() {
     let env = Env::start(ONE, &[]).await.unwrap();
