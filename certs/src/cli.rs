@@ -445,21 +445,36 @@ fn issue(dir: &Path, cmd: IssueCommand) -> anyhow::Result<()> {
 }
 
 fn inspect(files: &[PathBuf]) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
     let mut first = true;
-    for f in files {
-        let certs = tether_certs::pem::load_certs(f)?;
-        for (i, c) in certs.iter().enumerate() {
-            if !first {
-                println!();
+    let written = (|| -> anyhow::Result<std::io::Result<()>> {
+        for f in files {
+            let certs = tether_certs::pem::load_certs(f)?;
+            for (i, c) in certs.iter().enumerate() {
+                let s = tether_certs::inspect::summarize(c.as_ref())
+                    .with_context(|| format!("{} certificate #{}", f.display(), i + 1))?;
+                let sep = if first { "" } else { "\n" };
+                first = false;
+                let r = writeln!(
+                    out,
+                    "{sep}{} (certificate {} of {})\n{s}",
+                    f.display(),
+                    i + 1,
+                    certs.len()
+                );
+                if r.is_err() {
+                    return Ok(r);
+                }
             }
-            first = false;
-            let s = tether_certs::inspect::summarize(c.as_ref())
-                .with_context(|| format!("{} certificate #{}", f.display(), i + 1))?;
-            println!("{} (certificate {} of {})", f.display(), i + 1, certs.len());
-            println!("{s}");
         }
+        Ok(out.flush())
+    })()?;
+    match written {
+        // A reader that stopped early (`| head`) is not an error.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other.context("writing to stdout"),
     }
-    Ok(())
 }
 
 fn store_path(dir: &Path, opt: &StoreOpt) -> PathBuf {
