@@ -25,7 +25,7 @@ pub struct LimitArgs {
     #[arg(long, env = "TETHER_MAX_HEAD_BYTES", default_value = "256KiB", value_parser = parse_bytes_u32)]
     pub max_head_bytes: u32,
     /// Unacknowledged bytes kept for replay per stream direction (backpressure point).
-    #[arg(long, env = "TETHER_REPLAY_BUFFER_BYTES", default_value = "4MiB", value_parser = parse_bytes_u32)]
+    #[arg(long, env = "TETHER_REPLAY_BUFFER_BYTES", default_value = "2MiB", value_parser = parse_bytes_u32)]
     pub replay_buffer_bytes: u32,
     /// Received bytes not yet delivered locally, per stream direction.
     #[arg(long, env = "TETHER_RECV_BUFFER_BYTES", default_value = "1MiB", value_parser = parse_bytes_u32)]
