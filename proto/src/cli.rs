@@ -25,7 +25,7 @@ pub struct LimitArgs {
     #[arg(long, env = "TETHER_MAX_HEAD_BYTES", default_value = "256KiB", value_parser = parse_bytes_u32)]
     pub max_head_bytes: u32,
     /// Unacknowledged bytes kept for replay per stream direction (backpressure point).
-    #[arg(long, env = "TETHER_REPLAY_BUFFER_BYTES", default_value = "1MiB", value_parser = parse_bytes_u32)]
+    #[arg(long, env = "TETHER_REPLAY_BUFFER_BYTES", default_value = "2MiB", value_parser = parse_bytes_u32)]
     pub replay_buffer_bytes: u32,
     /// Received bytes not yet delivered locally, per stream direction.
     #[arg(long, env = "TETHER_RECV_BUFFER_BYTES", default_value = "1MiB", value_parser = parse_bytes_u32)]
@@ -63,6 +63,12 @@ pub struct QuicArgs {
     /// RTT assumed before the first sample (cellular: a few hundred ms).
     #[arg(long, env = "TETHER_INITIAL_RTT", default_value = "300ms", value_parser = parse_duration)]
     pub initial_rtt: Duration,
+    /// Per-stream QUIC receive window: how much of one stream may be in flight
+    /// towards us. One stream's throughput is at most this per round trip, and
+    /// after a loss the data behind the hole waits in it for an extra round
+    /// trip or two; keep it at least `--replay-buffer-bytes`.
+    #[arg(long, env = "TETHER_STREAM_WINDOW", default_value = "4MiB", value_parser = parse_bytes_u32)]
+    pub stream_window: u32,
     /// UDP socket buffer size.
     #[arg(long, env = "TETHER_UDP_BUFFER", default_value = "4MiB", value_parser = parse_bytes)]
     pub udp_buffer: u64,
@@ -99,6 +105,7 @@ impl QuicArgs {
                 // opens a new one after the old connection is gone).
                 Role::Edge => limits.max_streams_per_edge,
             },
+            stream_window: self.stream_window,
             udp_buffer: usize::try_from(self.udp_buffer)
                 .map_err(|_| "udp-buffer too large".to_string())?,
             congestion: match self.congestion.as_str() {

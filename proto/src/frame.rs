@@ -155,10 +155,91 @@ pub enum FrameError {
     Truncated { have: usize, need: usize },
 }
 
+/// Postcard's variant index of [`Frame::Data`] (its place in the enum). Data
+/// frames are encoded and decoded by hand, byte for byte as postcard would
+/// (the tests check it), so that their payload is never copied through
+/// postcard: the sender writes the header and hands the payload on as it is,
+/// the receiver splits the payload off the bytes it read.
+const DATA_VARIANT: u8 = 6;
+/// The longest postcard varint (a `u64`).
+const VARINT_MAX: usize = 10;
+
+fn put_varint(out: &mut BytesMut, mut v: u64) {
+    while v >= 0x80 {
+        out.put_u8((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.put_u8(v as u8);
+}
+
+fn varint_len(mut v: u64) -> usize {
+    let mut n = 1;
+    while v >= 0x80 {
+        v >>= 7;
+        n += 1;
+    }
+    n
+}
+
+/// Reads a postcard `u64` varint at `*pos`, as postcard does (at most ten
+/// bytes, the tenth at most 1).
+fn take_varint(b: &[u8], pos: &mut usize) -> Result<u64, FrameError> {
+    let mut out = 0u64;
+    for i in 0..VARINT_MAX {
+        let Some(&byte) = b.get(*pos) else {
+            return Err(postcard::Error::DeserializeUnexpectedEnd.into());
+        };
+        *pos += 1;
+        out |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            if i == VARINT_MAX - 1 && byte > 1 {
+                break;
+            }
+            return Ok(out);
+        }
+    }
+    Err(postcard::Error::DeserializeBadVarint.into())
+}
+
+/// Appends the length prefix and the header of a `Data` frame whose payload
+/// of `payload_len` bytes the caller writes right after. Fails (writing
+/// nothing) if the frame would be larger than `max`.
+pub fn encode_data_header(
+    stream: StreamId,
+    offset: u64,
+    payload_len: usize,
+    out: &mut BytesMut,
+    max: usize,
+) -> Result<(), FrameError> {
+    let len = payload_len as u64;
+    let body = 1 + varint_len(stream) + varint_len(offset) + varint_len(len) + payload_len;
+    if body > max {
+        return Err(FrameError::TooLarge { len: body, max });
+    }
+    let prefix = u32::try_from(body).map_err(|_| FrameError::TooLarge { len: body, max })?;
+    out.reserve(LENGTH_PREFIX + 1 + 3 * VARINT_MAX);
+    out.put_u32(prefix);
+    out.put_u8(DATA_VARIANT);
+    put_varint(out, stream);
+    put_varint(out, offset);
+    put_varint(out, len);
+    Ok(())
+}
+
 /// Appends `frame`, length-prefixed, to `out`. Fails only if the encoding is
 /// larger than `max` (the sender's own limit), so a sender never emits a frame
 /// its peer must reject.
 pub fn encode(frame: &Frame, out: &mut BytesMut, max: usize) -> Result<(), FrameError> {
+    if let Frame::Data {
+        stream,
+        offset,
+        payload,
+    } = frame
+    {
+        encode_data_header(*stream, *offset, payload.len(), out, max)?;
+        out.extend_from_slice(payload);
+        return Ok(());
+    }
     let start = out.len();
     out.put_u32(0);
     let body = postcard::to_extend(frame, Vec::new())?;
@@ -219,7 +300,76 @@ pub fn decode(buf: &mut BytesMut, max: usize) -> Result<Option<Frame>, FrameErro
     }
     buf.advance(LENGTH_PREFIX);
     let body = buf.split_to(len);
+    if body.first() == Some(&DATA_VARIANT) {
+        return decode_data(body).map(Some);
+    }
     decode_body(&body).map(Some)
+}
+
+/// The `Data` frame at the front of `buf`, once its length prefix and header
+/// have arrived: `(stream, offset, bytes before the payload, payload
+/// length)`. `Ok(None)` if the front frame is something else or its header is
+/// still incomplete; the errors are those [`decode`] gives for the whole frame.
+/// Lets a reader read a large payload straight into a buffer of its own.
+pub fn peek_data_header(
+    buf: &[u8],
+    max: usize,
+) -> Result<Option<(StreamId, u64, usize, usize)>, FrameError> {
+    if buf.len() <= LENGTH_PREFIX || buf[LENGTH_PREFIX] != DATA_VARIANT {
+        return Ok(None);
+    }
+    let mut prefix = [0u8; LENGTH_PREFIX];
+    prefix.copy_from_slice(&buf[..LENGTH_PREFIX]);
+    let len = body_len(prefix, max)?;
+    let body = &buf[LENGTH_PREFIX..buf.len().min(LENGTH_PREFIX + len)];
+    let complete = body.len() == len;
+    let mut pos = 1;
+    let mut field = || match take_varint(body, &mut pos) {
+        Err(FrameError::Malformed(postcard::Error::DeserializeUnexpectedEnd)) if !complete => {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+        Ok(v) => Ok(Some(v)),
+    };
+    let (Some(stream), Some(offset), Some(payload)) = (field()?, field()?, field()?) else {
+        return Ok(None);
+    };
+    let rest = (len - pos) as u64;
+    if payload > rest {
+        return Err(postcard::Error::DeserializeUnexpectedEnd.into());
+    }
+    if payload < rest {
+        return Err(postcard::Error::DeserializeBadEncoding.into());
+    }
+    Ok(Some((
+        stream,
+        offset,
+        LENGTH_PREFIX + pos,
+        payload as usize,
+    )))
+}
+
+/// Decodes a `Data` frame's body (variant byte included); the payload is the
+/// tail of `body`, not a copy.
+fn decode_data(mut body: BytesMut) -> Result<Frame, FrameError> {
+    let mut pos = 1;
+    let stream = take_varint(&body, &mut pos)?;
+    let offset = take_varint(&body, &mut pos)?;
+    let len = take_varint(&body, &mut pos)?;
+    let rest = body.len() - pos;
+    if len > rest as u64 {
+        return Err(postcard::Error::DeserializeUnexpectedEnd.into());
+    }
+    if len < rest as u64 {
+        // Bytes after the frame's end, as `decode_body` refuses them.
+        return Err(postcard::Error::DeserializeBadEncoding.into());
+    }
+    body.advance(pos);
+    Ok(Frame::Data {
+        stream,
+        offset,
+        payload: body.freeze(),
+    })
 }
 
 #[cfg(test)]
@@ -299,6 +449,104 @@ mod tests {
             assert_eq!(got, f);
             assert!(b.is_empty());
         }
+    }
+
+    /// Data frames are encoded by hand; the bytes must be postcard's, and
+    /// postcard's must decode the same way by both paths.
+    #[test]
+    fn data_frames_are_encoded_exactly_as_postcard_does() {
+        for (stream, offset, len) in [
+            (0u64, 0u64, 0usize),
+            (7, 1 << 40, 5),
+            (u64::MAX, u64::MAX, 300),
+            (127, 128, 16384),
+            (1 << 35, 3, 32 * 1024),
+        ] {
+            let f = Frame::Data {
+                stream,
+                offset,
+                payload: Bytes::from(vec![0xa5u8; len]),
+            };
+            let mut ours = BytesMut::new();
+            encode(&f, &mut ours, 1 << 20).unwrap();
+            let theirs = postcard::to_stdvec(&f).unwrap();
+            assert_eq!(
+                &ours[LENGTH_PREFIX..],
+                &theirs[..],
+                "{stream} {offset} {len}"
+            );
+            assert_eq!(
+                u32::from_be_bytes(ours[..4].try_into().unwrap()) as usize,
+                theirs.len()
+            );
+            assert_eq!(decode_body(&theirs).unwrap(), f);
+            assert_eq!(decode(&mut ours, 1 << 20).unwrap().unwrap(), f);
+        }
+    }
+
+    /// A `Data` body with its payload cut short or followed by stray bytes,
+    /// or with an overlong varint, is refused by the hand decoder as by
+    /// postcard.
+    #[test]
+    fn malformed_data_frames_are_refused_like_postcard_refuses_them() {
+        let f = Frame::Data {
+            stream: 300,
+            offset: 70_000,
+            payload: Bytes::from_static(b"abcdef"),
+        };
+        let good = postcard::to_stdvec(&f).unwrap();
+        let mut bad: Vec<Vec<u8>> = vec![
+            good[..good.len() - 1].to_vec(),
+            [&good[..], b"x"].concat(),
+            good[..3].to_vec(),
+            vec![DATA_VARIANT],
+        ];
+        // An 11-byte varint for the stream id.
+        let mut long = vec![DATA_VARIANT];
+        long.extend([0xff; 10]);
+        long.extend([1, 1, 0]);
+        bad.push(long);
+        // A tenth varint byte above 1 (overflows a u64).
+        let mut over = vec![DATA_VARIANT];
+        over.extend([0xff; 9]);
+        over.extend([2, 1, 0]);
+        bad.push(over);
+        for body in bad {
+            assert!(decode_body(&body).is_err(), "postcard accepts {body:?}");
+            let mut framed = BytesMut::new();
+            framed.put_u32(body.len() as u32);
+            framed.extend_from_slice(&body);
+            assert!(decode(&mut framed, 1 << 20).is_err(), "we accept {body:?}");
+        }
+        // A non-canonical (but accepted) varint decodes the same both ways.
+        let mut lax = vec![DATA_VARIANT, 0x87, 0x00, 0x01, 0x02];
+        lax.extend(b"hi");
+        let mut framed = BytesMut::new();
+        framed.put_u32(lax.len() as u32);
+        framed.extend_from_slice(&lax);
+        assert_eq!(
+            decode(&mut framed, 1 << 20).unwrap().unwrap(),
+            decode_body(&lax).unwrap()
+        );
+    }
+
+    /// The decoded payload is the received buffer itself, not a copy.
+    #[test]
+    fn decoded_payload_shares_the_read_buffer() {
+        let f = Frame::Data {
+            stream: 1,
+            offset: 0,
+            payload: Bytes::from(vec![3u8; 4096]),
+        };
+        let mut b = BytesMut::new();
+        encode(&f, &mut b, 1 << 20).unwrap();
+        let start = b.as_ptr() as usize;
+        let end = start + b.len();
+        let Frame::Data { payload, .. } = decode(&mut b, 1 << 20).unwrap().unwrap() else {
+            panic!("not data")
+        };
+        let p = payload.as_ptr() as usize;
+        assert!(p >= start && p + payload.len() <= end);
     }
 
     #[test]

@@ -37,7 +37,7 @@ impl Default for Limits {
             max_frame_bytes: 1024 * 1024,
             max_data_payload: 32 * 1024,
             max_head_bytes: 256 * 1024,
-            replay_buffer_bytes: 1024 * 1024,
+            replay_buffer_bytes: 2 * 1024 * 1024,
             recv_buffer_bytes: 1024 * 1024,
             max_streams_per_edge: 1024,
         }

@@ -45,7 +45,7 @@ impl Default for QuicSettings {
             idle_timeout: Duration::from_secs(30),
             initial_rtt: Duration::from_millis(300),
             max_bidi_streams: 1024,
-            stream_window: 2 * 1024 * 1024,
+            stream_window: 4 * 1024 * 1024,
             conn_window: 32 * 1024 * 1024,
             udp_buffer: 4 * 1024 * 1024,
             congestion: Congestion::Bbr,
@@ -70,6 +70,12 @@ impl QuicSettings {
         t.initial_rtt(self.initial_rtt);
         t.max_concurrent_bidi_streams(self.max_bidi_streams.into());
         t.max_concurrent_uni_streams(0u32.into());
+        if self.stream_window == 0 || self.stream_window > self.conn_window {
+            return Err(format!(
+                "stream window ({}) must be positive and at most the connection window ({})",
+                self.stream_window, self.conn_window
+            ));
+        }
         t.stream_receive_window(self.stream_window.into());
         t.receive_window(self.conn_window.into());
         t.send_window(u64::from(self.conn_window));
@@ -141,6 +147,17 @@ mod tests {
         };
         assert!(s.transport().is_err());
         QuicSettings::default().transport().unwrap();
+    }
+
+    #[test]
+    fn stream_window_must_fit_the_connection_window() {
+        for bad in [0, 33 * 1024 * 1024] {
+            let s = QuicSettings {
+                stream_window: bad,
+                ..QuicSettings::default()
+            };
+            assert!(s.transport().unwrap_err().contains("stream window"));
+        }
     }
 
     #[test]

@@ -30,7 +30,7 @@
 
 use std::collections::VecDeque;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 
 use crate::frame::{Frame, ResetCode, StreamId};
 
@@ -40,6 +40,11 @@ const COALESCE_BELOW: usize = 4096;
 /// What one queued chunk costs besides its bytes (the `Bytes` handle, the
 /// queue slot, the allocation's header), counted against the receive bound.
 const CHUNK_OVERHEAD: usize = 64;
+/// Bytes delivered between two acknowledgements while the local reader is
+/// behind (see `StreamState::note_delivered`).
+const ACK_EVERY: u64 = 64 * 1024;
+/// Largest allocation the replay buffer makes at once.
+const REPLAY_CHUNK: usize = 64 * 1024;
 
 /// Buffer bounds of one stream (from [`crate::Limits`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,7 +125,7 @@ pub struct StreamState {
     id: StreamId,
     limits: StreamLimits,
     // Our direction.
-    replay: VecDeque<u8>,
+    replay: Replay,
     acked: u64,
     sent: u64,
     written: u64,
@@ -136,6 +141,8 @@ pub struct StreamState {
     received: u64,
     peer_end: Option<u64>,
     ack_due: bool,
+    /// `delivered` as of the last `Ack` sent.
+    ack_sent: u64,
     fin_ack_sent: bool,
     // The local reader is gone: incoming data is counted as delivered and
     // dropped, so the peer can still finish cleanly.
@@ -158,7 +165,7 @@ impl StreamState {
         StreamState {
             id,
             limits,
-            replay: VecDeque::new(),
+            replay: Replay::default(),
             acked: 0,
             sent: 0,
             written: 0,
@@ -171,6 +178,7 @@ impl StreamState {
             received: 0,
             peer_end: None,
             ack_due: false,
+            ack_sent: 0,
             fin_ack_sent: false,
             discard_incoming: false,
             replayed: 0,
@@ -296,7 +304,7 @@ impl StreamState {
                 front.split_to(max)
             };
             self.delivered += chunk.len() as u64;
-            self.ack_due = true;
+            self.note_delivered();
             return ReadOutcome::Data(chunk);
         }
         if !self.recv_tail.is_empty() && max > 0 {
@@ -307,7 +315,7 @@ impl StreamState {
                 self.recv_tail = BytesMut::new();
             }
             self.delivered += n as u64;
-            self.ack_due = true;
+            self.note_delivered();
             return ReadOutcome::Data(chunk);
         }
         if self.peer_end == Some(self.delivered) {
@@ -317,6 +325,16 @@ impl StreamState {
             return ReadOutcome::Eof;
         }
         ReadOutcome::Pending
+    }
+
+    /// Acknowledgement cadence: an `Ack` once the local reader has caught up
+    /// with everything received (so a sender waiting on its replay buffer,
+    /// and every interactive exchange, is acknowledged at once), and otherwise
+    /// every [`ACK_EVERY`] bytes delivered rather than after every read.
+    fn note_delivered(&mut self) {
+        if self.delivered == self.received || self.delivered - self.ack_sent >= ACK_EVERY {
+            self.ack_due = true;
+        }
     }
 
     fn fin_received(&self) -> bool {
@@ -336,7 +354,7 @@ impl StreamState {
         }
         if delivered > self.acked {
             let n = (delivered - self.acked) as usize;
-            self.replay.drain(..n);
+            self.replay.drain(n);
             self.acked = delivered;
         }
         if self.sent < self.acked {
@@ -555,6 +573,7 @@ impl StreamState {
             if fin_received {
                 self.fin_ack_sent = true;
             }
+            self.ack_sent = self.delivered;
             return Some(Frame::Ack {
                 stream: self.id,
                 delivered: self.delivered,
@@ -564,14 +583,16 @@ impl StreamState {
         if self.sent < self.written {
             let start = (self.sent - self.acked) as usize;
             let len = ((self.written - self.sent) as usize).min(self.limits.max_payload);
-            let payload = copy_range(&self.replay, start, len);
-            let offset = self.sent;
-            self.sent += len as u64;
-            return Some(Frame::Data {
-                stream: self.id,
-                offset,
-                payload: Bytes::from(payload),
-            });
+            let payload = self.replay.slice(start, len);
+            if !payload.is_empty() {
+                let offset = self.sent;
+                self.sent += payload.len() as u64;
+                return Some(Frame::Data {
+                    stream: self.id,
+                    offset,
+                    payload,
+                });
+            }
         }
         if self.fin && !self.fin_sent {
             self.fin_sent = true;
@@ -598,41 +619,88 @@ impl StreamState {
     }
 }
 
-/// Copies `len` bytes starting at `start` out of a ring buffer.
-fn copy_range(ring: &VecDeque<u8>, start: usize, len: usize) -> Vec<u8> {
-    let (a, b) = ring.as_slices();
-    let mut out = Vec::with_capacity(len);
-    let end = start + len;
-    if start < a.len() {
-        out.extend_from_slice(&a[start..end.min(a.len())]);
+/// Our written bytes from `acked` on, kept until the peer has delivered them.
+///
+/// Frozen chunks first, then the bytes written since the last transmit
+/// (`tail`). A `Data` frame's payload is a slice of a chunk, so transmitting
+/// (and replaying) copies nothing, and the QUIC send buffer holds the same
+/// memory rather than a second copy. A write copies its bytes once, into
+/// `tail`; acknowledged chunks are dropped, and a drained buffer gives its
+/// allocation back (an idle stream keeps nothing).
+#[derive(Debug, Default)]
+struct Replay {
+    chunks: VecDeque<Bytes>,
+    /// Bytes in `chunks`.
+    frozen: usize,
+    tail: BytesMut,
+}
+
+impl Replay {
+    fn len(&self) -> usize {
+        self.frozen + self.tail.len()
     }
-    if end > a.len() {
-        out.extend_from_slice(&b[start.saturating_sub(a.len())..end - a.len()]);
+
+    fn extend(&mut self, data: &[u8]) {
+        if self.tail.capacity() - self.tail.len() < data.len() {
+            // Allocations grow with what is buffered: an interactive stream
+            // allocates a few bytes per keystroke, a bulk stream 64 KiB at a time.
+            let want = (self.len() + data.len()).min(REPLAY_CHUNK);
+            self.tail.reserve(data.len().max(want));
+        }
+        self.tail.extend_from_slice(data);
     }
-    out
+
+    /// Up to `max` bytes starting `start` bytes after `acked`, without copying.
+    /// `start` must be below [`len`](Self::len).
+    fn slice(&mut self, start: usize, max: usize) -> Bytes {
+        if start >= self.frozen && !self.tail.is_empty() {
+            let t = self.tail.split().freeze();
+            self.frozen += t.len();
+            self.chunks.push_back(t);
+        }
+        let mut off = start;
+        for c in &self.chunks {
+            if off < c.len() {
+                let n = (c.len() - off).min(max);
+                return c.slice(off..off + n);
+            }
+            off -= c.len();
+        }
+        Bytes::new()
+    }
+
+    /// Drops the first `n` bytes (acknowledged by the peer).
+    fn drain(&mut self, mut n: usize) {
+        while n > 0 {
+            if let Some(front) = self.chunks.front_mut() {
+                if front.len() <= n {
+                    n -= front.len();
+                    self.frozen -= front.len();
+                    self.chunks.pop_front();
+                } else {
+                    front.advance(n);
+                    self.frozen -= n;
+                    n = 0;
+                }
+            } else {
+                let k = n.min(self.tail.len());
+                self.tail.advance(k);
+                n -= k;
+                if k == 0 {
+                    break;
+                }
+            }
+        }
+        if self.chunks.is_empty() && self.tail.is_empty() {
+            self.tail = BytesMut::new();
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    #[test]
-    fn copy_range_spans_the_ring_seam() {
-        let mut ring: VecDeque<u8> = VecDeque::with_capacity(8);
-        ring.extend([9, 9, 9, 9, 9, 9]);
-        ring.drain(..5);
-        ring.extend([1, 2, 3, 4, 5]);
-        let all: Vec<u8> = ring.iter().copied().collect();
-        for start in 0..all.len() {
-            for len in 0..=all.len() - start {
-                assert_eq!(
-                    copy_range(&ring, start, len),
-                    all[start..start + len].to_vec()
-                );
-            }
-        }
-    }
 
     const L: StreamLimits = StreamLimits {
         replay_bytes: 64,
