@@ -117,6 +117,10 @@ pub struct ClusterSpec {
     /// Pods the apiserver believes run on a node (by name) whose kubelet does not run
     /// them: requests for them must fail, never reach another kubelet.
     pub phantom_pods: Vec<(String, PodSpec)>,
+    /// Pods a node's kubelet (by name) runs, so that its edge reports them, while the
+    /// apiserver places them on another node: the cloud routes them by the apiserver,
+    /// to that other node, and refuses (and counts) the edge's claim.
+    pub impostor_pods: Vec<(String, PodSpec)>,
     /// Start every process in its own process group (see [`SpawnOptions`]).
     pub own_process_groups: bool,
     /// Mint the certificates with the `tether-certs` tool (as an operator
@@ -418,7 +422,13 @@ impl Cluster {
             for d in [&log_dir, &tmp] {
                 std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
             }
-            for p in &node.pods {
+            let impostors: Vec<&PodSpec> = spec
+                .impostor_pods
+                .iter()
+                .filter(|(n, _)| *n == node.name)
+                .map(|(_, p)| p)
+                .collect();
+            for p in node.pods.iter().chain(impostors.iter().copied()) {
                 for c in &p.containers {
                     let f = log_dir.join(format!("{}_{}_{c}.log", p.namespace, p.name));
                     if !f.exists() {
@@ -467,6 +477,19 @@ impl Cluster {
                     ));
                     cri.uids.insert(format!("{}/{}", p.namespace, p.name), uid);
                 }
+                for p in &impostors {
+                    // Its own uid: the pod it claims may run on the same containerd.
+                    let uid = format!("{}-{}-{}-{tag}", p.namespace, p.name, node.name);
+                    for c in &p.containers {
+                        mkfifo(&cri.feed(&p.namespace, &p.name, c))?;
+                    }
+                    cmd.arg("--pod").arg(format!(
+                        "{}/{}/{uid}={}",
+                        p.namespace,
+                        p.name,
+                        p.containers.join(",")
+                    ));
+                }
                 let proc = Proc::spawn(&format!("cri-kubelet-{}", node.name), cmd, &logs, opts)?;
                 starting.push((node, log_dir, Some(cri), proc));
                 continue;
@@ -480,7 +503,7 @@ impl Cluster {
                 .arg(&log_dir)
                 // Containers' working directories live under TMPDIR: keep them here.
                 .env("TMPDIR", &tmp);
-            for p in &node.pods {
+            for p in node.pods.iter().chain(impostors.iter().copied()) {
                 cmd.arg("--pod").arg(pod_arg(p));
             }
             if spec.mode == Mode::Direct {
