@@ -365,4 +365,146 @@ mod tests {
             quinn::ReadError::ConnectionLost(quinn::ConnectionError::TimedOut).into();
         assert!(!owner_gone(&tether_proto::io::TransportError::Io(lost)));
     }
+
+    /// A QUIC connection pair on loopback: (the cloud's side, the edge's side), kept
+    /// alive by the returned endpoints.
+    async fn quic_pair() -> (quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>) {
+        use rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let der = CertificateDer::from(cert.cert.der().to_vec());
+        let key = PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der());
+        let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![der.clone()], key.into())
+            .unwrap();
+        server.alpn_protocols = vec![b"t".to_vec()];
+        let sc = quinn::ServerConfig::with_crypto(Arc::new(
+            quinn::crypto::rustls::QuicServerConfig::try_from(server).unwrap(),
+        ));
+        let listener = quinn::Endpoint::server(sc, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).unwrap();
+        let mut client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        client.alpn_protocols = vec![b"t".to_vec()];
+        let mut dialler = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
+            quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap(),
+        )));
+        let addr = listener.local_addr().unwrap();
+        let (cloud, edge) = tokio::join!(
+            async { dialler.connect(addr, "localhost").unwrap().await.unwrap() },
+            async { listener.accept().await.unwrap().await.unwrap() }
+        );
+        (cloud, edge, vec![dialler, listener])
+    }
+
+    /// Issue 14 item 5: a stream whose transport broke, and that no cloud replica
+    /// re-attaches, is ended (reset) once the grace period has passed — not before,
+    /// and not never (a leaked slot).
+    #[tokio::test]
+    async fn a_detached_stream_no_one_reattaches_ends_after_the_grace() {
+        const GRACE: Duration = Duration::from_millis(800);
+        let limits = Limits::default();
+        // The kubelet is never dialled: no request head is ever sent.
+        let cfg = crate::config::KubeletConfig {
+            url: "http://127.0.0.1:9".parse().unwrap(),
+            ca: None,
+            insecure_skip_tls_verify: false,
+            client_cert: None,
+            connect_timeout: Duration::from_secs(2),
+            pods_timeout: Duration::from_secs(2),
+        };
+        let forward = Arc::new(Forward {
+            target: Arc::new(crate::kubelet::KubeletTarget::new(&cfg).unwrap()),
+            limits,
+        });
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = crate::metrics::EdgeMetrics::register(&mut registry);
+        let streams = EdgeStreams::new("edge-t".into(), limits, forward, metrics);
+        streams.set_grace(GRACE);
+
+        let (cloud, edge, _endpoints) = quic_pair().await;
+        // The cloud opens stream 5 and attaches it as new.
+        let (mut send, _recv) = cloud.open_bi().await.unwrap();
+        let attach = Frame::Attach {
+            stream: 5,
+            delivered: 0,
+            fin_received: false,
+        };
+        write_frame(&mut send, &attach, limits.max_frame_bytes as usize)
+            .await
+            .unwrap();
+        let (esend, erecv) = tokio::time::timeout(Duration::from_secs(5), edge.accept_bi())
+            .await
+            .unwrap()
+            .unwrap();
+        let accepting = tokio::spawn(streams.clone().accept(esend, erecv));
+        // Wait (bounded) until the edge drives it over this transport.
+        let shared = {
+            let start = std::time::Instant::now();
+            loop {
+                let attached = streams
+                    .map()
+                    .live
+                    .get(&5)
+                    .filter(|l| l.attaches == 1)
+                    .map(|l| l.shared.clone());
+                if let Some(s) = attached {
+                    break s;
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "stream 5 never attached"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+
+        // The transport breaks; no replica re-attaches the stream.
+        cloud.close(quinn::VarInt::from_u32(0), b"gone");
+        let broke = std::time::Instant::now();
+        tokio::time::timeout(Duration::from_secs(5), accepting)
+            .await
+            .expect("the edge noticed the broken transport")
+            .unwrap();
+
+        // Within the grace period: still held, waiting for its owner.
+        tokio::time::sleep(GRACE / 2).await;
+        assert_eq!(streams.len(), 1, "ended before the grace period passed");
+        assert!(
+            shared.with_state(|s| s.reset_reason().is_none()),
+            "reset before the grace period passed"
+        );
+
+        // After it: ended and reset.
+        let ended = loop {
+            if streams.is_empty() {
+                break broke.elapsed();
+            }
+            assert!(
+                broke.elapsed() < GRACE + Duration::from_secs(5),
+                "stream 5 still held {:?} after its transport broke (grace {GRACE:?})",
+                broke.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(
+            ended >= GRACE,
+            "ended after {ended:?}, before the grace {GRACE:?}"
+        );
+        let (code, message) = shared
+            .with_state(|s| s.reset_reason().map(|(c, m)| (c, m.to_string())))
+            .expect("the expired stream was reset");
+        assert_eq!(code, ResetCode::SessionLost, "{message}");
+        assert!(message.contains("grace period"), "{message}");
+        // A late re-attach of it is refused, not taken for a new stream.
+        assert!(streams.map().ended.contains(&5));
+    }
 }

@@ -10,6 +10,10 @@
 //!   HTTPS themselves and the apiserver dials each at its own address. This is the
 //!   baseline that tells fixture problems from tunnel problems;
 //! - `apiserver-sim`, with the pods and nodes above, writing the kubeconfig kubectl uses.
+//!   It starts before the cloud, which watches its pods and nodes with that kubeconfig
+//!   (`--apiserver-kubeconfig`) and routes by them, as deployed (never by what an edge
+//!   reports); the cloud's kubelet API ports are chosen first, so that apiserver-sim
+//!   can be told where to dial them.
 //!
 //! With [`ClusterSpec::cri_runtime`], each node's kubelet is instead a `cri-kubelet` whose
 //! pods are containers of that containerd (several nodes and clusters may share one
@@ -113,6 +117,10 @@ pub struct ClusterSpec {
     /// Pods the apiserver believes run on a node (by name) whose kubelet does not run
     /// them: requests for them must fail, never reach another kubelet.
     pub phantom_pods: Vec<(String, PodSpec)>,
+    /// Pods a node's kubelet (by name) runs, so that its edge reports them, while the
+    /// apiserver places them on another node: the cloud routes them by the apiserver,
+    /// to that other node, and refuses (and counts) the edge's claim.
+    pub impostor_pods: Vec<(String, PodSpec)>,
     /// Start every process in its own process group (see [`SpawnOptions`]).
     pub own_process_groups: bool,
     /// Mint the certificates with the `tether-certs` tool (as an operator
@@ -330,6 +338,15 @@ fn command(program: &Path) -> Command {
     cmd
 }
 
+/// A free TCP port on loopback (released before the replica binds it).
+fn free_tcp_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")
+        .context("binding a TCP port")?
+        .local_addr()
+        .context("reading a TCP port")?
+        .port())
+}
+
 /// A free UDP port on loopback (released before the replica binds it).
 fn free_udp_port() -> Result<u16> {
     Ok(std::net::UdpSocket::bind("127.0.0.1:0")
@@ -405,7 +422,13 @@ impl Cluster {
             for d in [&log_dir, &tmp] {
                 std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
             }
-            for p in &node.pods {
+            let impostors: Vec<&PodSpec> = spec
+                .impostor_pods
+                .iter()
+                .filter(|(n, _)| *n == node.name)
+                .map(|(_, p)| p)
+                .collect();
+            for p in node.pods.iter().chain(impostors.iter().copied()) {
                 for c in &p.containers {
                     let f = log_dir.join(format!("{}_{}_{c}.log", p.namespace, p.name));
                     if !f.exists() {
@@ -454,6 +477,19 @@ impl Cluster {
                     ));
                     cri.uids.insert(format!("{}/{}", p.namespace, p.name), uid);
                 }
+                for p in &impostors {
+                    // Its own uid: the pod it claims may run on the same containerd.
+                    let uid = format!("{}-{}-{}-{tag}", p.namespace, p.name, node.name);
+                    for c in &p.containers {
+                        mkfifo(&cri.feed(&p.namespace, &p.name, c))?;
+                    }
+                    cmd.arg("--pod").arg(format!(
+                        "{}/{}/{uid}={}",
+                        p.namespace,
+                        p.name,
+                        p.containers.join(",")
+                    ));
+                }
                 let proc = Proc::spawn(&format!("cri-kubelet-{}", node.name), cmd, &logs, opts)?;
                 starting.push((node, log_dir, Some(cri), proc));
                 continue;
@@ -467,7 +503,7 @@ impl Cluster {
                 .arg(&log_dir)
                 // Containers' working directories live under TMPDIR: keep them here.
                 .env("TMPDIR", &tmp);
-            for p in &node.pods {
+            for p in node.pods.iter().chain(impostors.iter().copied()) {
                 cmd.arg("--pod").arg(pod_arg(p));
             }
             if spec.mode == Mode::Direct {
@@ -509,10 +545,61 @@ impl Cluster {
             });
         }
 
+        // The apiserver stand-in, first: the cloud watches its pods and nodes
+        // (`--apiserver-kubeconfig`) and routes by them, as deployed. It dials the
+        // cloud replicas' kubelet APIs at ports chosen here, which the replicas then
+        // listen on.
+        let tunnel = cloud_bin.is_some();
+        let replicas = if tunnel { spec.replicas.max(1) } else { 0 };
+        let kubelet_listens = (0..replicas)
+            .map(|_| free_tcp_port().map(|p| SocketAddr::from(([127, 0, 0, 1], p))))
+            .collect::<Result<Vec<_>>>()?;
+        let kubeconfig = dir.join("kubeconfig");
+        let apiserver_streams = apiserver_streams_from_env()?;
+        let mut cmd = command(&apiserver_bin);
+        cmd.arg("--stream-translation")
+            .arg(apiserver_streams)
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--write-kubeconfig")
+            .arg(&kubeconfig)
+            .arg("--kubelet-client-cert")
+            .arg(&pki.apiserver_client.cert)
+            .arg("--kubelet-client-key")
+            .arg(&pki.apiserver_client.key)
+            // Verify the kubelet serving certificate (the cloud's, in tunnel mode) against
+            // the node's address, as kube-apiserver does with
+            // --kubelet-certificate-authority.
+            .arg("--kubelet-ca")
+            .arg(&pki.tether_ca);
+        for node in &nodes {
+            let address = match tunnel {
+                true => format!("{}:{KUBELET_PORT}", node.name),
+                false => node.kubelet_addr.to_string(),
+            };
+            cmd.arg("--node").arg(format!("{}={address}", node.name));
+            for p in &node.pods {
+                cmd.arg("--pod").arg(api_pod_arg(&node.name, p));
+            }
+        }
+        for (node, p) in &spec.phantom_pods {
+            cmd.arg("--pod").arg(api_pod_arg(node, p));
+        }
+        if tunnel {
+            let all = kubelet_listens
+                .iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>()
+                .join(",");
+            cmd.arg("--kubelet-dial").arg(all);
+        }
+        let mut apiserver = Proc::spawn("apiserver-sim", cmd, &logs, opts)?;
+        let apiserver_url = wait_kubeconfig(&kubeconfig, &mut apiserver).await?;
+
         // The tunnel.
         let mut clouds: Vec<RunningCloud> = Vec::new();
         if let (Some(cloud_bin), Some(edge_bin)) = (cloud_bin, edge_bin) {
-            let n = spec.replicas.max(1);
+            let n = replicas;
             let peering = if n > 1 {
                 let peers = pki::mint_peers(&dir.join("pki").join("peers"))?;
                 let listens = (0..n)
@@ -528,10 +615,12 @@ impl Cluster {
                 cmd.arg("--tunnel-listen")
                     .arg("127.0.0.1:0")
                     .arg("--kubelet-listen")
-                    .arg("127.0.0.1:0")
-                    // apiserver-sim starts after the cloud (it dials the cloud's kubelet
-                    // API): these flags make the cloud route by edge reports.
-                    .args(pki.cloud_flags());
+                    .arg(kubelet_listens[i].to_string())
+                    // Routes by apiserver-sim's pods and nodes, as deployed: not by
+                    // what the edges report.
+                    .args(pki.cloud_cert_flags())
+                    .arg("--apiserver-kubeconfig")
+                    .arg(&kubeconfig);
                 let name = if n > 1 {
                     format!("tether-cloud-{i}")
                 } else {
@@ -624,49 +713,6 @@ impl Cluster {
         let mut clouds = clouds.into_iter();
         let cloud = clouds.next();
         let more_clouds: Vec<RunningCloud> = clouds.collect();
-
-        // The apiserver stand-in.
-        let kubeconfig = dir.join("kubeconfig");
-        let apiserver_streams = apiserver_streams_from_env()?;
-        let mut cmd = command(&apiserver_bin);
-        cmd.arg("--stream-translation")
-            .arg(apiserver_streams)
-            .arg("--listen")
-            .arg("127.0.0.1:0")
-            .arg("--write-kubeconfig")
-            .arg(&kubeconfig)
-            .arg("--kubelet-client-cert")
-            .arg(&pki.apiserver_client.cert)
-            .arg("--kubelet-client-key")
-            .arg(&pki.apiserver_client.key)
-            // Verify the kubelet serving certificate (the cloud's, in tunnel mode) against
-            // the node's address, as kube-apiserver does with
-            // --kubelet-certificate-authority.
-            .arg("--kubelet-ca")
-            .arg(&pki.tether_ca);
-        for node in &nodes {
-            let address = match &cloud {
-                Some(_) => format!("{}:{KUBELET_PORT}", node.name),
-                None => node.kubelet_addr.to_string(),
-            };
-            cmd.arg("--node").arg(format!("{}={address}", node.name));
-            for p in &node.pods {
-                cmd.arg("--pod").arg(api_pod_arg(&node.name, p));
-            }
-        }
-        for (node, p) in &spec.phantom_pods {
-            cmd.arg("--pod").arg(api_pod_arg(node, p));
-        }
-        if let Some(c) = &cloud {
-            let all = std::iter::once(c)
-                .chain(more_clouds.iter())
-                .map(|c| c.kubelet_api_addr.to_string())
-                .collect::<Vec<_>>()
-                .join(",");
-            cmd.arg("--kubelet-dial").arg(all);
-        }
-        let mut apiserver = Proc::spawn("apiserver-sim", cmd, &logs, opts)?;
-        let apiserver_url = wait_kubeconfig(&kubeconfig, &mut apiserver).await?;
 
         let cluster = Cluster {
             mode: spec.mode,

@@ -111,8 +111,18 @@ impl Pki {
         }
     }
 
-    /// The certificate flags of `tether-cloud` for this set.
+    /// The certificate flags of `tether-cloud` for this set, with the opt-in to route by
+    /// edge reports (`--insecure-trust-edge-reports`), for clouds that have no apiserver
+    /// to watch.
     pub fn cloud_flags(&self) -> Vec<std::ffi::OsString> {
+        let mut v = self.cloud_cert_flags();
+        v.push("--insecure-trust-edge-reports".into());
+        v
+    }
+
+    /// The certificate flags of `tether-cloud` for this set alone: a cloud started with
+    /// them needs `--apiserver-kubeconfig` to route.
+    pub fn cloud_cert_flags(&self) -> Vec<std::ffi::OsString> {
         let mut v: Vec<std::ffi::OsString> = Vec::new();
         for (flag, path) in [
             ("--tunnel-cert", &self.cloud_tunnel.cert),
@@ -125,8 +135,6 @@ impl Pki {
             v.push(flag.into());
             v.push(path.into());
         }
-        // These clouds have no apiserver to watch: they route by edge reports.
-        v.push("--insecure-trust-edge-reports".into());
         v
     }
 }

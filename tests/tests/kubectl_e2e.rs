@@ -114,6 +114,9 @@ fn spec(mode: Mode, replicas: usize, cri_runtime: Option<PathBuf>) -> ClusterSpe
             },
         ],
         phantom_pods: vec![(NODE2.into(), PodSpec::new(NS, "ghost", &["c1"]))],
+        // edge-2's kubelet also runs a `p1`, which edge-2 reports: the apiserver places
+        // p1 on edge-1, so every request for it must go there (two-edges-own-routes).
+        impostor_pods: vec![(NODE2.into(), PodSpec::new(NS, "p1", &["c1"]))],
         own_process_groups: false,
         certs_via_cli: false,
         cri_script: cri_runtime.as_ref().map(|_| CRI_SCRIPT.to_string()),
@@ -1216,7 +1219,12 @@ async fn two_edges(ctx: Arc<Ctx>) -> Result<()> {
     );
     let s2 = stats_of(&ctx, NODE2).await?;
     ensure!(
-        s2["node"]["nodeName"] == NODE2 && pod_names(&s2) == vec!["p2".to_string()],
+        // edge-2's kubelet also runs the impostor p1 (it reports what it runs).
+        s2["node"]["nodeName"] == NODE2 && {
+            let mut names = pod_names(&s2);
+            names.sort();
+            names == ["p1", "p2"]
+        },
         "edge-2's stats/summary: node {} pods {:?}",
         s2["node"]["nodeName"],
         pod_names(&s2)
@@ -1245,6 +1253,28 @@ async fn two_edges(ctx: Arc<Ctx>) -> Result<()> {
             "stats/summary with SNI/Host {node}: {} from node {:?}",
             r.status,
             r.node()
+        );
+    }
+    // edge-2 claims p1, which the apiserver places on edge-1: the cloud refused the
+    // claim and counted it (above, p1 was reached on edge-1 only).
+    if ctx.cluster.cloud.is_some() {
+        let mut refused = 0.0;
+        for c in ctx
+            .cluster
+            .cloud
+            .iter()
+            .chain(ctx.cluster.more_clouds.iter())
+        {
+            let text = c.ops_get("/metrics").await?;
+            refused += tether_tests::cluster::sample(
+                &text,
+                "tether_cloud_claims_refused_total{kind=\"pod\"}",
+            )
+            .unwrap_or(0.0);
+        }
+        ensure!(
+            refused > 0.0,
+            "edge-2's claim of p1 was not refused by any cloud replica"
         );
     }
     Ok(())

@@ -71,6 +71,7 @@ async fn real_processes(bulk_mib: usize) -> Result<Vec<(String, f64, f64)>> {
         mode: Mode::Tunnel,
         nodes,
         phantom_pods: Vec::new(),
+        impostor_pods: Vec::new(),
         own_process_groups: false,
         certs_via_cli: false,
         cri_runtime: None,

@@ -4,8 +4,9 @@
 //! It mints every certificate, starts a private containerd and the CRI-backed kubelet
 //! stand-in (`cri-kubelet`) when containerd can run here (else, saying why, the kubelet
 //! simulator) running pod `default/hello`
-//! on node `edge-1`, `tether-cloud`, a `tether-edge` for `edge-1`, and the apiserver
-//! stand-in whose kubelet connections all go to the cloud; writes a kubeconfig; runs
+//! on node `edge-1`, the apiserver stand-in whose kubelet connections all go to the
+//! cloud, `tether-cloud` (routing by the stand-in's pods and nodes, as deployed) and a
+//! `tether-edge` for `edge-1`; writes a kubeconfig; runs
 //! `kubectl exec` and `kubectl logs` through the tunnel and prints what they printed;
 //! then keeps everything running and says how to use kubectl against it. Ctrl-C (or
 //! SIGTERM/SIGHUP) stops every process in order and removes the run directory.
@@ -80,6 +81,7 @@ fn spec(cri_runtime: Option<PathBuf>) -> ClusterSpec {
             pods: vec![PodSpec::new("default", POD, &[CONTAINER])],
         }],
         phantom_pods: Vec::new(),
+        impostor_pods: Vec::new(),
         own_process_groups: true,
         certs_via_cli: true,
         cri_runtime,
@@ -175,7 +177,7 @@ async fn demo() -> Result<ExitCode> {
     let node = cluster.node(NODE)?;
     if let Some(cloud) = &cluster.cloud {
         println!(
-            "  tether-cloud    tunnel (QUIC) {}   kubelet API (HTTPS) {}",
+            "  tether-cloud    tunnel (QUIC) {}   kubelet API (HTTPS) {}   routes by apiserver-sim's pods and nodes",
             cloud.tunnel_addr, cloud.kubelet_api_addr
         );
     }
