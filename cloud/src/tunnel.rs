@@ -796,6 +796,8 @@ async fn control_loop(
             Some(Frame::GoAway { reason }) => {
                 info!(node = %session.node, ?reason, "edge is going away")
             }
+            // The edge's adaptive keep-alive: QUIC acknowledges it; nothing to do.
+            Some(Frame::KeepAlive) => {}
             Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
             None => return Ok(()),
         }

@@ -11,6 +11,8 @@
 //!   kubelet, upgrade-aware;
 //! - [`kubelet`]: the one kubelet endpoint the edge may reach (plain HTTP
 //!   edged-style or HTTPS with its own client certificate), and its `/pods`;
+//! - [`keepalive`]: the adaptive keep-alive (learns the NAT's binding
+//!   timeout from the rebindings the cloud reports; sans-IO);
 //! - [`join`]: `tether-edge join`: obtain this edge's certificate with a
 //!   join token, the cloud's CA pinned by hash, the key made locally;
 //! - [`addrs`]: the addresses the edge announces by default;
@@ -22,6 +24,7 @@ pub mod config;
 pub mod dial;
 pub mod forward;
 pub mod join;
+pub mod keepalive;
 pub mod kubelet;
 pub mod metrics;
 pub mod streams;

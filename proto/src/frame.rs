@@ -102,6 +102,10 @@ pub enum Frame {
     /// the edge took: attach session `session` to this connection. Until it
     /// arrives the cloud attaches nothing, so abandoned attempts are harmless.
     Commit { session: crate::token::SessionId },
+    /// Edge → cloud on the control stream: a keep-alive (the edge's adaptive
+    /// keep-alive holds its NAT binding with these; the cloud ignores them,
+    /// QUIC acknowledges them). Added last: postcard numbers variants in order.
+    KeepAlive,
 }
 
 impl Frame {
@@ -133,6 +137,7 @@ impl Frame {
             Frame::RenewCert { .. } => "renew-cert",
             Frame::RenewedCert { .. } => "renewed-cert",
             Frame::Commit { .. } => "commit",
+            Frame::KeepAlive => "keep-alive",
         }
     }
 }
@@ -235,6 +240,7 @@ mod tests {
             Frame::Commit {
                 session: crate::token::SessionId(9),
             },
+            Frame::KeepAlive,
             Frame::PodReport(PodReport {
                 pods: vec![PodRef {
                     namespace: "default".into(),
