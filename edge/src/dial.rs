@@ -694,6 +694,9 @@ async fn read_control(
                 let _ = renewed.try_send(result);
             }
             Some(Frame::GoAway { reason }) => info!(node, %reason, "the cloud is going away"),
+            // Sent by the cloud after a NAT rebinding (its acknowledgement
+            // makes QUIC resend what was lost to the dead binding).
+            Some(Frame::KeepAlive) => {}
             Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
             None => return Ok(()),
         }
