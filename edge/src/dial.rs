@@ -416,10 +416,13 @@ impl Dialer {
         let max = self.cfg.limits.max_frame_bytes as usize;
         let (out_tx, out_rx) = tokio::sync::mpsc::channel::<Frame>(4);
         let (renewed_tx, renewed_rx) = tokio::sync::mpsc::channel::<Result<String, String>>(1);
+        // The pod reads and the keep-alives count their deadlines from the
+        // same instant, so those that coincide fire on one wake-up.
+        let epoch = tokio::time::Instant::now();
         let reporter = report_pods(
             self.target.clone(),
             &mut send,
-            self.cfg.pods_refresh,
+            (epoch, self.cfg.pods_refresh),
             max,
             out_rx,
         );
@@ -428,6 +431,7 @@ impl Dialer {
         let mut learner = self.keepalive.clone();
         let keeper = keep_alive(
             &conn,
+            epoch,
             &mut learner,
             self.cfg.silence_timeout,
             out_tx,
@@ -837,6 +841,7 @@ impl Traffic {
 /// `silence` after the edge sent something; never returns otherwise.
 async fn keep_alive(
     conn: &quinn::Connection,
+    epoch: tokio::time::Instant,
     learner: &mut crate::keepalive::Learner,
     silence: Duration,
     out: tokio::sync::mpsc::Sender<Frame>,
@@ -878,7 +883,9 @@ async fn keep_alive(
             }
         }
     };
-    let start = tokio::time::Instant::now();
+    let start = epoch;
+    // The last keep-alive's deadline (not its send time: deadlines stay on
+    // the grid the pod reads use, see `report_pods`).
     let mut last_send = start;
     // Traffic when the current gap began, and what a quiet gap may add to
     // it (the last keep-alive and its ACK, if they had not crossed yet).
@@ -929,7 +936,7 @@ async fn keep_alive(
         if out.send(Frame::KeepAlive).await.is_err() {
             return std::future::pending().await;
         }
-        last_send = tokio::time::Instant::now();
+        last_send = due;
         watch.sent(start.elapsed());
         let rtt = conn.rtt();
         metrics.rtt_seconds.set(rtt.as_secs_f64());
@@ -939,7 +946,9 @@ async fn keep_alive(
             at: at_send,
         };
         if learner.phase() == Phase::Probing {
-            tokio::time::sleep((rtt * 4 + Duration::from_millis(200)).min(gap / 2)).await;
+            // Short, so the timer is exact (no coarser wheel level, no
+            // extra wake-up); a challenge that comes later is seen next time.
+            tokio::time::sleep((rtt * 4 + Duration::from_millis(20)).min(gap / 2)).await;
             since = Traffic::of(conn, metrics);
             let _ = watch.observe(start.elapsed(), since.rx, since.tx);
             expected = 0;
@@ -955,7 +964,7 @@ async fn keep_alive(
 async fn report_pods(
     target: Arc<KubeletTarget>,
     send: &mut quinn::SendStream,
-    every: Duration,
+    (epoch, every): (tokio::time::Instant, Duration),
     max: usize,
     mut extra: tokio::sync::mpsc::Receiver<Frame>,
 ) -> anyhow::Result<()> {
@@ -994,7 +1003,11 @@ async fn report_pods(
             }
         }
         // Wait for the next pod read, sending other control frames meanwhile.
-        let next = tokio::time::Instant::now() + every;
+        // On a grid from `epoch` (skipping reads a slow kubelet made us
+        // miss), shared with the keep-alive's deadlines.
+        let now = tokio::time::Instant::now();
+        let n = (now.saturating_duration_since(epoch).as_nanos() / every.as_nanos().max(1)) + 1;
+        let next = epoch + every.saturating_mul(u32::try_from(n).unwrap_or(u32::MAX));
         loop {
             tokio::select! {
                 _ = tokio::time::sleep_until(next) => break,

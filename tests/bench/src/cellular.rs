@@ -278,17 +278,6 @@ async fn run_binding(r: &mut Report, binding: Duration, window: Duration) -> Res
     drop(fixed);
     let today = per_day(&fb, &fa, 0, fixed_window);
     t.row("tether, fixed 10 s keep-alive (before)", kib_cells(today));
-    let adaptive = per_day(&before, &after, 0, window);
-    t.row(
-        "tether adaptive ÷ fixed 10 s",
-        vec![
-            Cell::Num(adaptive.0 / today.0.max(1.0)),
-            Cell::Num(adaptive.1 / today.1.max(1.0)),
-            Cell::Num((adaptive.0 + adaptive.1) / (today.0 + today.1).max(1.0)),
-            Cell::Num(adaptive.2 / today.2.max(1.0)),
-        ],
-    );
-
     r.push(&format!(
         "\n### Cellular data: bytes on the wire per idle edge per day (NAT binding {b} s)\n\n\
          The edge behind a NAT that drops bindings idle for {b} s (UDP and TCP). ssh ServerAliveInterval, \
