@@ -893,6 +893,7 @@ async fn keep_alive(
     let mut expected = 0;
     let mut pending: Option<Sent> = None;
     let mut watch = crate::keepalive::Silence::new(silence, since.rx, since.tx);
+    let mut timer = crate::timer::Exact::new();
     // Whether the last poll saw traffic (streams): poll for silence meanwhile.
     let mut active = false;
     loop {
@@ -911,7 +912,7 @@ async fn keep_alive(
             if let Some(d) = watch.deadline() {
                 wake = wake.min(start + d);
             }
-            tokio::time::sleep_until(wake).await;
+            timer.sleep_until(wake).await;
             let t = Traffic::of(conn, metrics);
             if watch.observe(start.elapsed(), t.rx, t.tx) {
                 warn!(node, ?silence, "nothing from the cloud since the edge last sent: taking the link for dead and reconnecting");
@@ -971,6 +972,7 @@ async fn report_pods(
     let mut last: Option<Vec<tether_proto::handshake::PodRef>> = None;
     let mut failing = false;
     let mut reader = crate::kubelet::PodReader::new(target);
+    let mut timer = crate::timer::Exact::new();
     loop {
         match reader.pods().await {
             Ok(pods) => {
@@ -1010,11 +1012,11 @@ async fn report_pods(
         let next = epoch + every.saturating_mul(u32::try_from(n).unwrap_or(u32::MAX));
         loop {
             tokio::select! {
-                _ = tokio::time::sleep_until(next) => break,
+                () = timer.sleep_until(next) => break,
                 f = extra.recv() => match f {
                     Some(f) => write_frame(send, &f, max).await.context("sending a control frame")?,
                     None => {
-                        tokio::time::sleep_until(next).await;
+                        timer.sleep_until(next).await;
                         break;
                     }
                 },

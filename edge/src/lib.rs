@@ -17,7 +17,8 @@
 //!   join token, the cloud's CA pinned by hash, the key made locally;
 //! - [`addrs`]: the addresses the edge announces by default;
 //! - [`metrics`]: the Prometheus metrics (served by [`tether_proto::ops`]);
-//! - [`config`]: the typed configuration `main` parses once.
+//! - [`config`]: the typed configuration `main` parses once;
+//! - [`timer`]: exact sleeps (timerfd) for the idle edge's long timers.
 
 pub mod addrs;
 pub mod config;
@@ -28,3 +29,4 @@ pub mod keepalive;
 pub mod kubelet;
 pub mod metrics;
 pub mod streams;
+pub mod timer;
