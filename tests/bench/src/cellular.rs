@@ -19,8 +19,9 @@
 //! Then the price of a binding that expired anyway (a failed probe, a NAT
 //! that got stricter): the NAT drops every binding at once
 //! ([`linkemu::Link::rebind_nat`]) and a request arrives through Tether right
-//! away; it waits for the edge's next keep-alive to open a new binding, plus
-//! the cloud's QUIC retransmission. Its delay is printed with that bound.
+//! away; it waits for the edge's next keep-alive to open a new binding, then
+//! about an RTT (the cloud's nudge after a migration, cloud/src/tunnel.rs).
+//! Its delay is printed with that bound.
 
 use std::time::Duration;
 
@@ -300,9 +301,9 @@ async fn run_binding(r: &mut Report, binding: Duration, window: Duration) -> Res
     let max = delays.iter().max().copied().unwrap_or_default();
     r.push(&format!(
         "\nStream open after the NAT dropped the binding (binding {b} s, keep-alive {interval}): {} s \
-         (max {:.1} s). Bound: the edge's next keep-alive (at most its interval) opens a new binding, \
-         then the cloud's next QUIC retransmission of the stream's first packet (its backoff after \
-         that many seconds of losses) reaches it.\n",
+         (max {:.1} s). Bound: the edge's next keep-alive (at most its interval) opens a new binding; \
+         the cloud notices the new address within 0.5 s and sends a frame whose acknowledgement \
+         makes QUIC resend the stream's first packet at once (an RTT).\n",
         list.join(", "),
         max.as_secs_f64(),
         b = binding.as_secs(),
