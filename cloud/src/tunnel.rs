@@ -636,10 +636,15 @@ async fn handle(
         grace: cfg.grace,
         every: refresh,
     };
+    // The control stream's sending side, shared with the migration watcher
+    // (which answers a NAT rebinding with a frame, see `watch_migration`).
+    let send = Arc::new(tokio::sync::Mutex::new(send));
+    let edge_keeps_alive = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let control = control_loop(
         registry.clone(),
         session.clone(),
-        (recv, reader, send),
+        (recv, reader, send.clone()),
+        edge_keeps_alive.clone(),
         Renewal {
             join,
             renew_for,
@@ -649,7 +654,7 @@ async fn handle(
         max,
         tickets_for_control,
     );
-    let migrations = watch_migration(&conn, &node, metrics);
+    let migrations = watch_migration(&conn, &node, metrics, (&send, &edge_keeps_alive, max));
     tokio::select! {
         () = migrations => {}
         r = control => {
@@ -687,7 +692,26 @@ async fn handle(
 
 /// Logs each time the edge's address changes under a live connection (QUIC
 /// migration: the connection and its streams carry on).
-async fn watch_migration(conn: &quinn::Connection, node: &str, metrics: &CloudMetrics) {
+///
+/// A new address is often a NAT rebinding after the edge's binding expired
+/// (the edge's adaptive keep-alive probes for that): packets the cloud sent
+/// meanwhile went to the dead binding and wait for QUIC's retransmission
+/// timer, which has backed off for as long as the binding was dead. A frame
+/// sent now on the new path is acknowledged at once, and that
+/// acknowledgement makes QUIC declare the earlier packets lost and resend
+/// them — a stream opened while the binding was dead starts within an RTT of
+/// the edge's next keep-alive instead of at the next backed-off timer. Only
+/// to edges that send keep-alive frames themselves (they know the frame).
+async fn watch_migration(
+    conn: &quinn::Connection,
+    node: &str,
+    metrics: &CloudMetrics,
+    (send, edge_keeps_alive, max): (
+        &tokio::sync::Mutex<quinn::SendStream>,
+        &std::sync::atomic::AtomicBool,
+        usize,
+    ),
+) {
     let mut last = conn.remote_address();
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -696,6 +720,12 @@ async fn watch_migration(conn: &quinn::Connection, node: &str, metrics: &CloudMe
             info!(node, from = %last, to = %now, "edge migrated to a new address");
             metrics.migrations.inc();
             last = now;
+            if edge_keeps_alive.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut send = send.lock().await;
+                if let Err(e) = write_frame(&mut *send, &Frame::KeepAlive, max).await {
+                    debug!(node, error = %e, "cannot nudge the edge after its migration");
+                }
+            }
         }
     }
 }
@@ -882,7 +912,12 @@ struct Renewal<'a> {
 async fn control_loop(
     registry: Arc<Registry>,
     session: Arc<Session>,
-    (mut recv, mut reader, mut send): (quinn::RecvStream, FrameReader, quinn::SendStream),
+    (mut recv, mut reader, send): (
+        quinn::RecvStream,
+        FrameReader,
+        Arc<tokio::sync::Mutex<quinn::SendStream>>,
+    ),
+    edge_keeps_alive: Arc<std::sync::atomic::AtomicBool>,
     renewal: Renewal<'_>,
     max: usize,
     tickets: TicketIssuer,
@@ -901,7 +936,8 @@ async fn control_loop(
         let frame = tokio::select! {
             f = reader.next(&mut recv) => f?,
             _ = refresh.tick() => {
-                write_frame(&mut send, &Frame::Ticket(tickets.next(&session)), max).await?;
+                let mut send = send.lock().await;
+                write_frame(&mut *send, &Frame::Ticket(tickets.next(&session)), max).await?;
                 continue;
             }
         };
@@ -912,8 +948,9 @@ async fn control_loop(
                     // and the connection ends now (its next handshake is refused too).
                     warn!(node = %session.node, reason = %why, "refusing certificate renewal: the presented certificate is revoked; closing the connection");
                     metrics.refuse_edge("revoked");
+                    let mut send = send.lock().await;
                     let _ = write_frame(
-                        &mut send,
+                        &mut *send,
                         &Frame::RenewedCert {
                             result: Err(format!("certificate revoked: {why}")),
                         },
@@ -948,7 +985,8 @@ async fn control_loop(
                             e.to_string()
                         }),
                 };
-                write_frame(&mut send, &Frame::RenewedCert { result }, max).await?;
+                let mut send = send.lock().await;
+                write_frame(&mut *send, &Frame::RenewedCert { result }, max).await?;
             }
             Some(Frame::PodReport(report)) => {
                 if report.pods.len() > MAX_PODS {
@@ -967,6 +1005,11 @@ async fn control_loop(
             }
             Some(Frame::GoAway { reason }) => {
                 info!(node = %session.node, ?reason, "edge is going away")
+            }
+            // The edge's adaptive keep-alive: QUIC acknowledges it; the
+            // edge knows the frame, so it may get one after a migration.
+            Some(Frame::KeepAlive) => {
+                edge_keeps_alive.store(true, std::sync::atomic::Ordering::Relaxed)
             }
             Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
             None => return Ok(()),

@@ -76,9 +76,36 @@ pub struct EdgeArgs {
         value_delimiter = ','
     )]
     pub announce_addresses: Vec<String>,
-    /// How often the kubelet's pod list is read and reported.
-    #[arg(long, env = "TETHER_PODS_REFRESH", default_value = "5s", value_parser = parse_duration)]
+    /// How often the kubelet's pod list is read and reported. The kubelet API
+    /// has no watch, so this bounds how long a new pod may be unknown to the
+    /// cloud (404 `no connected edge reports pod`): at most this after the
+    /// kubelet lists it, usually while its containers are still starting.
+    /// Each read wakes an idle edge (and the kubelet): 20 s keeps an idle
+    /// edge under 30 wake-ups a minute; lower it where new pods must be
+    /// reachable sooner.
+    #[arg(long, env = "TETHER_PODS_REFRESH", default_value = "20s", value_parser = parse_duration)]
     pub pods_refresh: Duration,
+    /// Shortest interval of the adaptive keep-alive (default: 10s, or
+    /// --keep-alive, where it starts, if that is shorter). The edge learns how long the NAT keeps
+    /// an idle UDP binding and settles just below it, within these bounds.
+    #[arg(long, env = "TETHER_KEEP_ALIVE_MIN", value_parser = parse_duration)]
+    pub keep_alive_min: Option<Duration>,
+    /// Longest interval of the adaptive keep-alive (default: 110s, but at
+    /// least 20s below --idle-timeout and never below --keep-alive-min).
+    /// Set it equal to --keep-alive-min for a fixed keep-alive.
+    #[arg(long, env = "TETHER_KEEP_ALIVE_MAX", value_parser = parse_duration)]
+    pub keep_alive_max: Option<Duration>,
+    /// Once the edge has sent something (data, a keep-alive) and nothing has
+    /// come back for this long, the link is taken for dead: the edge
+    /// reconnects and resumes the session. (QUIC's --idle-timeout must
+    /// outlast the longest keep-alive interval, so it cannot be this quick.)
+    #[arg(long, env = "TETHER_SILENCE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub silence_timeout: Duration,
+    /// Threads of the async runtime. One is plenty for an edge's handful of
+    /// streams and wakes the device least when idle; more help only a busy
+    /// edge moving bulk data through many streams at once.
+    #[arg(long, env = "TETHER_WORKER_THREADS", default_value_t = 1)]
+    pub worker_threads: usize,
     /// First reconnect delay; doubles up to --reconnect-max, with jitter.
     #[arg(long, env = "TETHER_RECONNECT_MIN", default_value = "100ms", value_parser = parse_duration)]
     pub reconnect_min: Duration,
@@ -162,6 +189,10 @@ pub struct EdgeConfig {
     pub kubelet: KubeletConfig,
     pub announce_addresses: Option<Vec<String>>,
     pub pods_refresh: Duration,
+    /// The adaptive keep-alive's bounds.
+    pub keep_alive: crate::keepalive::Bounds,
+    pub worker_threads: usize,
+    pub silence_timeout: Duration,
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
     pub reconnect_spread: Duration,
@@ -188,7 +219,16 @@ impl EdgeArgs {
     /// Checks the flags and builds the configuration.
     pub fn into_config(self) -> Result<EdgeConfig, String> {
         let limits = self.limits.limits()?;
-        let quic = self.quic.settings(&limits, tether_proto::cli::Role::Edge)?;
+        let mut quic = self.quic.settings(&limits, tether_proto::cli::Role::Edge)?;
+        let keep_alive = keep_alive_bounds(
+            quic.keep_alive,
+            quic.idle_timeout,
+            self.keep_alive_min,
+            self.keep_alive_max,
+        )?;
+        // quinn's own keep-alive only as a backstop at the longest interval:
+        // the adaptive one (dial.rs) goes first and resets quinn's timer.
+        quic.keep_alive = keep_alive.max;
         let url: http::Uri = self
             .kubelet_url
             .parse()
@@ -229,10 +269,14 @@ impl EdgeArgs {
             ("--kubelet-connect-timeout", self.kubelet_connect_timeout),
             ("--kubelet-pods-timeout", self.kubelet_pods_timeout),
             ("--handshake-timeout", self.handshake_timeout),
+            ("--silence-timeout", self.silence_timeout),
         ] {
             if d.is_zero() {
                 return Err(format!("{flag} must be more than 0"));
             }
+        }
+        if self.worker_threads == 0 || self.worker_threads > 64 {
+            return Err("--worker-threads must be 1 to 64".into());
         }
         if self.reconnect_min > self.reconnect_max || self.reconnect_min.is_zero() {
             return Err("--reconnect-min must be positive and at most --reconnect-max".into());
@@ -257,6 +301,9 @@ impl EdgeArgs {
                 Some(self.announce_addresses)
             },
             pods_refresh: self.pods_refresh,
+            keep_alive,
+            worker_threads: self.worker_threads,
+            silence_timeout: self.silence_timeout,
             reconnect_min: self.reconnect_min,
             reconnect_max: self.reconnect_max,
             reconnect_spread: self.reconnect_spread,
@@ -266,6 +313,50 @@ impl EdgeArgs {
             quic,
         })
     }
+}
+
+/// Default shortest keep-alive interval.
+pub const DEFAULT_KEEP_ALIVE_MIN: Duration = Duration::from_secs(10);
+
+/// Default longest keep-alive interval: below the 120 s that RFC 4787 asks
+/// of NATs for UDP bindings, with room for RTT and timer jitter.
+pub const DEFAULT_KEEP_ALIVE_MAX: Duration = Duration::from_secs(110);
+
+/// The keep-alive must stay this far below the idle timeout, so a lost
+/// keep-alive is retransmitted before the connection is declared dead.
+pub const IDLE_SLACK: Duration = Duration::from_secs(20);
+
+/// The adaptive keep-alive's bounds from the flags: it starts at
+/// `--keep-alive`; the minimum defaults to [`DEFAULT_KEEP_ALIVE_MIN`] (or
+/// `--keep-alive` if shorter), the maximum to
+/// [`DEFAULT_KEEP_ALIVE_MAX`] but at least [`IDLE_SLACK`] below the idle
+/// timeout (so a short `--idle-timeout` keeps the keep-alive fixed).
+pub fn keep_alive_bounds(
+    start: Duration,
+    idle_timeout: Duration,
+    min: Option<Duration>,
+    max: Option<Duration>,
+) -> Result<crate::keepalive::Bounds, String> {
+    let min = min.unwrap_or(DEFAULT_KEEP_ALIVE_MIN.min(start));
+    let max = match max {
+        Some(m) => {
+            if m >= idle_timeout {
+                return Err(format!(
+                    "--keep-alive-max ({m:?}) must be below --idle-timeout ({idle_timeout:?})"
+                ));
+            }
+            m
+        }
+        None => DEFAULT_KEEP_ALIVE_MAX
+            .min(idle_timeout.saturating_sub(IDLE_SLACK))
+            .max(min),
+    };
+    if min >= idle_timeout {
+        return Err(format!(
+            "--keep-alive-min ({min:?}) must be below --idle-timeout ({idle_timeout:?})"
+        ));
+    }
+    crate::keepalive::Bounds::new(min, max, start)
 }
 
 #[cfg(test)]
@@ -300,9 +391,37 @@ mod tests {
             "--kubelet-connect-timeout",
             "--kubelet-pods-timeout",
             "--handshake-timeout",
+            "--silence-timeout",
         ] {
             let e = config(&[flag, "0s"]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
+        }
+    }
+
+    #[test]
+    fn keep_alive_bounds_defaults_and_limits() {
+        let s = Duration::from_secs;
+        // Defaults: adaptive from 10 s to 110 s, starting at --keep-alive (20 s).
+        let c = config(&[]).unwrap();
+        assert_eq!((c.keep_alive.min, c.keep_alive.max), (s(10), s(110)));
+        assert_eq!(c.keep_alive.start, s(20));
+        assert_eq!(c.quic.keep_alive, s(110));
+        // A short idle timeout keeps a short keep-alive fixed (as before).
+        let c = config(&["--keep-alive", "1s", "--idle-timeout", "3s"]).unwrap();
+        assert_eq!((c.keep_alive.min, c.keep_alive.max), (s(1), s(1)));
+        assert!(!c.keep_alive.adaptive());
+        // Explicit bounds.
+        let c = config(&["--keep-alive-min", "20s", "--keep-alive-max", "60s"]).unwrap();
+        assert_eq!(
+            (c.keep_alive.min, c.keep_alive.max, c.keep_alive.start),
+            (s(20), s(60), s(20))
+        );
+        for bad in [
+            &["--keep-alive-max", "200s"][..],
+            &["--keep-alive-min", "60s", "--keep-alive-max", "30s"],
+            &["--keep-alive-min", "0s"],
+        ] {
+            assert!(config(bad).is_err(), "{bad:?}");
         }
     }
 }

@@ -96,6 +96,9 @@ pub struct Dialer {
     metrics: EdgeMetrics,
     /// The certificate file's contents the client config was built from.
     loaded_cert: Vec<u8>,
+    /// What the adaptive keep-alive learned of the NAT (kept across
+    /// connections: it is a property of the network, not of a connection).
+    keepalive: crate::keepalive::Learner,
 }
 
 /// How a connection ended.
@@ -167,6 +170,7 @@ impl Dialer {
         });
         let streams = EdgeStreams::new(node.clone(), cfg.limits, forward, metrics.clone());
         Ok(Dialer {
+            keepalive: crate::keepalive::Learner::new(cfg.keep_alive),
             loaded_cert,
             cfg,
             node,
@@ -444,15 +448,28 @@ impl Dialer {
         let max = self.cfg.limits.max_frame_bytes as usize;
         let (out_tx, out_rx) = tokio::sync::mpsc::channel::<Frame>(4);
         let (renewed_tx, renewed_rx) = tokio::sync::mpsc::channel::<Result<String, String>>(1);
+        // The pod reads and the keep-alives count their deadlines from the
+        // same instant, so those that coincide fire on one wake-up.
+        let epoch = tokio::time::Instant::now();
         let reporter = report_pods(
             self.target.clone(),
             &mut send,
-            self.cfg.pods_refresh,
+            (epoch, self.cfg.pods_refresh),
             max,
             out_rx,
         );
         let control = read_control(recv, renewed_tx, &self.node, &self.ticket);
-        let renewer = renew_certificate(&self.cfg, &self.node, out_tx, renewed_rx);
+        let renewer = renew_certificate(&self.cfg, &self.node, out_tx.clone(), renewed_rx);
+        let mut learner = self.keepalive.clone();
+        let keeper = keep_alive(
+            &conn,
+            epoch,
+            &mut learner,
+            self.cfg.silence_timeout,
+            out_tx,
+            &self.metrics,
+            &self.node,
+        );
         let acceptor = async {
             loop {
                 match conn.accept_bi().await {
@@ -469,22 +486,15 @@ impl Dialer {
             &self.node,
             &self.metrics,
         );
-        let rtt = async {
-            loop {
-                self.metrics.rtt_seconds.set(conn.rtt().as_secs_f64());
-                // A scrape every 15–60 s is the norm; a faster refresh only
-                // wakes an idle edge.
-                tokio::time::sleep(Duration::from_secs(15)).await;
-            }
-        };
         tokio::select! {
             _ = acceptor => {}
             () = watcher => {}
-            () = rtt => {}
+            () = keeper => {}
             () = renewer => {}
             r = control => self.control_failed(&conn, r),
             r = reporter => self.control_failed(&conn, r),
         }
+        self.keepalive = learner;
         let closed = conn.close_reason();
         let reason = closed.as_ref().map(|r| r.to_string()).unwrap_or_default();
         info!(node = %self.node, %reason, "connection to the cloud lost");
@@ -733,6 +743,9 @@ async fn read_control(
                 let _ = renewed.try_send(result);
             }
             Some(Frame::GoAway { reason }) => info!(node, %reason, "the cloud is going away"),
+            // Sent by the cloud after a NAT rebinding (its acknowledgement
+            // makes QUIC resend what was lost to the dead binding).
+            Some(Frame::KeepAlive) => {}
             Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
             None => return Ok(()),
         }
@@ -836,16 +849,175 @@ async fn renew_certificate(
     }
 }
 
+/// What crossed one connection so far, for the keep-alive's verdicts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Traffic {
+    rx: u64,
+    tx: u64,
+    /// `PATH_CHALLENGE`s received: the cloud validating a new path.
+    challenges: u64,
+    /// The edge's own socket rebinds (its address changed).
+    moves: u64,
+}
+
+impl Traffic {
+    fn of(conn: &quinn::Connection, metrics: &EdgeMetrics) -> Traffic {
+        let s = conn.stats();
+        Traffic {
+            rx: s.udp_rx.datagrams,
+            tx: s.udp_tx.datagrams,
+            challenges: s.frame_rx.path_challenge,
+            moves: metrics.migrations.get(),
+        }
+    }
+}
+
+/// The adaptive keep-alive's glue (the learning is [`crate::keepalive`]):
+/// every interval, a keep-alive frame on the control stream, and its
+/// verdict: did the cloud see a new address (the NAT had dropped the binding
+/// during the gap; the cloud's path challenge follows by one RTT), and was
+/// the gap idle. While probing, the verdict is read a few RTTs after the
+/// keep-alive (one more wake-up, so a failed probe is not repeated); once
+/// settled, at the next keep-alive (a NAT that got stricter is still
+/// noticed, without the extra wake-up). The same wake-ups refresh the RTT
+/// gauge and feed the dead-link detector ([`crate::keepalive::Silence`]),
+/// which is polled more often only while the connection carries traffic.
+/// Closes the connection and returns when the cloud stayed silent for
+/// `silence` after the edge sent something; never returns otherwise.
+async fn keep_alive(
+    conn: &quinn::Connection,
+    epoch: tokio::time::Instant,
+    learner: &mut crate::keepalive::Learner,
+    silence: Duration,
+    out: tokio::sync::mpsc::Sender<Frame>,
+    metrics: &EdgeMetrics,
+    node: &str,
+) {
+    use crate::keepalive::{Phase, Verdict};
+    /// A keep-alive whose verdict is open.
+    struct Sent {
+        gap: Duration,
+        quiet: bool,
+        at: Traffic,
+    }
+    let judge = |learner: &mut crate::keepalive::Learner, sent: Sent, now: Traffic| {
+        if now.moves != sent.at.moves {
+            // The edge moved itself: the cloud's challenge says nothing of the NAT.
+            return;
+        }
+        let verdict = Verdict {
+            rebound: now.challenges > sent.at.challenges,
+            quiet: sent.quiet,
+        };
+        let before = (learner.interval(), learner.phase());
+        learner.on_verdict(sent.gap, verdict);
+        if verdict.rebound {
+            metrics.nat_rebindings.inc();
+        }
+        let after = (learner.interval(), learner.phase());
+        if after != before {
+            let (good, bad) = learner.known();
+            debug!(node, interval = ?after.0, phase = ?after.1, ?good, ?bad, rebound = verdict.rebound, "keep-alive interval changed");
+            if after.1 == Phase::Settled {
+                info!(node, interval = ?after.0, longest_held = ?good, shortest_lost = ?bad, "keep-alive settled");
+                println!(
+                    "tether-edge keep-alive settled node={node} interval={:.1}s rebindings={}",
+                    after.0.as_secs_f64(),
+                    learner.rebindings()
+                );
+            }
+        }
+    };
+    let start = epoch;
+    // The last keep-alive's deadline (not its send time: deadlines stay on
+    // the grid the pod reads use, see `report_pods`).
+    let mut last_send = start;
+    // Traffic when the current gap began, and what a quiet gap may add to
+    // it (the last keep-alive and its ACK, if they had not crossed yet).
+    let mut since = Traffic::of(conn, metrics);
+    let mut expected = 0;
+    let mut pending: Option<Sent> = None;
+    let mut watch = crate::keepalive::Silence::new(silence, since.rx, since.tx);
+    let mut timer = crate::timer::Exact::new();
+    // Whether the last poll saw traffic (streams): poll for silence meanwhile.
+    let mut active = false;
+    loop {
+        let gap = learner.interval();
+        metrics.keepalive_seconds.set(gap.as_secs_f64());
+        metrics
+            .keepalive_settled
+            .set(i64::from(learner.phase() == Phase::Settled));
+        let due = last_send + gap;
+        let mut last = since;
+        let at_send = loop {
+            let mut wake = due;
+            if active {
+                wake = wake.min(tokio::time::Instant::now() + watch.poll_every());
+            }
+            if let Some(d) = watch.deadline() {
+                wake = wake.min(start + d);
+            }
+            timer.sleep_until(wake).await;
+            let t = Traffic::of(conn, metrics);
+            if watch.observe(start.elapsed(), t.rx, t.tx) {
+                warn!(node, ?silence, "nothing from the cloud since the edge last sent: taking the link for dead and reconnecting");
+                // NORMAL: a lost link for the cloud, which keeps the session
+                // for the resume (should this close ever reach it).
+                conn.close(
+                    quinn::VarInt::from_u32(close_code::NORMAL),
+                    b"edge: no answer within its silence timeout",
+                );
+                return;
+            }
+            active = t.rx > last.rx + expected || t.tx > last.tx + expected;
+            last = t;
+            if tokio::time::Instant::now() >= due {
+                break t;
+            }
+        };
+        if let Some(sent) = pending.take() {
+            judge(learner, sent, at_send);
+        }
+        let quiet = at_send.rx <= since.rx + expected && at_send.tx <= since.tx + expected;
+        if out.send(Frame::KeepAlive).await.is_err() {
+            return std::future::pending().await;
+        }
+        last_send = due;
+        watch.sent(start.elapsed());
+        let rtt = conn.rtt();
+        metrics.rtt_seconds.set(rtt.as_secs_f64());
+        let sent = Sent {
+            gap,
+            quiet,
+            at: at_send,
+        };
+        if learner.phase() == Phase::Probing {
+            // Short, so the timer is exact (no coarser wheel level, no
+            // extra wake-up); a challenge that comes later is seen next time.
+            tokio::time::sleep((rtt * 4 + Duration::from_millis(20)).min(gap / 2)).await;
+            since = Traffic::of(conn, metrics);
+            let _ = watch.observe(start.elapsed(), since.rx, since.tx);
+            expected = 0;
+            judge(learner, sent, since);
+        } else {
+            since = at_send;
+            expected = 1;
+            pending = Some(sent);
+        }
+    }
+}
+
 async fn report_pods(
     target: Arc<KubeletTarget>,
     send: &mut quinn::SendStream,
-    every: Duration,
+    (epoch, every): (tokio::time::Instant, Duration),
     max: usize,
     mut extra: tokio::sync::mpsc::Receiver<Frame>,
 ) -> anyhow::Result<()> {
     let mut last: Option<Vec<tether_proto::handshake::PodRef>> = None;
     let mut failing = false;
     let mut reader = crate::kubelet::PodReader::new(target);
+    let mut timer = crate::timer::Exact::new();
     loop {
         match reader.pods().await {
             Ok(pods) => {
@@ -878,14 +1050,18 @@ async fn report_pods(
             }
         }
         // Wait for the next pod read, sending other control frames meanwhile.
-        let next = tokio::time::Instant::now() + every;
+        // On a grid from `epoch` (skipping reads a slow kubelet made us
+        // miss), shared with the keep-alive's deadlines.
+        let now = tokio::time::Instant::now();
+        let n = (now.saturating_duration_since(epoch).as_nanos() / every.as_nanos().max(1)) + 1;
+        let next = epoch + every.saturating_mul(u32::try_from(n).unwrap_or(u32::MAX));
         loop {
             tokio::select! {
-                _ = tokio::time::sleep_until(next) => break,
+                () = timer.sleep_until(next) => break,
                 f = extra.recv() => match f {
                     Some(f) => write_frame(send, &f, max).await.context("sending a control frame")?,
                     None => {
-                        tokio::time::sleep_until(next).await;
+                        timer.sleep_until(next).await;
                         break;
                     }
                 },

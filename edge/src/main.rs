@@ -12,8 +12,11 @@ use tether_proto::handshake::close_code;
 
 fn main() -> anyhow::Result<()> {
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let runtime = || {
+    // One worker by default (`--worker-threads`): an idle edge then wakes one
+    // thread per timer or packet instead of handing work between workers.
+    let runtime = |workers: usize| {
         tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
             .enable_all()
             .build()
             .context("starting the async runtime")
@@ -21,7 +24,7 @@ fn main() -> anyhow::Result<()> {
     if argv.get(1).map(|a| a == "join").unwrap_or(false) {
         argv.remove(1);
         let args = JoinArgs::parse_from(argv);
-        return runtime()?.block_on(join(args));
+        return runtime(1)?.block_on(join(args));
     }
     // The configuration file is applied before any thread exists.
     let Some(cfg) = tether_proto::cli::start::<EdgeArgs>(&argv).map_err(anyhow::Error::msg)? else {
@@ -30,7 +33,7 @@ fn main() -> anyhow::Result<()> {
     // Spawned, not run on the main thread by `block_on`: every timer and I/O
     // event is then handled on the runtime's worker, not handed over to the
     // main thread and back (half of the idle edge's wake-ups).
-    runtime()?.block_on(async {
+    runtime(cfg.worker_threads)?.block_on(async {
         tokio::spawn(run(cfg))
             .await
             .context("the edge's main task failed")?

@@ -23,6 +23,12 @@ pub struct EdgeMetrics {
     /// Reconnect rounds dialled from a new UDP source port.
     pub source_ports: Counter,
     pub rtt_seconds: FloatGauge<f64, AtomicU64>,
+    /// The adaptive keep-alive's current interval.
+    pub keepalive_seconds: FloatGauge<f64, AtomicU64>,
+    /// 1 once the keep-alive settled (below the NAT's binding or at a bound).
+    pub keepalive_settled: Gauge,
+    /// NAT rebindings the cloud reported (path challenges after a keep-alive).
+    pub nat_rebindings: Counter,
     pub bytes: ByteCounters,
 }
 
@@ -84,6 +90,21 @@ impl EdgeMetrics {
             "rtt_seconds",
             "QUIC RTT to the cloud",
             m.rtt_seconds.clone(),
+        );
+        r.register(
+            "keepalive_seconds",
+            "Current interval of the adaptive keep-alive",
+            m.keepalive_seconds.clone(),
+        );
+        r.register(
+            "keepalive_settled",
+            "1 once the adaptive keep-alive has settled below the NAT's binding timeout (or at a bound)",
+            m.keepalive_settled.clone(),
+        );
+        r.register(
+            "nat_rebindings",
+            "NAT rebindings after a keep-alive (the cloud saw a new address): failed probes of the adaptive keep-alive",
+            m.nat_rebindings.clone(),
         );
         r.register(
             "bytes_to_cloud",

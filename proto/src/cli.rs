@@ -54,11 +54,15 @@ impl LimitArgs {
 /// QUIC tuning (see README, "QUIC tuning").
 #[derive(Debug, Clone, Args)]
 pub struct QuicArgs {
-    /// Keep-alive interval; keep it below carrier NAT UDP timeouts (often 30 s).
-    #[arg(long, env = "TETHER_KEEP_ALIVE", default_value = "10s", value_parser = parse_duration)]
+    /// Keep-alive interval (the edge's adaptive keep-alive starts here and
+    /// learns the NAT's binding timeout, see `--keep-alive-min/max`; the cloud
+    /// sends none).
+    #[arg(long, env = "TETHER_KEEP_ALIVE", default_value = "20s", value_parser = parse_duration)]
     pub keep_alive: Duration,
-    /// A connection silent this long is dead (its streams then wait for a resume).
-    #[arg(long, env = "TETHER_IDLE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    /// A connection silent this long is dead (its streams then wait for a
+    /// resume). Must exceed the edge's longest keep-alive interval (110 s by
+    /// default) by a margin for a lost keep-alive's retransmission.
+    #[arg(long, env = "TETHER_IDLE_TIMEOUT", default_value = "150s", value_parser = parse_duration)]
     pub idle_timeout: Duration,
     /// RTT assumed before the first sample (cellular: a few hundred ms).
     #[arg(long, env = "TETHER_INITIAL_RTT", default_value = "300ms", value_parser = parse_duration)]

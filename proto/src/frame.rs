@@ -108,6 +108,10 @@ pub enum Frame {
     /// the previous one; sent while the connection lives, so the ticket
     /// expires the grace period after the connection is lost).
     Ticket(crate::ticket::Ticket),
+    /// Edge → cloud on the control stream: a keep-alive (the edge's adaptive
+    /// keep-alive holds its NAT binding with these; the cloud ignores them,
+    /// QUIC acknowledges them). Added last: postcard numbers variants in order.
+    KeepAlive,
 }
 
 impl Frame {
@@ -140,6 +144,7 @@ impl Frame {
             Frame::RenewedCert { .. } => "renewed-cert",
             Frame::Commit { .. } => "commit",
             Frame::Ticket(_) => "ticket",
+            Frame::KeepAlive => "keep-alive",
         }
     }
 }
@@ -406,6 +411,7 @@ mod tests {
             Frame::Commit {
                 session: crate::token::SessionId(9),
             },
+            Frame::KeepAlive,
             Frame::PodReport(PodReport {
                 pods: vec![PodRef {
                     namespace: "default".into(),

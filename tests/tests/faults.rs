@@ -384,8 +384,8 @@ async fn edge_address_change_migrates_without_reconnect() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_second_outage_is_survived_exactly_once() {
-    // Default QUIC settings: the connection dies after the 30 s idle timeout
-    // and the session is resumed when the link returns.
+    // Default settings: the edge takes the silent link for dead after its
+    // 30 s --silence-timeout, and the session is resumed when the link returns.
     let env = NsEnv::start(&[], &[]).await;
     let traffic = Traffic::start(&env.client).await;
     tokio::time::sleep(Duration::from_secs(1)).await;

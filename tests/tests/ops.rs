@@ -277,7 +277,7 @@ fn configuration_file_env_and_flags_with_precedence_and_rejection() {
         .args([
             "--insecure-skip-client-auth",
             "--keep-alive",
-            "40s",
+            "200s",
             "--print-config",
         ])
         .env_remove("TETHER_CONFIG")

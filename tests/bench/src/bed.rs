@@ -65,10 +65,11 @@ pub struct BedOptions {
     pub edge_args: Vec<String>,
     /// Start only Tether (and direct), not ssh -R and rathole (the soak).
     pub tether_only: bool,
-    /// Configure every tunnel's keep-alive to hold a NAT binding of this
-    /// length (ssh's ServerAliveInterval, rathole's heartbeat and TCP
-    /// keep-alive, tether-edge's --keep-alive: each 5 s below it), instead of
-    /// their usual settings (the cellular-data scenario).
+    /// Put the edge behind a NAT whose idle bindings (UDP and TCP) expire
+    /// after this long, and configure ssh's ServerAliveInterval and rathole's
+    /// heartbeat and TCP keep-alive to hold it (each 5 s below it);
+    /// tether-edge learns it by itself (its adaptive keep-alive, default
+    /// bounds) unless `edge_args` say otherwise (the cellular-data scenario).
     pub nat_binding: Option<Duration>,
 }
 
@@ -253,7 +254,11 @@ async fn exposed(link: &Arc<Link>, port: u16, pki: &Pki, name: &str, log: &Path)
 impl Bed {
     /// Creates the link and starts every peer on it; returns when all answer.
     pub async fn start(imp: Impairment, opts: BedOptions) -> Result<Bed> {
-        let link = Arc::new(Link::create(LinkOptions::new().with_impairment(imp))?);
+        let mut link_opts = LinkOptions::new().with_impairment(imp);
+        if let Some(b) = opts.nat_binding {
+            link_opts = link_opts.with_nat_binding(b);
+        }
+        let link = Arc::new(Link::create(link_opts)?);
         let dir = tempfile::tempdir()?;
         let d = dir.path().to_path_buf();
         let pki = pki::mint(&d, &["edge-1"])?;
@@ -291,13 +296,6 @@ impl Bed {
             .args(["--metrics-listen", "127.0.0.1:0"])
             .args(["--announce-address", "edge-1.invalid"])
             .args(&opts.edge_args)
-            .args(match opts.nat_binding {
-                Some(b) => vec![
-                    "--keep-alive".to_string(),
-                    format!("{}s", keepalive_for(b).as_secs()),
-                ],
-                None => Vec::new(),
-            })
             .env("TETHER_LOG", "info")
             .env("RUST_BACKTRACE", "0");
         let mut edge = Proc::spawn(

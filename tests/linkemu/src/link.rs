@@ -48,6 +48,11 @@ pub struct LinkOptions {
     /// Put a source NAT in the edge namespace from the start (needed for
     /// [`Link::rebind_nat`] to be a pure port change).
     pub nat: bool,
+    /// With [`LinkOptions::nat`]: drop a NAT binding (UDP, and TCP
+    /// established) idle for longer than this, as a carrier NAT does; the
+    /// flow's next packet then gets a new public port. `None`: the kernel's
+    /// defaults (UDP 30 s / 120 s once replied, TCP 5 days).
+    pub nat_binding: Option<Duration>,
     /// Seed for loss and jitter; `None` picks one from the clock.
     pub seed: Option<u64>,
     /// The router tears the link down by itself after this long.
@@ -69,6 +74,7 @@ impl Default for LinkOptions {
             up: Impairment::clean(),
             down: Impairment::clean(),
             nat: false,
+            nat_binding: None,
             seed: None,
             ttl: Duration::from_secs(30 * 60),
             mtu: 1500,
@@ -106,6 +112,14 @@ impl LinkOptions {
     /// Install the edge's NAT from the start.
     pub fn with_nat(mut self, nat: bool) -> Self {
         self.nat = nat;
+        self
+    }
+
+    /// A NAT (see [`LinkOptions::with_nat`]) whose idle bindings expire
+    /// after `timeout` (whole seconds, rounded up).
+    pub fn with_nat_binding(mut self, timeout: Duration) -> Self {
+        self.nat = true;
+        self.nat_binding = Some(timeout);
         self
     }
 
@@ -385,6 +399,9 @@ fn start_router(bin: &Path, tag: &str, opts: &LinkOptions) -> anyhow::Result<Lin
         .stderr(Stdio::inherit());
     if opts.nat {
         cmd.arg("--nat");
+    }
+    if let Some(b) = opts.nat_binding {
+        cmd.arg("--nat-binding").arg(format!("{}ms", b.as_millis()));
     }
     if !opts.realtime {
         cmd.arg("--no-realtime");

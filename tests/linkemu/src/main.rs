@@ -157,6 +157,9 @@ enum Cmd {
         mtu: u32,
         #[arg(long)]
         nat: bool,
+        /// With --nat: idle NAT bindings expire after this.
+        #[arg(long, value_parser = impairment::parse_duration)]
+        nat_binding: Option<Duration>,
         #[arg(long)]
         no_realtime: bool,
         /// Impairment edge → cloud, as JSON.
@@ -240,6 +243,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             seed,
             mtu,
             nat,
+            nat_binding,
             no_realtime,
             up,
             down,
@@ -252,6 +256,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 up: serde_json::from_str(&up).context("--up")?,
                 down: serde_json::from_str(&down).context("--down")?,
                 nat,
+                nat_binding,
                 mtu,
                 realtime: !no_realtime,
             };

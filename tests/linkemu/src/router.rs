@@ -74,6 +74,9 @@ pub struct RouterConfig {
     pub down: Impairment,
     /// Install the edge's source NAT from the start.
     pub nat: bool,
+    /// With `nat`: idle bindings expire after this (see
+    /// [`crate::LinkOptions::nat_binding`]).
+    pub nat_binding: Option<Duration>,
     /// MTU of both TUN devices.
     pub mtu: u32,
     /// Run the forwarding thread at real-time priority (`SCHED_FIFO` 10)
@@ -270,6 +273,9 @@ fn run_inner(
     let edge_tun = build_side(cfg, &edge_ns, EDGE_IP, created)?;
     if cfg.nat {
         install_nat(&edge_ns, 1)?;
+        if let Some(b) = cfg.nat_binding {
+            set_binding_timeout(&edge_ns, b)?;
+        }
     }
 
     let ctl = naming::ctl_path(&cfg.tag);
@@ -807,6 +813,30 @@ fn install_nat(edge_ns: &str, gen: u32) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The NAT's binding timeout: connection tracking's timeouts are per network
+/// namespace, so the edge namespace's UDP (unreplied and "stream") and TCP
+/// established timeouts are set to `timeout`. When a flow's entry expires the
+/// next packet creates a new one, and the masquerade picks a new random port:
+/// the cloud sees the flow from a new address, as behind a carrier NAT.
+fn set_binding_timeout(edge_ns: &str, timeout: Duration) -> anyhow::Result<()> {
+    let secs = timeout.as_secs() + u64::from(timeout.subsec_nanos() > 0);
+    if secs == 0 {
+        bail!("--nat-binding must be at least 1s");
+    }
+    netns::run_in(edge_ns, move || -> anyhow::Result<()> {
+        for name in [
+            "nf_conntrack_udp_timeout",
+            "nf_conntrack_udp_timeout_stream",
+            "nf_conntrack_tcp_timeout_established",
+        ] {
+            let path = format!("/proc/sys/net/netfilter/{name}");
+            std::fs::write(&path, secs.to_string())
+                .with_context(|| format!("writing {path} in the edge namespace"))?;
+        }
+        Ok(())
+    })?
 }
 
 /// NAT rebinding: switch the NAT to the next port range and flush the edge's
