@@ -1346,6 +1346,25 @@ async fn wait_held_by(bed: &Bed, node: &str, i: usize, limit: Duration) -> Resul
     }
 }
 
+/// The end of a fault that moved the edge to [`THIRD`]: edge-1 held there within
+/// `limit` (how long after `since` is printed as `what`), then both sessions fed a
+/// little more and ended cleanly, every byte and line exactly once.
+async fn held_by_third_then_finish(
+    bed: &Bed,
+    mut s: Sessions,
+    since: Instant,
+    limit: Duration,
+    what: &str,
+) -> Result<()> {
+    wait_held_by(bed, "edge-1", THIRD, limit).await?;
+    println!(
+        "FIGURE roll {what}: edge-1 held by replica {THIRD} {:.1} s after",
+        since.elapsed().as_secs_f64()
+    );
+    s.feed_for(Duration::from_secs(3)).await?;
+    s.finish_ok().await
+}
+
 /// The kubectl of the roll tests: the oldest (SPDY) or the newest (WebSocket).
 async fn roll_kubectl(bed: &Bed, newest: bool) -> Result<Kubectl> {
     let bins = kubectl::under_test().await?;
@@ -1369,13 +1388,7 @@ async fn sigterm_of_the_edges_holder_loses_no_byte_of_a_stream_owned_elsewhere()
             .wait_replica_exit(HOLDER, Duration::from_secs(30))
             .await?;
         ensure!(status.success(), "the holder exited with {status:?}");
-        wait_held_by(&bed, "edge-1", THIRD, Duration::from_secs(20)).await?;
-        println!(
-            "FIGURE roll holder SIGTERM: edge-1 held by replica {THIRD} {:.1} s after",
-            t.elapsed().as_secs_f64()
-        );
-        s.feed_for(Duration::from_secs(3)).await?;
-        s.finish_ok().await
+        held_by_third_then_finish(&bed, s, t, Duration::from_secs(20), "holder SIGTERM").await
     }
     .await;
     finish(bed, dir, result);
@@ -1396,13 +1409,7 @@ async fn kill_9_of_the_edges_holder_loses_no_byte_of_a_stream_owned_elsewhere() 
         // port, is balanced to C.
         bed.set_udp_backends(&[THIRD])?;
         s.feed_for(Duration::from_secs(6)).await?;
-        wait_held_by(&bed, "edge-1", THIRD, Duration::from_secs(30)).await?;
-        println!(
-            "FIGURE roll holder kill -9: edge-1 held by replica {THIRD} {:.1} s after",
-            t.elapsed().as_secs_f64()
-        );
-        s.feed_for(Duration::from_secs(3)).await?;
-        s.finish_ok().await
+        held_by_third_then_finish(&bed, s, t, Duration::from_secs(30), "holder kill -9").await
     }
     .await;
     finish(bed, dir, result);
@@ -1423,13 +1430,14 @@ async fn a_60_s_outage_then_another_replica_loses_no_byte() {
         bed.cut_edge_site(false)?;
         let t = Instant::now();
         s.feed_for(Duration::from_secs(3)).await?;
-        wait_held_by(&bed, "edge-1", THIRD, Duration::from_secs(60)).await?;
-        println!(
-            "FIGURE roll 60 s outage: edge-1 held by replica {THIRD} {:.1} s after the link came back",
-            t.elapsed().as_secs_f64()
-        );
-        s.feed_for(Duration::from_secs(3)).await?;
-        s.finish_ok().await
+        held_by_third_then_finish(
+            &bed,
+            s,
+            t,
+            Duration::from_secs(60),
+            "60 s outage (since the link came back)",
+        )
+        .await
     }
     .await;
     finish(bed, dir, result);

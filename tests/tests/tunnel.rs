@@ -36,19 +36,25 @@ fn two() -> Vec<NodeSpec<'static>> {
     ]
 }
 
-/// Starts a healthy 1 MiB echo on pod `pod` that stays open until the returned
-/// sender is used, then checks it was intact: the "healthy stream running at
-/// the same time" of the bad-input tests.
-async fn healthy_stream(env: &Env, pod: &str) -> tokio::task::JoinHandle<anyhow::Result<()>> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (_, up) = env
-        .client
+/// Upgrades a `cat` exec on pod `pod` through the tunnel, as the apiserver does.
+async fn cat_upgrade(
+    env: &Env,
+    pod: &str,
+) -> anyhow::Result<(support::Reply, hyper::upgrade::Upgraded)> {
+    env.client
         .upgrade(
             &format!("/exec/default/{pod}/c?command=cat&input=1&output=1"),
             "apiserver.example:6443",
         )
         .await
-        .expect("healthy stream upgrade");
+}
+
+/// Starts a healthy 1 MiB echo on pod `pod` that stays open until the returned
+/// sender is used, then checks it was intact: the "healthy stream running at
+/// the same time" of the bad-input tests.
+async fn healthy_stream(env: &Env, pod: &str) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_, up) = cat_upgrade(env, pod).await.expect("healthy stream upgrade");
     tokio::spawn(async move {
         let data = random_bytes(1 << 20);
         let (mut r, mut w) = tokio::io::split(TokioIo::new(up));
@@ -132,14 +138,7 @@ async fn an_edge_with_small_frame_limits_gets_frames_it_accepts() {
     .await
     .unwrap();
     let data = random_bytes(2 << 20);
-    let (_reply, up) = env
-        .client
-        .upgrade(
-            "/exec/default/p1/c?command=cat&input=1&output=1",
-            "apiserver.example:6443",
-        )
-        .await
-        .unwrap();
+    let (_reply, up) = cat_upgrade(&env, "p1").await.unwrap();
     let back = tokio::time::timeout(
         Duration::from_secs(60),
         echo(TokioIo::new(up), data.clone()),
@@ -156,14 +155,7 @@ async fn upgrade_echo_10_mib_byte_exact_with_half_close() {
     let data = random_bytes(10 << 20);
     let want = sha256_hex(&data);
     // Through the tunnel.
-    let (reply, up) = env
-        .client
-        .upgrade(
-            "/exec/default/p1/c?command=cat&input=1&output=1",
-            "apiserver.example:6443",
-        )
-        .await
-        .unwrap();
+    let (reply, up) = cat_upgrade(&env, "p1").await.unwrap();
     assert_eq!(
         reply.headers.get("x-stream-protocol-version").unwrap(),
         "v4.channel.k8s.io"

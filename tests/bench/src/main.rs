@@ -702,7 +702,7 @@ async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
             .context("address change scenario")?;
     }
     if want("cellular data") {
-        cellular::run(r, plan.cellular_window)
+        cellular::run(r, plan.cellular_window, plan.quick)
             .await
             .context("cellular data")?;
     }
