@@ -144,9 +144,9 @@ pub struct CloudArgs {
     /// On SIGTERM, how long open streams may finish before edges are disconnected.
     #[arg(long, env = "TETHER_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
-    /// On SIGTERM, edges without open streams are told to move to another
-    /// replica spread evenly over this long (so the other replicas are not
-    /// stormed); an edge with open streams moves when they end. `0s`: all at once.
+    /// On SIGTERM, edges are told to move to another replica spread evenly
+    /// over this long (so the other replicas are not stormed); their open
+    /// streams move with them. `0s`: all at once.
     #[arg(long, env = "TETHER_DRAIN_SPREAD", default_value = "10s", value_parser = parse_duration)]
     pub drain_spread: Duration,
     /// With peers, on SIGTERM, the least time the replica keeps serving (not

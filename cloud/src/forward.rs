@@ -413,8 +413,13 @@ impl Forwarder {
                     .and_then(|v| v.to_str().ok())
                     .map(str::to_string)
                     .or_else(|| req.uri().authority().map(|a| a.to_string()));
-                self.registry
-                    .route_node(fwd, conn.sni.as_deref(), host.as_deref())
+                if upgrade_of(req).is_some() {
+                    self.registry
+                        .route_node(fwd, conn.sni.as_deref(), host.as_deref())
+                } else {
+                    self.registry
+                        .route_node_proxied(fwd, conn.sni.as_deref(), host.as_deref())
+                }
             }
         }
     }

@@ -1246,16 +1246,47 @@ impl Registry {
         nodes
     }
 
-    /// The session for a node-scoped request: by TLS SNI, else `Host`, each a
-    /// node name or an address its edge announced. The node named by the
-    /// apiserver's node proxy (`X-Forwarded-Uri`) only chooses among the nodes
-    /// SNI and `Host` stand for (an address several edges share, say): it must
-    /// be one of them for every hint that stands for any node, and at least
-    /// one hint must, else the request is refused — a client could have put it
-    /// there to reach a node it was not let through to.
+    /// The session for a node-scoped upgrade request: by TLS SNI, else
+    /// `Host`, each a node name or an address its edge announced. The node
+    /// named in `X-Forwarded-Uri` only chooses among the nodes SNI and `Host`
+    /// stand for (an address several edges share, say): it must be one of
+    /// them for every hint that stands for any node, and at least one hint
+    /// must, else the request is refused. On an upgrade kube-apiserver copies
+    /// the client's headers and does not set `X-Forwarded-Uri` itself, so a
+    /// client could have put it there to reach a node it was not let through
+    /// to. Plain requests go through [`Registry::route_node_proxied`].
     pub fn route_node(
         &self,
         forwarded_node: Option<&str>,
+        sni: Option<&str>,
+        host: Option<&str>,
+    ) -> Result<Target, RouteError> {
+        self.route_node_inner(forwarded_node, false, sni, host)
+    }
+
+    /// The session for a node-scoped plain (non-upgrade) request. Like
+    /// [`Registry::route_node`], except that `X-Forwarded-Uri` on its own is
+    /// enough when nothing in the connection stands for a node: on plain
+    /// requests kube-apiserver's node proxy sets that header itself
+    /// (overwriting any the client sent) while keeping the client's `Host`
+    /// (its own address) and dialling the node's IP (no SNI), so the header is
+    /// the only name of the node there is. A header naming another node than
+    /// SNI or `Host` stand for is still refused. Callers authorised by
+    /// SubjectAccessReview are authorised for the node this returns, so
+    /// naming a node gives them nothing they were not allowed.
+    pub fn route_node_proxied(
+        &self,
+        forwarded_node: Option<&str>,
+        sni: Option<&str>,
+        host: Option<&str>,
+    ) -> Result<Target, RouteError> {
+        self.route_node_inner(forwarded_node, true, sni, host)
+    }
+
+    fn route_node_inner(
+        &self,
+        forwarded_node: Option<&str>,
+        header_alone_suffices: bool,
         sni: Option<&str>,
         host: Option<&str>,
     ) -> Result<Target, RouteError> {
@@ -1280,10 +1311,12 @@ impl Registry {
                 }
                 confirmed = true;
             }
-            if !confirmed {
+            if !confirmed && !header_alone_suffices {
                 return Err(RouteError::ForwardedUriUntrusted {
                     node: n.to_string(),
-                    why: "neither the connection's SNI nor its Host stands for a connected node"
+                    why: "this is an upgrade (whose headers kube-apiserver copies from the \
+                          client) and neither the connection's SNI nor its Host stands for a \
+                          connected node"
                         .to_string(),
                 });
             }
@@ -1595,6 +1628,35 @@ mod tests {
             assert!(
                 matches!(
                     node(Some(fwd), sni, host),
+                    Err(RouteError::ForwardedUriUntrusted { .. })
+                ),
+                "{fwd} {sni:?} {host:?}"
+            );
+        }
+        // A plain request proxied by the apiserver (which sets the header itself):
+        // the header alone names the node when nothing in the connection does…
+        let proxied = |fwd, sni, host| r.route_node_proxied(fwd, sni, host).map(|t| t.node);
+        assert_eq!(
+            proxied(Some("edge-b"), None, Some("10.96.0.1:443")),
+            Ok("edge-b".to_string())
+        );
+        assert_eq!(
+            proxied(Some("edge-c"), None, None),
+            Ok("edge-c".to_string())
+        );
+        assert!(matches!(
+            proxied(Some("nope"), None, Some("10.96.0.1:443")),
+            Err(RouteError::UnknownNode { .. })
+        ));
+        // …but never against what the connection stands for.
+        for (fwd, sni, host) in [
+            ("edge-c", None, Some("10.0.0.9:10250")),
+            ("edge-b", None, Some("edge-a:10250")),
+            ("edge-b", Some("edge-a"), Some("10.96.0.1:443")),
+        ] {
+            assert!(
+                matches!(
+                    proxied(Some(fwd), sni, host),
                     Err(RouteError::ForwardedUriUntrusted { .. })
                 ),
                 "{fwd} {sni:?} {host:?}"

@@ -149,9 +149,9 @@ async fn edge_sigterm_ends_its_session_at_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cloud_sigterm_drains_then_disconnects_edges() {
+async fn cloud_sigterm_moves_edges_then_drains_its_streams() {
     let mut env = Env::start(ONE, &["--shutdown-grace", "2s"]).await.unwrap();
-    // A short request finishes during the drain; a follow stream outlives it.
+    // A follow stream this replica owns outlives the drain.
     let resp = env.client.follow_log("default/p1").await.unwrap();
     let mut body = resp.into_body();
     tokio::time::timeout(Duration::from_secs(10), body.frame())
@@ -160,7 +160,16 @@ async fn cloud_sigterm_drains_then_disconnects_edges() {
         .unwrap()
         .unwrap();
     let t = Instant::now();
-    let status = env.cloud.terminate(Duration::from_secs(10)).await;
+    let terminate = {
+        let cloud = &mut env.cloud;
+        cloud.terminate(Duration::from_secs(10))
+    };
+    // The apiserver's side of the stream this replica owns ends with an error once
+    // --shutdown-grace has run out: never a clean-looking end.
+    let (status, outcome) = tokio::join!(
+        terminate,
+        support::body_end(&mut body, Duration::from_secs(10))
+    );
     let took = t.elapsed();
     assert!(
         status.map(|s| s.success()).unwrap_or(false),
@@ -170,25 +179,29 @@ async fn cloud_sigterm_drains_then_disconnects_edges() {
         took >= Duration::from_secs(2) && took < Duration::from_secs(8),
         "drained for {took:?}"
     );
+    let outcome = outcome.expect("the follow stream must end within 10 s of the SIGTERM");
+    assert!(
+        outcome.is_err(),
+        "a stream whose owner shut down must end as an aborted response"
+    );
     let log = env.cloud_log();
     assert!(log.contains("draining open streams"), "{log}");
-    // The edge noticed the shutdown (not a lost link) and spreads its
-    // reconnect (to another replica) over --reconnect-spread.
+    assert!(log.contains("edges told to move"), "{log}");
+    // The edge was told to move at once (its streams move with it to whichever
+    // replica it reaches) and took the close for that, not for a lost link.
     let edge = &mut env.nodes[0].edge;
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut seen = false;
     while !seen && Instant::now() < deadline {
         let l = std::fs::read_to_string(edge.log_path()).unwrap();
-        seen = l.contains(
-            "the cloud shut down; reconnecting after a random part of --reconnect-spread",
-        );
+        seen = l.contains("the cloud replica is draining and told this edge to move");
         if !seen {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
     assert!(
         seen,
-        "edge must take the close for a shutdown: {}",
+        "edge must take the close for a move: {}",
         std::fs::read_to_string(edge.log_path()).unwrap()
     );
 }

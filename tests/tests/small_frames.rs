@@ -12,9 +12,13 @@
 //! each, the "edge" sends a response head and then 1-byte frames (written in batches)
 //! until the cloud stops taking them (QUIC flow control, once the stream's receive bound
 //! is full: no write progress for 5 s). The cloud's resident set (`VmRSS` of /proc) may
-//! then have grown by at most 24 MiB (measured: ~10 MiB, most of it the QUIC receive
-//! windows of 2 MiB per stream; with the bound counting payload bytes only, as before the
-//! fix: +96 MiB, and the cloud too slow to fill its bound).
+//! then have grown by at most 24 MiB. The cloud runs with a 2 MiB QUIC window per stream
+//! (`--stream-window`; the default is 4 MiB), because what QUIC buffers below the
+//! stream — up to its window of encoded frames, about 17 bytes each here — is bounded by
+//! that window whatever the frames' sizes; what this test checks is the bound above it.
+//! Measured: ~10 MiB with 2 MiB windows, most of it those windows (~27 MiB with the
+//! default 4 MiB ones); with the bound counting payload bytes only, as before the fix:
+//! +96 MiB, and the cloud too slow to fill its bound.
 //!
 //! The binaries must be built first (`cargo build --workspace --bins`).
 
@@ -32,6 +36,8 @@ use tether_proto::io::{write_frame, FrameReader};
 
 const NODE: &str = "edge-intruder";
 const RECV_BOUND: u64 = 256 * 1024;
+/// The cloud's QUIC receive window per stream (`--stream-window`).
+const STREAM_WINDOW: u64 = 2 * 1024 * 1024;
 const STREAMS: usize = 4;
 /// 1-byte frames per QUIC write (the frames on the wire are what counts).
 const BATCH: usize = 2048;
@@ -140,9 +146,17 @@ async fn answer(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_byte_frames_to_paused_readers_keep_cloud_memory_bounded() {
     let started = Instant::now();
-    let env = Env::start(&[], &["--recv-buffer-bytes", &RECV_BOUND.to_string()])
-        .await
-        .unwrap();
+    let env = Env::start(
+        &[],
+        &[
+            "--recv-buffer-bytes",
+            &RECV_BOUND.to_string(),
+            "--stream-window",
+            &STREAM_WINDOW.to_string(),
+        ],
+    )
+    .await
+    .unwrap();
     let pid = env.cloud.pid().expect("the cloud's pid");
     let pair = &env.pki.edges[NODE];
     let edge = support::RawEdge::connect(

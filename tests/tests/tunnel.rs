@@ -381,7 +381,8 @@ async fn routing_never_guesses() {
         .await
         .unwrap();
     assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST, "{}", r.body);
-    // …and is not enough on its own (nothing in the connection stands for a node).
+    // …on its own it names the node of a plain request, which kube-apiserver's node
+    // proxy sends with its own Host and the header set by itself…
     let r = c
         .get(
             "/metrics",
@@ -391,7 +392,23 @@ async fn routing_never_guesses() {
         )
         .await
         .unwrap();
+    assert_eq!((r.status, r.node()), (StatusCode::OK, Some("edge-b")));
+    // …but not of an upgrade, whose headers kube-apiserver copies from the client.
+    let r = c
+        .get(
+            "/metrics",
+            "10.96.0.1:6443",
+            None,
+            &[
+                ("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics"),
+                ("connection", "Upgrade"),
+                ("upgrade", "websocket"),
+            ],
+        )
+        .await
+        .unwrap();
     assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST, "{}", r.body);
+    assert!(r.body.contains("upgrade"), "{}", r.body);
     // …by Host naming the node or an address it announced…
     assert_eq!(
         c.get("/metrics", "edge-a:10250", None, &[])
