@@ -464,8 +464,8 @@ impl Cluster {
                 if let Some(script) = &spec.cri_script {
                     cmd.arg("--script").arg(script);
                 }
-                for p in &node.pods {
-                    let uid = format!("{}-{}-{tag}", p.namespace, p.name);
+                // A pod of this cri-kubelet: its containers' stdin feeds and its flag.
+                let mut add_pod = |p: &PodSpec, uid: &str| -> Result<()> {
                     for c in &p.containers {
                         mkfifo(&cri.feed(&p.namespace, &p.name, c))?;
                     }
@@ -475,21 +475,22 @@ impl Cluster {
                         p.name,
                         p.containers.join(",")
                     ));
-                    cri.uids.insert(format!("{}/{}", p.namespace, p.name), uid);
+                    Ok(())
+                };
+                let mut uids = Vec::new();
+                for p in &node.pods {
+                    let uid = format!("{}-{}-{tag}", p.namespace, p.name);
+                    add_pod(p, &uid)?;
+                    uids.push((format!("{}/{}", p.namespace, p.name), uid));
                 }
                 for p in &impostors {
                     // Its own uid: the pod it claims may run on the same containerd.
-                    let uid = format!("{}-{}-{}-{tag}", p.namespace, p.name, node.name);
-                    for c in &p.containers {
-                        mkfifo(&cri.feed(&p.namespace, &p.name, c))?;
-                    }
-                    cmd.arg("--pod").arg(format!(
-                        "{}/{}/{uid}={}",
-                        p.namespace,
-                        p.name,
-                        p.containers.join(",")
-                    ));
+                    add_pod(
+                        p,
+                        &format!("{}-{}-{}-{tag}", p.namespace, p.name, node.name),
+                    )?;
                 }
+                cri.uids.extend(uids);
                 let proc = Proc::spawn(&format!("cri-kubelet-{}", node.name), cmd, &logs, opts)?;
                 starting.push((node, log_dir, Some(cri), proc));
                 continue;

@@ -343,27 +343,17 @@ async fn routing_never_guesses() {
     );
     // Node-scoped: X-Forwarded-Uri only chooses among the nodes the connection stands
     // for — an address both edges announce…
-    let r = c
-        .get(
-            "/metrics",
-            "10.77.9.9:10350",
-            None,
-            &[("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics")],
-        )
-        .await
-        .unwrap();
+    const FWD: (&str, &str) = ("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics");
+    let fwd_get = |host: &'static str, sni: Option<&'static str>, upgrade: bool| async move {
+        let up = [FWD, ("connection", "Upgrade"), ("upgrade", "websocket")];
+        let extra = if upgrade { &up[..] } else { &up[..1] };
+        c.get("/metrics", host, sni, extra).await.unwrap()
+    };
+    let r = fwd_get("10.77.9.9:10350", None, false).await;
     assert_eq!((r.status, r.node()), (StatusCode::OK, Some("edge-b")));
     // …never redirects a request whose Host (or SNI) names another node, as a client
     // could through the apiserver's proxy: refused, both named…
-    let r = c
-        .get(
-            "/metrics",
-            "edge-a:10250",
-            None,
-            &[("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics")],
-        )
-        .await
-        .unwrap();
+    let r = fwd_get("edge-a:10250", None, false).await;
     assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST, "{}", r.body);
     assert!(r.node().is_none());
     assert!(
@@ -371,42 +361,14 @@ async fn routing_never_guesses() {
         "{}",
         r.body
     );
-    let r = c
-        .get(
-            "/metrics",
-            "10.96.0.1:6443",
-            Some("edge-a"),
-            &[("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics")],
-        )
-        .await
-        .unwrap();
+    let r = fwd_get("10.96.0.1:6443", Some("edge-a"), false).await;
     assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST, "{}", r.body);
     // …on its own it names the node of a plain request, which kube-apiserver's node
     // proxy sends with its own Host and the header set by itself…
-    let r = c
-        .get(
-            "/metrics",
-            "10.96.0.1:6443",
-            None,
-            &[("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics")],
-        )
-        .await
-        .unwrap();
+    let r = fwd_get("10.96.0.1:6443", None, false).await;
     assert_eq!((r.status, r.node()), (StatusCode::OK, Some("edge-b")));
     // …but not of an upgrade, whose headers kube-apiserver copies from the client.
-    let r = c
-        .get(
-            "/metrics",
-            "10.96.0.1:6443",
-            None,
-            &[
-                ("x-forwarded-uri", "/api/v1/nodes/edge-b/proxy/metrics"),
-                ("connection", "Upgrade"),
-                ("upgrade", "websocket"),
-            ],
-        )
-        .await
-        .unwrap();
+    let r = fwd_get("10.96.0.1:6443", None, true).await;
     assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST, "{}", r.body);
     assert!(r.body.contains("upgrade"), "{}", r.body);
     // …by Host naming the node or an address it announced…
