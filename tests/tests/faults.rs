@@ -21,9 +21,9 @@ use http_body_util::BodyExt;
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use linkemu::{Impairment, Link, LinkOptions};
-use support::{cloud_cmd, empty, spawn_edge, Client, Kubelet, API};
+use support::{empty, kubelet_in_edge, spawn_cloud, spawn_edge, Client, Kubelet, API};
 use tether_tests::pki::{self, Pki};
-use tether_tests::process::{Proc, SpawnOptions};
+use tether_tests::process::Proc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Cloud and edge on the two sides of an emulated link.
@@ -50,31 +50,15 @@ impl NsEnv {
         let dir = tempfile::tempdir().unwrap();
         let pki = pki::mint(dir.path(), &["edge-1"]).unwrap();
         let cloud_args: Vec<String> = cloud_args.iter().map(|s| s.to_string()).collect();
-        let mut cloud = Proc::spawn(
-            "tether-cloud",
-            cloud_cmd(&link, &pki, &cloud_args),
-            dir.path(),
-            SpawnOptions::default(),
-        )
-        .unwrap();
-        let ready = cloud
-            .wait_line("cloud ready", Duration::from_secs(20), |l| {
-                l.starts_with("tether-cloud ready")
-            })
-            .await
-            .unwrap();
+        let (cloud, ready) =
+            spawn_cloud("tether-cloud", &link, &pki, dir.path(), &cloud_args).await;
         let cloud_metrics = ready
             .split_whitespace()
             .find_map(|w| w.strip_prefix("metrics="))
             .unwrap()
             .parse()
             .unwrap();
-        let listener = link
-            .in_edge(|| std::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap()
-            .unwrap();
-        let kubelet_port = listener.local_addr().unwrap().port();
-        let kubelet = Kubelet::start_on(listener, "edge-1", &["default/p1"]).unwrap();
+        let (kubelet, kubelet_port) = kubelet_in_edge(&link);
         let edge = spawn_edge(&link, &pki, dir.path(), kubelet_port, edge_args).await;
         let l2 = link.clone();
         let client = Client::new(&pki, API.parse().unwrap())
@@ -511,19 +495,15 @@ async fn killed_edge_and_restarted_cloud_end_streams_promptly() {
         "FIGURE kill -9 cloud: streams ended {:.1} s later",
         took.as_secs_f64()
     );
-    env.cloud = Proc::spawn(
+    env.cloud = spawn_cloud(
         "tether-cloud-2",
-        cloud_cmd(&env.link, &env.pki, &env.cloud_args),
+        &env.link,
+        &env.pki,
         env.dir.path(),
-        SpawnOptions::default(),
+        &env.cloud_args,
     )
-    .unwrap();
-    env.cloud
-        .wait_line("cloud ready", Duration::from_secs(20), |l| {
-            l.starts_with("tether-cloud ready")
-        })
-        .await
-        .unwrap();
+    .await
+    .0;
     let t = Instant::now();
     env.edge
         .wait_line("edge reconnects", Duration::from_secs(30), |l| {

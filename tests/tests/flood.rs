@@ -21,9 +21,8 @@ use std::time::{Duration, Instant};
 
 use hyper::StatusCode;
 use linkemu::{Link, LinkOptions};
-use support::{cloud_cmd, spawn_edge, Client, Kubelet, API};
+use support::{kubelet_in_edge, spawn_cloud, spawn_edge, Client, API};
 use tether_tests::pki;
-use tether_tests::process::{Proc, SpawnOptions};
 
 /// A client QUIC configuration good enough to produce an Initial.
 fn client_config(pki: &pki::Pki) -> quinn_proto::ClientConfig {
@@ -100,19 +99,7 @@ async fn a_flood_of_unanswered_initials_does_not_keep_a_real_edge_out() {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let mut cloud = Proc::spawn(
-        "tether-cloud",
-        cloud_cmd(&link, &pki, &cloud_args),
-        dir.path(),
-        SpawnOptions::default(),
-    )
-    .unwrap();
-    cloud
-        .wait_line("cloud ready", Duration::from_secs(20), |l| {
-            l.starts_with("tether-cloud ready")
-        })
-        .await
-        .unwrap();
+    let (cloud, _) = spawn_cloud("tether-cloud", &link, &pki, dir.path(), &cloud_args).await;
 
     // 512 sources (127.1.x.y) inside the cloud namespace.
     let sockets: Vec<UdpSocket> = link
@@ -135,12 +122,7 @@ async fn a_flood_of_unanswered_initials_does_not_keep_a_real_edge_out() {
     // Let the flood take whatever slots it can.
     tokio::time::sleep(Duration::from_secs(3)).await;
 
-    let listener = link
-        .in_edge(|| std::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap()
-        .unwrap();
-    let kubelet_port = listener.local_addr().unwrap().port();
-    let _kubelet = Kubelet::start_on(listener, "edge-1", &["default/p1"]).unwrap();
+    let (_kubelet, kubelet_port) = kubelet_in_edge(&link);
     let t = Instant::now();
     let edge = spawn_edge(&link, &pki, dir.path(), kubelet_port, &[]).await;
     let connected = t.elapsed();

@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 
 use hyper::StatusCode;
 use linkemu::{Link, LinkOptions};
-use support::{cloud_cmd, spawn_edge, Client, Kubelet, API};
+use support::{kubelet_in_edge, spawn_cloud, spawn_edge, Client, API};
 use tether_tests::pki;
-use tether_tests::process::{Proc, SpawnOptions};
+use tether_tests::process::Proc;
 
 const BINDING: Duration = Duration::from_secs(6);
 const MIN: Duration = Duration::from_secs(1);
@@ -59,25 +59,8 @@ async fn keep_alive_settles_below_the_nat_binding_and_the_session_survives() {
     );
     let dir = tempfile::tempdir().unwrap();
     let pki = pki::mint(dir.path(), &["edge-1"]).unwrap();
-    let mut cloud = Proc::spawn(
-        "tether-cloud",
-        cloud_cmd(&link, &pki, &[]),
-        dir.path(),
-        SpawnOptions::default(),
-    )
-    .unwrap();
-    cloud
-        .wait_line("cloud ready", Duration::from_secs(20), |l| {
-            l.starts_with("tether-cloud ready")
-        })
-        .await
-        .unwrap();
-    let listener = link
-        .in_edge(|| std::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap()
-        .unwrap();
-    let kubelet_port = listener.local_addr().unwrap().port();
-    let _kubelet = Kubelet::start_on(listener, "edge-1", &["default/p1"]).unwrap();
+    let (cloud, _) = spawn_cloud("tether-cloud", &link, &pki, dir.path(), &[]).await;
+    let (_kubelet, kubelet_port) = kubelet_in_edge(&link);
     let mut edge = spawn_edge(
         &link,
         &pki,

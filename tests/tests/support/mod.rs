@@ -703,6 +703,47 @@ pub fn cloud_cmd(
     tether_tests::netns::cloud_cmd(link, pki, extra, "info,tether_cloud=debug").unwrap()
 }
 
+/// `tether-cloud` in the cloud namespace of `link`, waited for until ready; also
+/// returns its ready line (which names its listeners).
+#[allow(dead_code)]
+pub async fn spawn_cloud(
+    name: &str,
+    link: &linkemu::Link,
+    pki: &tether_tests::pki::Pki,
+    dir: &std::path::Path,
+    extra: &[String],
+) -> (Proc, String) {
+    let mut cloud = Proc::spawn(
+        name,
+        cloud_cmd(link, pki, extra),
+        dir,
+        SpawnOptions::default(),
+    )
+    .unwrap();
+    let ready = cloud
+        .wait_line("cloud ready", Duration::from_secs(20), |l| {
+            l.starts_with("tether-cloud ready")
+        })
+        .await
+        .unwrap();
+    (cloud, ready)
+}
+
+/// A kubelet stand-in for `edge-1` running `default/p1`, listening inside the edge
+/// namespace of `link`; returns it and its port.
+#[allow(dead_code)]
+pub fn kubelet_in_edge(link: &linkemu::Link) -> (Kubelet, u16) {
+    let listener = link
+        .in_edge(|| std::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap()
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    (
+        Kubelet::start_on(listener, "edge-1", &["default/p1"]).unwrap(),
+        port,
+    )
+}
+
 /// `tether-edge` in the edge namespace of `link`, waited for until connected.
 pub async fn spawn_edge(
     link: &linkemu::Link,
