@@ -4,7 +4,11 @@
 //! connections with real edge certificates (one per node, signed by the cloud's edge
 //! CA) and speaks the edge's side of the handshake (the control stream's hello, then
 //! the welcome) exactly as `tether-edge` does, with the edge's transport settings
-//! (keep-alive 10 s). The generator then holds each connection idle; when it closes,
+//! (keep-alive 20 s: where the edge's adaptive keep-alive starts; idle timeout
+//! 150 s), from their own source addresses (loopback 127.1.x.y, four edges to
+//! an address: the cloud admits `--handshakes-per-source` handshakes a second
+//! from one address, and real edges come from their own). The generator then
+//! holds each connection idle; when it closes,
 //! it reconnects as the edge does with its defaults: a jittered 100 ms – 1 s backoff,
 //! and overlapping handshake attempts (a new one every second while older ones wait,
 //! at most 4, each bounded by 10 s), so a lost Initial does not wait out QUIC's
