@@ -191,9 +191,10 @@ pub struct CloudArgs {
     /// nodes that left first are forgotten first.
     #[arg(long, env = "TETHER_MAX_DEPARTED_PODS", default_value_t = crate::registry::DEFAULT_MAX_DEPARTED_PODS)]
     pub max_departed_pods: usize,
-    /// Edge QUIC/TLS handshakes in progress at once; the Initial
-    /// packets of further edges are dropped, and their QUIC retransmits them
-    /// later. Keeps a reconnect storm (every edge after a cloud restart) from
+    /// Edge QUIC/TLS handshakes in progress at once; the Initials of
+    /// further edges wait for a slot (first come, first served) for at most
+    /// half --handshake-timeout, then are dropped (their QUIC retransmits them
+    /// later). Keeps a reconnect storm (every edge after a cloud restart) from
     /// spending the CPU on handshakes the edges abandon after their timeout.
     #[arg(long, env = "TETHER_MAX_PENDING_HANDSHAKES", default_value_t = 512)]
     pub max_pending_handshakes: usize,

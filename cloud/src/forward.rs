@@ -667,7 +667,7 @@ async fn pipe_upgraded(
         }
     };
     let mut client = hyper_util::rt::TokioIo::new(upgraded);
-    match tokio::io::copy_bidirectional(&mut client, &mut io).await {
+    match tether_proto::pump::copy_both(&mut client, &mut io).await {
         Ok((up, down)) => debug!(
             bytes_to_edge = up,
             bytes_to_apiserver = down,

@@ -54,6 +54,7 @@ pub mod identity;
 pub mod join;
 pub mod members;
 pub mod metrics;
+pub mod migration;
 pub mod peer;
 pub mod registry;
 pub mod relay;

@@ -166,7 +166,7 @@ impl CloudMetrics {
         );
         r.register(
             "edges_refused",
-            "Edge connections refused before their handshake, by reason (max_edges, handshake_backlog)",
+            "Edge connections refused before their handshake, by reason (max_edges, handshake_backlog, retry, source_rate, draining)",
             m.edges_refused.clone(),
         );
         r.register(

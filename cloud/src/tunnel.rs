@@ -142,6 +142,15 @@ pub fn reset_key(path: &std::path::Path) -> anyhow::Result<Arc<ring::hmac::Key>>
     )))
 }
 
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Accepts edge connections until the endpoint closes.
 pub async fn serve(
     endpoint: quinn::Endpoint,
@@ -183,6 +192,9 @@ pub async fn serve(
         }
     });
     let mut gate = Gate::new(cfg.handshakes_per_source, cfg.max_pending_handshakes);
+    // One sweep notices every edge's migration (no timer per edge).
+    let moves = crate::migration::Watcher::new();
+    let _sweeps = AbortOnDrop(tokio::spawn(moves.clone().run(crate::migration::SWEEP)));
     while let Some(incoming) = endpoint.accept().await {
         if draining.load(std::sync::atomic::Ordering::Relaxed) {
             // Refused at once (CONNECTION_REFUSED in the Initial's answer):
@@ -225,27 +237,44 @@ pub async fn serve(
             incoming.refuse();
             continue;
         };
-        // Dropping the Initial costs nothing; the edge's QUIC retransmits it
-        // after its probe timeout (which doubles), so the edges back off by
-        // themselves until the backlog has drained. (Refusing instead makes
-        // every edge start a new connection at once: a retry storm.)
-        let Ok(pending) = handshakes.clone().try_acquire_owned() else {
-            debug!(remote = %incoming.remote_address(), limit = cfg.max_pending_handshakes, "dropping an edge's Initial: too many handshakes in progress");
-            metrics.refuse_edge("handshake_backlog");
-            incoming.ignore();
-            continue;
-        };
+        // Over the backlog, the Initial waits for a handshake slot (first
+        // come, first served) for at most half the handshake timeout, and is
+        // dropped only then. quinn holds a waiting Initial (and buffers the
+        // edge's retransmissions of it), so the slot freed by one handshake
+        // goes to the next edge at once. (Dropping at once made each edge's
+        // QUIC back off exponentially, 1 s, 2 s, 4 s…, so after a restart
+        // the cloud sat idle between bursts: 10,000 edges took 21–52 s to be
+        // back. Refusing instead makes every edge start a new connection at
+        // once: a retry storm.)
+        let pending = handshakes.clone().try_acquire_owned().ok();
+        let handshakes = handshakes.clone();
         let cfg = cfg.clone();
         let registry = registry.clone();
         let metrics = metrics.clone();
         let join = join.clone();
         let draining = draining.clone();
         let tickets = tickets.clone();
+        let moves = moves.clone();
         let remote = incoming.remote_address();
         tokio::spawn(
             async move {
+                let pending = match pending {
+                    Some(p) => p,
+                    None => {
+                        let wait = cfg.handshake_timeout / 2;
+                        match tokio::time::timeout(wait, handshakes.acquire_owned()).await {
+                            Ok(Ok(p)) => p,
+                            _ => {
+                                debug!(remote = %incoming.remote_address(), limit = cfg.max_pending_handshakes, ?wait, "dropping an edge's Initial: no handshake slot in time");
+                                metrics.refuse_edge("handshake_backlog");
+                                incoming.ignore();
+                                return;
+                            }
+                        }
+                    }
+                };
                 if let Err(e) = handle(
-                    incoming, pending, &cfg, &registry, &metrics, join, &draining, &tickets,
+                    incoming, pending, &cfg, &registry, &metrics, join, &draining, &tickets, &moves,
                 )
                 .await
                 {
@@ -417,6 +446,7 @@ async fn handle(
     join: Option<Arc<JoinCtx>>,
     draining: &std::sync::atomic::AtomicBool,
     tickets: &Arc<TicketKey>,
+    moves: &Arc<crate::migration::Watcher>,
 ) -> anyhow::Result<()> {
     let max = cfg.limits.max_frame_bytes as usize;
     let conn = tokio::time::timeout(cfg.handshake_timeout, incoming)
@@ -654,7 +684,13 @@ async fn handle(
         max,
         tickets_for_control,
     );
-    let migrations = watch_migration(&conn, &node, metrics, (&send, &edge_keeps_alive, max));
+    let migrations = watch_migration(
+        moves.watch(&conn),
+        conn.remote_address(),
+        &node,
+        metrics,
+        (&send, &edge_keeps_alive, max),
+    );
     tokio::select! {
         () = migrations => {}
         r = control => {
@@ -691,7 +727,8 @@ async fn handle(
 }
 
 /// Logs each time the edge's address changes under a live connection (QUIC
-/// migration: the connection and its streams carry on).
+/// migration: the connection and its streams carry on), as the shared sweep
+/// of [`crate::migration`] notices it.
 ///
 /// A new address is often a NAT rebinding after the edge's binding expired
 /// (the edge's adaptive keep-alive probes for that): packets the cloud sent
@@ -703,7 +740,8 @@ async fn handle(
 /// the edge's next keep-alive instead of at the next backed-off timer. Only
 /// to edges that send keep-alive frames themselves (they know the frame).
 async fn watch_migration(
-    conn: &quinn::Connection,
+    mut watch: crate::migration::Watch,
+    mut last: std::net::SocketAddr,
     node: &str,
     metrics: &CloudMetrics,
     (send, edge_keeps_alive, max): (
@@ -712,10 +750,8 @@ async fn watch_migration(
         usize,
     ),
 ) {
-    let mut last = conn.remote_address();
     loop {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let now = conn.remote_address();
+        let now = watch.moved().await;
         if now != last {
             info!(node, from = %last, to = %now, "edge migrated to a new address");
             metrics.migrations.inc();

@@ -207,7 +207,7 @@ impl Forward {
             };
             let mut kubelet = TokioIo::new(upgraded);
             let mut io = rd.unsplit(wr);
-            match tokio::io::copy_bidirectional(&mut kubelet, &mut io).await {
+            match tether_proto::pump::copy_both(&mut kubelet, &mut io).await {
                 Ok((to_kubelet, to_cloud)) => debug!(to_kubelet, to_cloud, "upgraded stream ended"),
                 Err(e) => {
                     debug!(error = %e, "upgraded stream failed");

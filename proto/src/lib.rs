@@ -32,6 +32,7 @@ pub mod head;
 pub mod io;
 pub mod limits;
 pub mod ops;
+pub mod pump;
 pub mod quic;
 pub mod route;
 pub mod stream;

@@ -288,8 +288,7 @@ async fn simulated(n: usize) -> Result<Vec<(String, Cell)>> {
     let rss_linked = rss_mib(&reps[0].proc);
 
     let tunnels: Vec<SocketAddr> = reps.iter().map(|r| r.tunnel).collect();
-    let endpoints: Vec<quinn::Endpoint> =
-        (0..8).map(|_| scale::endpoint()).collect::<Result<_>>()?;
+    let endpoints = scale::endpoints_for(n)?;
     let welcomes = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let t0 = Instant::now();

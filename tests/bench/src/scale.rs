@@ -4,7 +4,11 @@
 //! connections with real edge certificates (one per node, signed by the cloud's edge
 //! CA) and speaks the edge's side of the handshake (the control stream's hello, then
 //! the welcome) exactly as `tether-edge` does, with the edge's transport settings
-//! (keep-alive 10 s). The generator then holds each connection idle; when it closes,
+//! (keep-alive 20 s: where the edge's adaptive keep-alive starts; idle timeout
+//! 150 s), from their own source addresses (loopback 127.1.x.y, four edges to
+//! an address: the cloud admits `--handshakes-per-source` handshakes a second
+//! from one address, and real edges come from their own). The generator then
+//! holds each connection idle; when it closes,
 //! it reconnects as the edge does with its defaults: a jittered 100 ms – 1 s backoff,
 //! and overlapping handshake attempts (a new one every second while older ones wait,
 //! at most 4, each bounded by 10 s), so a lost Initial does not wait out QUIC's
@@ -74,7 +78,7 @@ async fn start_cloud(
     files: &CloudFiles,
     port: u16,
     n: usize,
-) -> Result<(Proc, u16)> {
+) -> Result<(Proc, u16, std::net::SocketAddr)> {
     let mut cmd = tokio::process::Command::new(tether_tests::bins::binary("tether-cloud")?);
     cmd.args(["--tunnel-listen", &format!("127.0.0.1:{port}")])
         .args([
@@ -83,12 +87,13 @@ async fn start_cloud(
             "--metrics-listen",
             "127.0.0.1:0",
         ])
-        .args([
-            "--shutdown-grace",
-            "1s",
-            "--max-edges",
-            &(n + 100).to_string(),
-        ])
+        .args(["--shutdown-grace", "1s"])
+        // The default --max-edges (20,000) unless the scenario needs more.
+        .args(if n + 100 > 20_000 {
+            vec!["--max-edges".to_string(), (n + 100).to_string()]
+        } else {
+            Vec::new()
+        })
         .args(&files.args)
         .env("TETHER_LOG", "warn")
         .env("RUST_BACKTRACE", "0");
@@ -104,7 +109,45 @@ async fn start_cloud(
         .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
         .map(|a| a.port())
         .with_context(|| format!("no tunnel= in {ready:?}"))?;
-    Ok((p, port))
+    let metrics = ready
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("metrics="))
+        .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
+        .with_context(|| format!("no metrics= in {ready:?}"))?;
+    Ok((p, port, metrics))
+}
+
+/// The cloud's refused-edge counters by reason (what slowed a reconnect storm).
+async fn refusals(metrics: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let get = async {
+        let mut s = tokio::net::TcpStream::connect(metrics).await?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            .await?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).await?;
+        Ok::<_, std::io::Error>(body)
+    };
+    match tokio::time::timeout(Duration::from_secs(5), get).await {
+        Ok(Ok(body)) => body
+            .lines()
+            .filter(|l| l.starts_with("tether_cloud_edges_refused"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        _ => "(metrics unavailable)".into(),
+    }
+}
+
+/// tether-edge's QUIC defaults (`--keep-alive 20s`, `--idle-timeout 150s`):
+/// quinn's keep-alive at the interval where the edge's adaptive keep-alive
+/// starts. On a link whose NAT holds the binding (loopback has none) a real
+/// edge then lengthens it up to 110 s, so this is the most a default edge sends.
+fn edge_quic() -> tether_proto::quic::QuicSettings {
+    tether_proto::quic::QuicSettings {
+        keep_alive: Duration::from_secs(20),
+        idle_timeout: Duration::from_secs(150),
+        ..tether_proto::quic::QuicSettings::default()
+    }
 }
 
 pub(crate) fn client_config(ca: &Ca, node: &str) -> Result<quinn::ClientConfig> {
@@ -125,19 +168,38 @@ pub(crate) fn client_config(ca: &Ca, node: &str) -> Result<quinn::ClientConfig> 
     tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)?;
     let mut c = quinn::ClientConfig::new(Arc::new(crypto));
-    c.transport_config(
-        tether_proto::quic::QuicSettings::default()
-            .transport_arc()
-            .map_err(anyhow::Error::msg)?,
-    );
+    c.transport_config(edge_quic().transport_arc().map_err(anyhow::Error::msg)?);
     Ok(c)
 }
 
-pub(crate) fn endpoint() -> Result<quinn::Endpoint> {
+/// Simulated edges per source address (a few edges behind one site's NAT).
+/// The cloud admits `--handshakes-per-source` (20) handshakes a second from
+/// one address; real edges come from their own addresses, so the simulated
+/// ones do too (loopback has all of 127.0.0.0/8). One endpoint per edge would
+/// cost the load generator itself too much CPU on these 2 shared cores.
+pub(crate) const EDGES_PER_SOURCE: usize = 4;
+
+/// Client endpoints for `n` simulated edges, edge `i` on `eps[i % eps.len()]`:
+/// one per [`EDGES_PER_SOURCE`] edges, each on its own loopback address
+/// (127.1.x.y).
+pub(crate) fn endpoints_for(n: usize) -> Result<Vec<quinn::Endpoint>> {
+    let count = n.div_ceil(EDGES_PER_SOURCE).max(1);
+    (0..count)
+        .map(|i| {
+            let i = u32::try_from(i).context("too many endpoints")?;
+            endpoint(std::net::Ipv4Addr::from(
+                0x7f01_0000 + (i / 250) * 256 + i % 250 + 1,
+            ))
+        })
+        .collect()
+}
+
+pub(crate) fn endpoint(ip: std::net::Ipv4Addr) -> Result<quinn::Endpoint> {
     let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
-    s.set_recv_buffer_size(4 << 20)?;
-    s.set_send_buffer_size(4 << 20)?;
-    s.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())?;
+    s.set_recv_buffer_size(1 << 20)?;
+    s.set_send_buffer_size(1 << 20)?;
+    s.bind(&std::net::SocketAddr::from((ip, 0)).into())
+        .with_context(|| format!("binding a client endpoint to {ip}"))?;
     let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
     Ok(quinn::Endpoint::new(
         quinn::EndpointConfig::default(),
@@ -315,12 +377,12 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
         "tether-bench: minted {n} edge certificates in {:.1} s",
         t_mint.elapsed().as_secs_f64()
     );
-    let (mut cloud, port) = start_cloud(dir.path(), &files, 0, n).await?;
+    let (mut cloud, port, _) = start_cloud(dir.path(), &files, 0, n).await?;
     let pid = cloud.pid().context("cloud pid")?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss0 = crate::footprint::status_kb(pid, "VmRSS:")?;
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let endpoints: Vec<quinn::Endpoint> = (0..8).map(|_| endpoint()).collect::<Result<_>>()?;
+    let endpoints = endpoints_for(n)?;
     let welcomes = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let t0 = Instant::now();
@@ -361,10 +423,14 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
         let before = welcomes.load(Ordering::Relaxed);
         let t_term = Instant::now();
         cloud.terminate(Duration::from_secs(10)).await;
-        let (new_cloud, _) = start_cloud(dir.path(), &files, port, n).await?;
+        let (new_cloud, _, metrics) = start_cloud(dir.path(), &files, port, n).await?;
         cloud = new_cloud;
         let t_ready = Instant::now();
         let back = wait_count(&welcomes, before + n, Duration::from_secs(120)).await;
+        eprintln!(
+            "tether-bench: scale {n}: the new cloud's refusals during the reconnect: {}",
+            refusals(metrics).await
+        );
         let mut rows = vec![
             (
                 format!("connect all {n}: first dial → last welcome (s, dials paced ≤ 1,250/s)"),
