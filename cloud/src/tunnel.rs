@@ -262,6 +262,7 @@ pub async fn serve(
                     Some(p) => p,
                     None => {
                         let wait = cfg.handshake_timeout / 2;
+                        debug!(%remote, limit = cfg.max_pending_handshakes, ?wait, "an edge's Initial waits for a handshake slot");
                         match tokio::time::timeout(wait, handshakes.acquire_owned()).await {
                             Ok(Ok(p)) => p,
                             _ => {

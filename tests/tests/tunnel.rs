@@ -812,3 +812,49 @@ async fn kubelet_down_gives_502_and_restarted_edge_ends_old_streams() {
     drop(restarted);
     let _ = kubelet_url;
 }
+
+/// `--max-pending-handshakes` (here 1): edges dialling at once over the limit wait
+/// for a slot, first come first served, instead of being dropped (which left each
+/// to QUIC's doubling retransmission timer): every handshake completes, none is
+/// counted as dropped for the backlog, and the cloud logs the waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshakes_over_the_backlog_wait_for_a_slot() {
+    const DIALS: usize = 8;
+    let env = Env::start(
+        &two(),
+        &[
+            "--max-pending-handshakes",
+            "1",
+            "--handshake-timeout",
+            "30s",
+        ],
+    )
+    .await
+    .unwrap();
+    let pair = &env.pki.edges["edge-intruder"];
+    let dials: Vec<_> = (0..DIALS)
+        .map(|_| {
+            let (tunnel, ca) = (env.tunnel, env.pki.tether_ca_pem.clone());
+            let (cert, key) = (pair.cert_pem.clone(), pair.key_pem.clone());
+            tokio::spawn(async move { support::RawEdge::handshake(tunnel, &ca, &cert, &key).await })
+        })
+        .collect();
+    let mut conns = Vec::new();
+    for (i, d) in dials.into_iter().enumerate() {
+        let r = d.await.unwrap();
+        conns.push(r.unwrap_or_else(|e| panic!("handshake {i} of {DIALS}: {e:#}")));
+    }
+    let (_, m) = support::plain_get(env.metrics, "/metrics").await.unwrap();
+    let dropped = support::sample(
+        &m,
+        "tether_cloud_edges_refused_total{reason=\"handshake_backlog\"}",
+    )
+    .unwrap_or(0.0);
+    assert_eq!(dropped, 0.0, "Initials dropped for the backlog:\n{m}");
+    let log = env.cloud_log();
+    assert!(
+        log.contains("an edge's Initial waits for a handshake slot"),
+        "{DIALS} edges dialling at once never waited for the one slot: {log}"
+    );
+    drop(conns);
+}

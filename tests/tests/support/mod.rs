@@ -815,31 +815,10 @@ impl RawEdge {
         key_pem: &str,
         node: &str,
     ) -> Result<RawEdge> {
-        use tether_proto::handshake::{Hello, ALPN_TUNNEL, PROTOCOL_VERSION};
+        use tether_proto::handshake::{Hello, PROTOCOL_VERSION};
         use tether_proto::io::{write_frame, FrameReader};
         use tether_proto::Frame as Wire;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut roots = rustls::RootCertStore::empty();
-        for c in tether_certs::pem::certs_from_pem(ca_pem, "ca")? {
-            roots.add(c)?;
-        }
-        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])?
-            .with_root_certificates(roots)
-            .with_client_auth_cert(
-                tether_certs::pem::certs_from_pem(cert_pem, "edge certificate")?,
-                tether_certs::pem::key_from_pem(key_pem, "edge key")?,
-            )?;
-        tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
-        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)?;
-        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
-        endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
-        let conn = tokio::time::timeout(
-            Duration::from_secs(10),
-            endpoint.connect(tunnel, pki::CLOUD_SERVER_NAME)?,
-        )
-        .await
-        .context("QUIC handshake within 10 s")??;
+        let (endpoint, conn) = Self::handshake(tunnel, ca_pem, cert_pem, key_pem).await?;
         let (mut send, mut recv) = conn.open_bi().await?;
         let hello = Hello {
             versions: vec![PROTOCOL_VERSION],
@@ -867,5 +846,38 @@ impl RawEdge {
             recv,
             reader,
         })
+    }
+
+    /// Only the QUIC/TLS handshake an edge starts (no hello yet).
+    pub async fn handshake(
+        tunnel: SocketAddr,
+        ca_pem: &str,
+        cert_pem: &str,
+        key_pem: &str,
+    ) -> Result<(quinn::Endpoint, quinn::Connection)> {
+        use tether_proto::handshake::ALPN_TUNNEL;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        for c in tether_certs::pem::certs_from_pem(ca_pem, "ca")? {
+            roots.add(c)?;
+        }
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(
+                tether_certs::pem::certs_from_pem(cert_pem, "edge certificate")?,
+                tether_certs::pem::key_from_pem(key_pem, "edge key")?,
+            )?;
+        tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
+        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)?;
+        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
+        endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+        let conn = tokio::time::timeout(
+            Duration::from_secs(10),
+            endpoint.connect(tunnel, pki::CLOUD_SERVER_NAME)?,
+        )
+        .await
+        .context("QUIC handshake within 10 s")??;
+        Ok((endpoint, conn))
     }
 }
