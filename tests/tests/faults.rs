@@ -21,7 +21,7 @@ use http_body_util::BodyExt;
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use linkemu::{Impairment, Link, LinkOptions};
-use support::{empty, kubelet_in_edge, spawn_cloud, spawn_edge, Client, Kubelet, API};
+use support::{client_in_cloud, empty, kubelet_in_edge, spawn_cloud, spawn_edge, Client, Kubelet};
 use tether_tests::pki::{self, Pki};
 use tether_tests::process::Proc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -60,13 +60,7 @@ impl NsEnv {
             .unwrap();
         let (kubelet, kubelet_port) = kubelet_in_edge(&link);
         let edge = spawn_edge(&link, &pki, dir.path(), kubelet_port, edge_args).await;
-        let l2 = link.clone();
-        let client = Client::new(&pki, API.parse().unwrap())
-            .unwrap()
-            .with_dial(Arc::new(move |a| {
-                l2.in_cloud(|| std::net::TcpStream::connect(a))
-                    .map_err(std::io::Error::other)?
-            }));
+        let client = client_in_cloud(&link, &pki);
         let env = NsEnv {
             cloud_metrics,
             link,

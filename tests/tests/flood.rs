@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use hyper::StatusCode;
 use linkemu::{Link, LinkOptions};
-use support::{kubelet_in_edge, spawn_cloud, spawn_edge, Client, API};
+use support::{client_in_cloud, kubelet_in_edge, spawn_cloud, spawn_edge};
 use tether_tests::pki;
 
 /// A client QUIC configuration good enough to produce an Initial.
@@ -126,13 +126,7 @@ async fn a_flood_of_unanswered_initials_does_not_keep_a_real_edge_out() {
     let t = Instant::now();
     let edge = spawn_edge(&link, &pki, dir.path(), kubelet_port, &[]).await;
     let connected = t.elapsed();
-    let l2 = link.clone();
-    let client = Client::new(&pki, API.parse().unwrap())
-        .unwrap()
-        .with_dial(Arc::new(move |a| {
-            l2.in_cloud(|| std::net::TcpStream::connect(a))
-                .map_err(std::io::Error::other)?
-        }));
+    let client = client_in_cloud(&link, &pki);
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let r = client

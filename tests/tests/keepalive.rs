@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use hyper::StatusCode;
 use linkemu::{Link, LinkOptions};
-use support::{kubelet_in_edge, spawn_cloud, spawn_edge, Client, API};
+use support::{client_in_cloud, kubelet_in_edge, spawn_cloud, spawn_edge, Client};
 use tether_tests::pki;
 use tether_tests::process::Proc;
 
@@ -78,13 +78,7 @@ async fn keep_alive_settles_below_the_nat_binding_and_the_session_survives() {
         ],
     )
     .await;
-    let l2 = link.clone();
-    let client = Client::new(&pki, API.parse().unwrap())
-        .unwrap()
-        .with_dial(Arc::new(move |a| {
-            l2.in_cloud(|| std::net::TcpStream::connect(a))
-                .map_err(std::io::Error::other)?
-        }));
+    let client = client_in_cloud(&link, &pki);
     get_ok(&client, Duration::from_secs(30))
         .await
         .expect("the pod is routable");

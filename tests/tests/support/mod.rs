@@ -744,6 +744,19 @@ pub fn kubelet_in_edge(link: &linkemu::Link) -> (Kubelet, u16) {
     )
 }
 
+/// A client of the cloud's kubelet-API listener that dials from inside the cloud
+/// namespace of `link` (where the apiserver would be).
+#[allow(dead_code)]
+pub fn client_in_cloud(link: &Arc<linkemu::Link>, pki: &tether_tests::pki::Pki) -> Client {
+    let l2 = link.clone();
+    Client::new(pki, API.parse().unwrap())
+        .unwrap()
+        .with_dial(Arc::new(move |a| {
+            l2.in_cloud(|| std::net::TcpStream::connect(a))
+                .map_err(std::io::Error::other)?
+        }))
+}
+
 /// `tether-edge` in the edge namespace of `link`, waited for until connected.
 pub async fn spawn_edge(
     link: &linkemu::Link,
