@@ -154,6 +154,23 @@ impl Drop for Load {
     }
 }
 
+/// The Prometheus text of a cloud's `/metrics` (its operations listener), within 5 s;
+/// `None` if it cannot be had.
+pub async fn metrics_text(addr: std::net::SocketAddr) -> Option<String> {
+    let fetch = async {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await?;
+        tcp.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            .await?;
+        let mut text = String::new();
+        tcp.read_to_string(&mut text).await?;
+        Ok::<_, std::io::Error>(text)
+    };
+    tokio::time::timeout(Duration::from_secs(5), fetch)
+        .await
+        .ok()?
+        .ok()
+}
+
 /// Percentile `p` (0..=1) of `v`.
 pub fn pct(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {

@@ -211,18 +211,9 @@ async fn spawn_replica(
 }
 
 async fn metric(addr: SocketAddr, series: &str) -> f64 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let fetch = async {
-        let mut tcp = tokio::net::TcpStream::connect(addr).await?;
-        tcp.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-            .await?;
-        let mut text = String::new();
-        tcp.read_to_string(&mut text).await?;
-        Ok::<_, std::io::Error>(text)
-    };
-    match tokio::time::timeout(Duration::from_secs(5), fetch).await {
-        Ok(Ok(text)) => sample(&text, series).unwrap_or(0.0),
-        _ => 0.0,
+    match crate::measure::metrics_text(addr).await {
+        Some(text) => sample(&text, series).unwrap_or(0.0),
+        None => 0.0,
     }
 }
 

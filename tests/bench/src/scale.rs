@@ -119,22 +119,13 @@ async fn start_cloud(
 
 /// The cloud's refused-edge counters by reason (what slowed a reconnect storm).
 async fn refusals(metrics: std::net::SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let get = async {
-        let mut s = tokio::net::TcpStream::connect(metrics).await?;
-        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-            .await?;
-        let mut body = String::new();
-        s.read_to_string(&mut body).await?;
-        Ok::<_, std::io::Error>(body)
-    };
-    match tokio::time::timeout(Duration::from_secs(5), get).await {
-        Ok(Ok(body)) => body
+    match crate::measure::metrics_text(metrics).await {
+        Some(body) => body
             .lines()
             .filter(|l| l.starts_with("tether_cloud_edges_refused"))
             .collect::<Vec<_>>()
             .join(", "),
-        _ => "(metrics unavailable)".into(),
+        None => "(metrics unavailable)".into(),
     }
 }
 
