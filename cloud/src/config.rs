@@ -183,7 +183,8 @@ pub struct CloudArgs {
     /// Lifetime of certificates issued to joining edges.
     #[arg(long, env = "TETHER_JOIN_CERT_VALIDITY", default_value = "720h", value_parser = parse_duration)]
     pub join_cert_validity: Duration,
-    /// Concurrent edge connections (handshaking or established).
+    /// Concurrent edge connections (handshaking or established; an Initial
+    /// waiting for a handshake slot is not counted yet).
     #[arg(long, env = "TETHER_MAX_EDGES", default_value_t = 20000)]
     pub max_edges: usize,
     /// Pods remembered for nodes that went away (so that a request for one is "its
@@ -192,12 +193,20 @@ pub struct CloudArgs {
     #[arg(long, env = "TETHER_MAX_DEPARTED_PODS", default_value_t = crate::registry::DEFAULT_MAX_DEPARTED_PODS)]
     pub max_departed_pods: usize,
     /// Edge QUIC/TLS handshakes in progress at once; the Initials of
-    /// further edges wait for a slot (first come, first served) for at most
-    /// half --handshake-timeout, then are dropped (their QUIC retransmits them
+    /// further edges wait for a slot (first come, first served, one per
+    /// source address and port: a newer attempt of the same edge takes its
+    /// older one's place) until the newest has waited half
+    /// --handshake-timeout, then are dropped (their QUIC retransmits them
     /// later). Keeps a reconnect storm (every edge after a cloud restart) from
-    /// spending the CPU on handshakes the edges abandon after their timeout.
+    /// spending the CPU on handshakes the edges abandon after their timeout,
+    /// or on several attempts of one edge.
     #[arg(long, env = "TETHER_MAX_PENDING_HANDSHAKES", default_value_t = 512)]
     pub max_pending_handshakes: usize,
+    /// Sources (address and port) whose Initial may wait for a handshake
+    /// slot at once; beyond it, Initials are dropped (their QUIC retransmits
+    /// them later). Waiting Initials do not count against --max-edges.
+    #[arg(long, env = "TETHER_MAX_WAITING_HANDSHAKES", default_value_t = 20000)]
+    pub max_waiting_handshakes: usize,
     /// Edge handshakes one source IP may start per second (and at once).
     /// Its further Initials are dropped; its QUIC retransmits them later.
     /// Once a quarter of the handshake slots are in use, edges must also
@@ -341,6 +350,7 @@ pub struct CloudConfig {
     pub max_edges: usize,
     pub max_departed_pods: usize,
     pub max_pending_handshakes: usize,
+    pub max_waiting_handshakes: usize,
     pub handshakes_per_source: u32,
     pub metrics_listen: SocketAddr,
     pub shutdown_grace: Duration,
@@ -431,6 +441,7 @@ impl CloudArgs {
             ("--max-edges", self.max_edges),
             ("--max-departed-pods", self.max_departed_pods),
             ("--max-pending-handshakes", self.max_pending_handshakes),
+            ("--max-waiting-handshakes", self.max_waiting_handshakes),
             (
                 "--max-apiserver-connections",
                 self.max_apiserver_connections,
@@ -521,6 +532,7 @@ impl CloudArgs {
             max_edges: self.max_edges,
             max_departed_pods: self.max_departed_pods,
             max_pending_handshakes: self.max_pending_handshakes,
+            max_waiting_handshakes: self.max_waiting_handshakes,
             handshakes_per_source: self.handshakes_per_source,
             metrics_listen: self.metrics_listen,
             shutdown_grace: self.shutdown_grace,

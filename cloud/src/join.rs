@@ -150,7 +150,7 @@ mod tests {
     use std::time::Instant;
 
     fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-        Arc::new(rustls::crypto::ring::default_provider())
+        tether_proto::tls::provider()
     }
 
     /// A join listener and a client whose stream receive window is 1 byte:

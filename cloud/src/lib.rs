@@ -45,6 +45,7 @@ pub mod admission;
 pub mod apiserver;
 pub mod authority;
 pub mod authz;
+pub mod backlog;
 pub mod config;
 pub mod drain;
 pub mod forward;

@@ -166,7 +166,7 @@ impl CloudMetrics {
         );
         r.register(
             "edges_refused",
-            "Edge connections refused before their handshake, by reason (max_edges, handshake_backlog, retry, source_rate, draining)",
+            "Edge connections refused before their handshake, by reason (max_edges, handshake_backlog, waiting_full, replaced_waiting: an older Initial of a waiting source, duplicate_attempt: a waiting Initial of a source with a connection, retry, source_rate, draining)",
             m.edges_refused.clone(),
         );
         r.register(

@@ -138,7 +138,7 @@ pub enum PeerError {
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    tether_proto::tls::provider()
 }
 
 fn transport(cfg: &PeerConfig) -> anyhow::Result<Arc<quinn::TransportConfig>> {

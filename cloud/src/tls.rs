@@ -12,7 +12,7 @@ use tether_proto::quic::QuicSettings;
 use crate::config::CloudConfig;
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    tether_proto::tls::provider()
 }
 
 /// The QUIC listener's configuration: TLS 1.3, a client certificate signed by
@@ -50,6 +50,12 @@ pub fn quic_server_config(
         .with_single_cert(chain, key)
         .context("--tunnel-cert and --tunnel-key do not match")?;
     tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
+    // No session tickets: rustls would keep them in a 256-entry cache, far
+    // fewer than the edges of a fleet, so every handshake paid for two
+    // tickets (each with the edge's certificate chain) no edge could resume
+    // with, and a restart forgets them anyway.
+    tls.send_tls13_tickets = 0;
+    tls.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     if cfg.join.is_some() {
         tls.alpn_protocols.push(tether_certs::ALPN_JOIN.to_vec());
     }

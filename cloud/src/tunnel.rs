@@ -28,6 +28,7 @@ use tokio::sync::Semaphore;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::admission::Claim;
+use crate::backlog::{Backlog, Offer};
 use crate::config::CloudConfig;
 use crate::gate::{Gate, Verdict};
 use crate::metrics::CloudMetrics;
@@ -151,6 +152,99 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// How an admitted Initial starts its handshake.
+enum Start {
+    /// With this handshake slot.
+    Now(Box<quinn::Incoming>, tokio::sync::OwnedSemaphorePermit, Live),
+    /// Its source's entry in the waiting line.
+    Waiting,
+}
+
+type Line = std::sync::Mutex<Backlog<quinn::Incoming>>;
+
+fn lock(line: &Line) -> std::sync::MutexGuard<'_, Backlog<quinn::Incoming>> {
+    line.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Counts a connection from its source while it lives (see
+/// [`Backlog::is_served`]).
+struct Live {
+    line: Arc<Line>,
+    source: std::net::SocketAddr,
+}
+
+impl Live {
+    /// Counts it; the caller holds the line's lock.
+    fn start(
+        line: &Arc<Line>,
+        b: &mut Backlog<quinn::Incoming>,
+        source: std::net::SocketAddr,
+    ) -> Live {
+        b.started(source);
+        Live {
+            line: line.clone(),
+            source,
+        }
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        lock(&self.line).ended(self.source);
+    }
+}
+
+/// Waits in the line for a handshake slot, first come first served, until
+/// the newest Initial of `source` has waited `wait`: that Initial and its
+/// slot, or why it was dropped (a metrics reason).
+async fn wait_in_line(
+    line: &Arc<Line>,
+    slots: Arc<Semaphore>,
+    source: std::net::SocketAddr,
+    wait: Duration,
+) -> Result<(quinn::Incoming, tokio::sync::OwnedSemaphorePermit, Live), &'static str> {
+    // One acquire for the whole wait keeps the entry's place in the line.
+    let acquire = slots.acquire_owned();
+    tokio::pin!(acquire);
+    loop {
+        let since = lock(line).since(source).ok_or("handshake_backlog")?;
+        let deadline = tokio::time::Instant::from_std(since + wait);
+        match tokio::time::timeout_at(deadline, &mut acquire).await {
+            Ok(Ok(slot)) => {
+                let mut b = lock(line);
+                let incoming = b.take(source).ok_or("handshake_backlog")?;
+                if b.is_served(source) {
+                    // Another attempt of this edge got through meanwhile.
+                    incoming.ignore();
+                    return Err("duplicate_attempt");
+                }
+                let live = Live::start(line, &mut b, source);
+                return Ok((incoming, slot, live));
+            }
+            Ok(Err(_)) => {
+                // The semaphore is never closed; drop the Initial if it was.
+                if let Some(i) = lock(line).take(source) {
+                    i.ignore();
+                }
+                return Err("handshake_backlog");
+            }
+            Err(_) => {
+                let mut b = lock(line);
+                // A newer Initial of the source came meanwhile: it waits on.
+                if b.since(source)
+                    .is_some_and(|s| s + wait > std::time::Instant::now())
+                {
+                    continue;
+                }
+                if let Some(i) = b.take(source) {
+                    i.ignore();
+                }
+                return Err("handshake_backlog");
+            }
+        }
+    }
+}
+
 /// Accepts edge connections until the endpoint closes.
 pub async fn serve(
     endpoint: quinn::Endpoint,
@@ -161,6 +255,9 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let slots = Arc::new(Semaphore::new(cfg.max_edges));
     let handshakes = Arc::new(Semaphore::new(cfg.max_pending_handshakes));
+    let backlog: Arc<Line> = Arc::new(std::sync::Mutex::new(Backlog::new(
+        cfg.max_waiting_handshakes,
+    )));
     let join = match &cfg.join {
         Some(j) => {
             let store = tether_certs::JoinStore::open(&j.store)
@@ -206,6 +303,22 @@ pub async fn serve(
             continue;
         }
         let in_progress = cfg.max_pending_handshakes - handshakes.available_permits();
+        if in_progress >= cfg.max_pending_handshakes {
+            // Every slot busy: another attempt of an edge this replica is
+            // already serving (connected, in handshake, or in the line) is
+            // dropped before it costs a Retry (see crate::backlog). A
+            // validated Initial of a waiting source replaces its entry below.
+            let remote = incoming.remote_address();
+            let b = lock(&backlog);
+            if b.is_served(remote)
+                || (b.since(remote).is_some() && !incoming.remote_address_validated())
+            {
+                drop(b);
+                metrics.refuse_edge("duplicate_attempt");
+                incoming.ignore();
+                continue;
+            }
+        }
         match gate.check(
             incoming.remote_address().ip(),
             incoming.remote_address_validated(),
@@ -231,23 +344,50 @@ pub async fn serve(
                 continue;
             }
         }
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            warn!(remote = %incoming.remote_address(), limit = cfg.max_edges, "refusing edge connection: --max-edges reached");
-            metrics.refuse_edge("max_edges");
-            incoming.refuse();
-            continue;
+        // A handshake slot now, or a place in the waiting line (first come,
+        // first served, one per source: see crate::backlog). quinn holds a
+        // waiting Initial and buffers the edge's retransmissions of it, so
+        // the slot freed by one handshake goes to the next edge at once.
+        // (Dropping over the limit made each edge's QUIC back off
+        // exponentially, 1 s, 2 s, 4 s…, so after a restart the cloud sat
+        // idle between bursts; queueing every attempt made it serve one edge
+        // several times while others timed out behind it; refusing makes
+        // every edge start a new connection at once: a retry storm.)
+        let remote = incoming.remote_address();
+        let start = match handshakes.clone().try_acquire_owned() {
+            Ok(slot) => {
+                let live = Live::start(&backlog, &mut lock(&backlog), remote);
+                Start::Now(Box::new(incoming), slot, live)
+            }
+            Err(_) if lock(&backlog).is_served(remote) => {
+                // Another attempt of an edge in handshake or connected
+                // (see crate::backlog): not worth a place in the line.
+                metrics.refuse_edge("duplicate_attempt");
+                incoming.ignore();
+                continue;
+            }
+            Err(_) => match lock(&backlog).offer(remote, incoming, std::time::Instant::now()) {
+                Offer::Queued => {
+                    debug!(%remote, limit = cfg.max_pending_handshakes, "an edge's Initial waits for a handshake slot");
+                    Start::Waiting
+                }
+                Offer::Replaced(older) => {
+                    debug!(%remote, "a newer Initial of a waiting edge takes its place in the line");
+                    metrics.refuse_edge("replaced_waiting");
+                    older.ignore();
+                    continue;
+                }
+                Offer::Full(incoming) => {
+                    debug!(%remote, limit = cfg.max_waiting_handshakes, "dropping an edge's Initial: --max-waiting-handshakes reached");
+                    metrics.refuse_edge("waiting_full");
+                    incoming.ignore();
+                    continue;
+                }
+            },
         };
-        // Over the backlog, the Initial waits for a handshake slot (first
-        // come, first served) for at most half the handshake timeout, and is
-        // dropped only then. quinn holds a waiting Initial (and buffers the
-        // edge's retransmissions of it), so the slot freed by one handshake
-        // goes to the next edge at once. (Dropping at once made each edge's
-        // QUIC back off exponentially, 1 s, 2 s, 4 s…, so after a restart
-        // the cloud sat idle between bursts: 10,000 edges took 21–52 s to be
-        // back. Refusing instead makes every edge start a new connection at
-        // once: a retry storm.)
-        let pending = handshakes.clone().try_acquire_owned().ok();
         let handshakes = handshakes.clone();
+        let slots = slots.clone();
+        let backlog = backlog.clone();
         let cfg = cfg.clone();
         let registry = registry.clone();
         let metrics = metrics.clone();
@@ -255,24 +395,27 @@ pub async fn serve(
         let draining = draining.clone();
         let tickets = tickets.clone();
         let moves = moves.clone();
-        let remote = incoming.remote_address();
         tokio::spawn(
             async move {
-                let pending = match pending {
-                    Some(p) => p,
-                    None => {
+                let (incoming, pending, _live) = match start {
+                    Start::Now(incoming, slot, live) => (*incoming, slot, live),
+                    Start::Waiting => {
                         let wait = cfg.handshake_timeout / 2;
-                        debug!(%remote, limit = cfg.max_pending_handshakes, ?wait, "an edge's Initial waits for a handshake slot");
-                        match tokio::time::timeout(wait, handshakes.acquire_owned()).await {
-                            Ok(Ok(p)) => p,
-                            _ => {
-                                debug!(remote = %incoming.remote_address(), limit = cfg.max_pending_handshakes, ?wait, "dropping an edge's Initial: no handshake slot in time");
-                                metrics.refuse_edge("handshake_backlog");
-                                incoming.ignore();
+                        match wait_in_line(&backlog, handshakes, remote, wait).await {
+                            Ok(x) => x,
+                            Err(reason) => {
+                                debug!(%remote, limit = cfg.max_pending_handshakes, ?wait, reason, "dropping an edge's waiting Initial");
+                                metrics.refuse_edge(reason);
                                 return;
                             }
                         }
                     }
+                };
+                let Ok(permit) = slots.try_acquire_owned() else {
+                    warn!(%remote, limit = cfg.max_edges, "refusing edge connection: --max-edges reached");
+                    metrics.refuse_edge("max_edges");
+                    incoming.refuse();
+                    return;
                 };
                 if let Err(e) = handle(
                     incoming, pending, &cfg, &registry, &metrics, join, &draining, &tickets, &moves,

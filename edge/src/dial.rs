@@ -121,7 +121,7 @@ enum Ended {
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    tether_proto::tls::provider()
 }
 
 /// The QUIC client configuration from the certificate files: node name,
@@ -253,7 +253,8 @@ impl Dialer {
     }
 
     /// Handshakes with overlapping attempts: a new attempt starts every
-    /// `--reconnect-max` while older ones are still waiting (each bounded by
+    /// `--reconnect-max` while older ones are still waiting, at most two at
+    /// once (each bounded by
     /// `--handshake-timeout`), so an attempt whose packets were lost in an
     /// outage never delays the reconnect once the link is back.
     /// A control-stream failure on a live connection is a protocol error:
@@ -295,7 +296,13 @@ impl Dialer {
     }
 
     async fn establish(&self) -> anyhow::Result<Established> {
-        const MAX_IN_FLIGHT: usize = 4;
+        // Two: the second probes while the first's Initial waits out QUIC's
+        // retransmission timer. More only multiplies a reconnect storm: when
+        // every edge dials a restarted cloud at once, each waiting attempt
+        // costs both ends (a Retry, a new Initial) and took the cloud longer
+        // to serve everyone (10,000 edges back 24.6 s after the new cloud
+        // was ready with four, 14.1 s with two; scripts/bench.sh --only edges).
+        const MAX_IN_FLIGHT: usize = 2;
         let mut attempts = tokio::task::JoinSet::new();
         let mut last_error = None;
         // Each round after one whose attempts all timed out allows twice as long.

@@ -112,7 +112,7 @@ impl KubeletTarget {
             format!("{host}:{port}")
         };
         let tls = if https {
-            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let provider = tether_proto::tls::provider();
             let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
                 .with_safe_default_protocol_versions()
                 .context("TLS versions")?;

@@ -21,6 +21,7 @@
 //! - [`io`]: the tokio adapter that makes a [`stream::StreamState`] an
 //!   `AsyncRead + AsyncWrite` and drives it over a QUIC stream.
 //! - [`quic`]: QUIC transport settings both binaries share.
+//! - [`tls`]: the TLS crypto provider every configuration uses (AES-128-GCM first).
 //! - [`cli`]: flag groups both binaries share (limits, QUIC tuning, logging).
 //! - [`ops`]: the operations listener both binaries serve (`/metrics`,
 //!   `/healthz`, `/readyz`, `/status`).
@@ -37,6 +38,7 @@ pub mod quic;
 pub mod route;
 pub mod stream;
 pub mod ticket;
+pub mod tls;
 pub mod token;
 pub mod units;
 

@@ -858,3 +858,99 @@ async fn handshakes_over_the_backlog_wait_for_a_slot() {
     );
     drop(conns);
 }
+
+/// `--max-waiting-handshakes` (here 1) behind one handshake slot: of six edges
+/// dialling at once, the Initials beyond the line are dropped and counted
+/// (`waiting_full`); their QUIC retransmits them and every handshake completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_waiting_line_holds_at_most_max_waiting_handshakes() {
+    const DIALS: usize = 6;
+    let env = Env::start(
+        &two(),
+        &[
+            "--max-pending-handshakes",
+            "1",
+            "--max-waiting-handshakes",
+            "1",
+            "--handshake-timeout",
+            "30s",
+        ],
+    )
+    .await
+    .unwrap();
+    let pair = &env.pki.edges["edge-intruder"];
+    let dials: Vec<_> = (0..DIALS)
+        .map(|_| {
+            let (tunnel, ca) = (env.tunnel, env.pki.tether_ca_pem.clone());
+            let (cert, key) = (pair.cert_pem.clone(), pair.key_pem.clone());
+            tokio::spawn(async move { support::RawEdge::handshake(tunnel, &ca, &cert, &key).await })
+        })
+        .collect();
+    let mut conns = Vec::new();
+    for (i, d) in dials.into_iter().enumerate() {
+        let r = d.await.unwrap();
+        conns.push(r.unwrap_or_else(|e| panic!("handshake {i} of {DIALS}: {e:#}")));
+    }
+    let (_, m) = support::plain_get(env.metrics, "/metrics").await.unwrap();
+    let full = support::sample(
+        &m,
+        "tether_cloud_edges_refused_total{reason=\"waiting_full\"}",
+    )
+    .unwrap_or(0.0);
+    assert!(
+        full >= 1.0,
+        "{DIALS} edges at once never found the line of one full:\n{m}"
+    );
+    drop(conns);
+}
+
+/// Attempts of one edge (one UDP socket) while the cloud is busy: once one of
+/// them holds the only handshake slot, the others are another attempt of an
+/// edge already being served and are dropped (`duplicate_attempt`) instead of
+/// queueing for a handshake the edge would throw away; when the slot is free
+/// again their retransmissions are served as usual, so nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_of_an_edge_already_served_do_not_queue_while_the_cloud_is_busy() {
+    const ATTEMPTS: usize = 3;
+    let env = Env::start(
+        &two(),
+        &[
+            "--max-pending-handshakes",
+            "1",
+            "--handshake-timeout",
+            "30s",
+        ],
+    )
+    .await
+    .unwrap();
+    let pair = &env.pki.edges["edge-intruder"];
+    let endpoint =
+        support::RawEdge::endpoint(&env.pki.tether_ca_pem, &pair.cert_pem, &pair.key_pem).unwrap();
+    let dials: Vec<_> = (0..ATTEMPTS)
+        .map(|_| {
+            let connecting = endpoint
+                .connect(env.tunnel, tether_tests::pki::CLOUD_SERVER_NAME)
+                .unwrap();
+            tokio::spawn(tokio::time::timeout(Duration::from_secs(15), connecting))
+        })
+        .collect();
+    let mut conns = Vec::new();
+    for (i, d) in dials.into_iter().enumerate() {
+        let r = d.await.unwrap();
+        conns.push(
+            r.unwrap_or_else(|_| panic!("attempt {i} of {ATTEMPTS}: no handshake within 15 s"))
+                .unwrap_or_else(|e| panic!("attempt {i} of {ATTEMPTS}: {e}")),
+        );
+    }
+    let (_, m) = support::plain_get(env.metrics, "/metrics").await.unwrap();
+    let dup = support::sample(
+        &m,
+        "tether_cloud_edges_refused_total{reason=\"duplicate_attempt\"}",
+    )
+    .unwrap_or(0.0);
+    assert!(
+        dup >= 1.0,
+        "{ATTEMPTS} attempts from one socket against one slot: none was dropped as a duplicate:\n{m}"
+    );
+    drop(conns);
+}

@@ -94,7 +94,9 @@ fn ns_tcp(link: &Arc<Link>, addr: SocketAddr) -> Dial {
 }
 
 fn tls_config(pki: &Pki) -> Result<rustls::ClientConfig> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    // The apiserver's side: Go's crypto/tls prefers AES-128-GCM on AES
+    // hardware, as Tether's provider does.
+    let provider = tether_proto::tls::provider();
     let mut roots = rustls::RootCertStore::empty();
     for c in tether_certs::pem::certs_from_pem(&pki.tether_ca_pem, "ca")? {
         roots.add(c)?;

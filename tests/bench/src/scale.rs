@@ -5,13 +5,14 @@
 //! CA) and speaks the edge's side of the handshake (the control stream's hello, then
 //! the welcome) exactly as `tether-edge` does, with the edge's transport settings
 //! (keep-alive 20 s: where the edge's adaptive keep-alive starts; idle timeout
-//! 150 s), from their own source addresses (loopback 127.1.x.y, four edges to
-//! an address: the cloud admits `--handshakes-per-source` handshakes a second
+//! 150 s), each from its own UDP socket, four to a loopback address
+//! (127.1.x.y: the cloud admits `--handshakes-per-source` handshakes a second
 //! from one address, and real edges come from their own). The generator then
-//! holds each connection idle; when it closes,
-//! it reconnects as the edge does with its defaults: a jittered 100 ms – 1 s backoff,
+//! holds each connection idle; when it closes, it reconnects as the edge does
+//! with its defaults (but from the same source port): a jittered 100 ms – 1 s
+//! backoff,
 //! and overlapping handshake attempts (a new one every second while older ones wait,
-//! at most 4, each bounded by 10 s), so a lost Initial does not wait out QUIC's
+//! at most 2, each bounded by 10 s), so a lost Initial does not wait out QUIC's
 //! exponential retransmission timer; after the cloud shut down, it first waits a
 //! random part of `--reconnect-spread` (5 s).
 //!
@@ -147,15 +148,14 @@ pub(crate) fn client_config(ca: &Ca, node: &str) -> Result<quinn::ClientConfig> 
     for c in tether_certs::pem::certs_from_pem(&ca.cert_pem, "ca")? {
         roots.add(c)?;
     }
-    let mut tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_protocol_versions(&[&rustls::version::TLS13])?
-    .with_root_certificates(roots)
-    .with_client_auth_cert(
-        tether_certs::pem::certs_from_pem(&ck.cert_pem, "edge")?,
-        tether_certs::pem::key_from_pem(&ck.key_pem, "edge")?,
-    )?;
+    // tether-edge's provider (AES-128-GCM first).
+    let mut tls = rustls::ClientConfig::builder_with_provider(tether_proto::tls::provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(
+            tether_certs::pem::certs_from_pem(&ck.cert_pem, "edge")?,
+            tether_certs::pem::key_from_pem(&ck.key_pem, "edge")?,
+        )?;
     tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)?;
     let mut c = quinn::ClientConfig::new(Arc::new(crypto));
@@ -166,18 +166,17 @@ pub(crate) fn client_config(ca: &Ca, node: &str) -> Result<quinn::ClientConfig> 
 /// Simulated edges per source address (a few edges behind one site's NAT).
 /// The cloud admits `--handshakes-per-source` (20) handshakes a second from
 /// one address; real edges come from their own addresses, so the simulated
-/// ones do too (loopback has all of 127.0.0.0/8). One endpoint per edge would
-/// cost the load generator itself too much CPU on these 2 shared cores.
+/// ones do too (loopback has all of 127.0.0.0/8).
 pub(crate) const EDGES_PER_SOURCE: usize = 4;
 
-/// Client endpoints for `n` simulated edges, edge `i` on `eps[i % eps.len()]`:
-/// one per [`EDGES_PER_SOURCE`] edges, each on its own loopback address
-/// (127.1.x.y).
+/// Client endpoints for `n` simulated edges, edge `i` on `eps[i]`: each edge
+/// its own UDP socket, as each tether-edge has (the cloud's waiting line
+/// tells edges apart by source address and port), [`EDGES_PER_SOURCE`] of
+/// them on each loopback address (127.1.x.y).
 pub(crate) fn endpoints_for(n: usize) -> Result<Vec<quinn::Endpoint>> {
-    let count = n.div_ceil(EDGES_PER_SOURCE).max(1);
-    (0..count)
-        .map(|i| {
-            let i = u32::try_from(i).context("too many endpoints")?;
+    (0..n.max(1))
+        .map(|e| {
+            let i = u32::try_from(e / EDGES_PER_SOURCE).context("too many endpoints")?;
             endpoint(std::net::Ipv4Addr::from(
                 0x7f01_0000 + (i / 250) * 256 + i % 250 + 1,
             ))
@@ -185,23 +184,31 @@ pub(crate) fn endpoints_for(n: usize) -> Result<Vec<quinn::Endpoint>> {
         .collect()
 }
 
-pub(crate) fn endpoint(ip: std::net::Ipv4Addr) -> Result<quinn::Endpoint> {
-    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
+fn socket(ip: std::net::IpAddr) -> Result<std::net::UdpSocket> {
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address((ip, 0).into()),
+        socket2::Type::DGRAM,
+        None,
+    )?;
     s.set_recv_buffer_size(1 << 20)?;
     s.set_send_buffer_size(1 << 20)?;
     s.bind(&std::net::SocketAddr::from((ip, 0)).into())
         .with_context(|| format!("binding a client endpoint to {ip}"))?;
+    Ok(s.into())
+}
+
+pub(crate) fn endpoint(ip: std::net::Ipv4Addr) -> Result<quinn::Endpoint> {
     let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
     Ok(quinn::Endpoint::new(
         quinn::EndpointConfig::default(),
         None,
-        s.into(),
+        socket(ip.into())?,
         runtime,
     )?)
 }
 
 /// tether-edge's defaults: attempts in flight, a new attempt every, each bounded by.
-const MAX_IN_FLIGHT: usize = 4;
+const MAX_IN_FLIGHT: usize = 2;
 const NEW_ATTEMPT_EVERY: Duration = Duration::from_secs(1);
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const RECONNECT_SPREAD: Duration = Duration::from_secs(5);
@@ -213,6 +220,12 @@ struct EdgeState {
     instance: u64,
     attempts: std::sync::atomic::AtomicU64,
 }
+
+/// Connection attempts the simulated edges started, and QUIC handshakes
+/// they completed (a reconnect storm's waste is the difference between the
+/// latter and the edges).
+static ATTEMPTS: AtomicUsize = AtomicUsize::new(0);
+static HANDSHAKES: AtomicUsize = AtomicUsize::new(0);
 
 /// One handshake: QUIC + TLS, hello, welcome; the connection, its control
 /// stream and the welcome's session (not yet committed).
@@ -228,9 +241,11 @@ async fn handshake(
     quinn::RecvStream,
     tether_proto::token::SessionId,
 )> {
+    ATTEMPTS.fetch_add(1, Ordering::Relaxed);
     let conn = ep
         .connect_with(cfg, addr, tether_tests::pki::CLOUD_SERVER_NAME)?
         .await?;
+    HANDSHAKES.fetch_add(1, Ordering::Relaxed);
     let (mut send, mut recv) = conn.open_bi().await?;
     let hello = Hello {
         versions: vec![PROTOCOL_VERSION],
@@ -417,7 +432,34 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
         let (new_cloud, _, metrics) = start_cloud(dir.path(), &files, port, n).await?;
         cloud = new_cloud;
         let t_ready = Instant::now();
+        let new_pid = cloud.pid().context("cloud pid")?;
+        let (cloud_c0, self_c0) = (cpu_ticks(new_pid)?, cpu_ticks(std::process::id())?);
+        let (a0, h0) = (ATTEMPTS.load(Ordering::Relaxed), HANDSHAKES.load(Ordering::Relaxed));
+        let progress = {
+            let welcomes = welcomes.clone();
+            tokio::spawn(async move {
+                let mut line = Vec::new();
+                for _ in 0..120 {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let w = welcomes.load(Ordering::Relaxed) - before;
+                    line.push(w.to_string());
+                    if w >= n {
+                        break;
+                    }
+                }
+                eprintln!("tether-bench: scale {n}: welcomed each second after the new cloud was ready: {}", line.join(" "));
+            })
+        };
         let back = wait_count(&welcomes, before + n, Duration::from_secs(120)).await;
+        let _ = progress.await;
+        let (cloud_c1, self_c1) = (cpu_ticks(new_pid)?, cpu_ticks(std::process::id())?);
+        eprintln!(
+            "tether-bench: scale {n}: during the reconnect: CPU of the new cloud {:.1} s, of the simulated edges {:.1} s; {} attempts, {} QUIC handshakes",
+            (cloud_c1 - cloud_c0) as f64 / hz,
+            (self_c1 - self_c0) as f64 / hz,
+            ATTEMPTS.load(Ordering::Relaxed) - a0,
+            HANDSHAKES.load(Ordering::Relaxed) - h0,
+        );
         eprintln!(
             "tether-bench: scale {n}: the new cloud's refusals during the reconnect: {}",
             refusals(metrics).await

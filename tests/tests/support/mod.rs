@@ -868,6 +868,19 @@ impl RawEdge {
         cert_pem: &str,
         key_pem: &str,
     ) -> Result<(quinn::Endpoint, quinn::Connection)> {
+        let endpoint = Self::endpoint(ca_pem, cert_pem, key_pem)?;
+        let conn = tokio::time::timeout(
+            Duration::from_secs(10),
+            endpoint.connect(tunnel, pki::CLOUD_SERVER_NAME)?,
+        )
+        .await
+        .context("QUIC handshake within 10 s")??;
+        Ok((endpoint, conn))
+    }
+
+    /// An edge's QUIC endpoint (one UDP socket: every connection it dials
+    /// comes from the same source address and port).
+    pub fn endpoint(ca_pem: &str, cert_pem: &str, key_pem: &str) -> Result<quinn::Endpoint> {
         use tether_proto::handshake::ALPN_TUNNEL;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut roots = rustls::RootCertStore::empty();
@@ -885,12 +898,6 @@ impl RawEdge {
         let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)?;
         let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
         endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
-        let conn = tokio::time::timeout(
-            Duration::from_secs(10),
-            endpoint.connect(tunnel, pki::CLOUD_SERVER_NAME)?,
-        )
-        .await
-        .context("QUIC handshake within 10 s")??;
-        Ok((endpoint, conn))
+        Ok(endpoint)
     }
 }
