@@ -155,7 +155,11 @@ impl Drop for AbortOnDrop {
 /// How an admitted Initial starts its handshake.
 enum Start {
     /// With this handshake slot.
-    Now(Box<quinn::Incoming>, tokio::sync::OwnedSemaphorePermit, Live),
+    Now(
+        Box<quinn::Incoming>,
+        tokio::sync::OwnedSemaphorePermit,
+        Live,
+    ),
     /// Its source's entry in the waiting line.
     Waiting,
 }

@@ -813,26 +813,32 @@ async fn kubelet_down_gives_502_and_restarted_edge_ends_old_streams() {
     let _ = kubelet_url;
 }
 
-/// `--max-pending-handshakes` (here 1): edges dialling at once over the limit wait
-/// for a slot, first come first served, instead of being dropped (which left each
-/// to QUIC's doubling retransmission timer): every handshake completes, none is
-/// counted as dropped for the backlog, and the cloud logs the waits.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn handshakes_over_the_backlog_wait_for_a_slot() {
-    const DIALS: usize = 8;
-    let env = Env::start(
-        &two(),
-        &[
-            "--max-pending-handshakes",
-            "1",
-            "--handshake-timeout",
-            "30s",
-        ],
+/// A cloud with one handshake slot (and `extra` flags), handshakes allowed 30 s.
+async fn one_handshake_slot(extra: &[&str]) -> Env {
+    let mut flags = vec![
+        "--max-pending-handshakes",
+        "1",
+        "--handshake-timeout",
+        "30s",
+    ];
+    flags.extend_from_slice(extra);
+    Env::start(&two(), &flags).await.unwrap()
+}
+
+/// The cloud's count of Initials refused or dropped for `reason`.
+fn refused(metrics: &str, reason: &str) -> f64 {
+    support::sample(
+        metrics,
+        &format!("tether_cloud_edges_refused_total{{reason=\"{reason}\"}}"),
     )
-    .await
-    .unwrap();
+    .unwrap_or(0.0)
+}
+
+/// `n` QUIC handshakes of edge-intruder started at once, each from its own
+/// socket, all completed; then the cloud's metrics.
+async fn dial_at_once(env: &Env, n: usize) -> (Vec<(quinn::Endpoint, quinn::Connection)>, String) {
     let pair = &env.pki.edges["edge-intruder"];
-    let dials: Vec<_> = (0..DIALS)
+    let dials: Vec<_> = (0..n)
         .map(|_| {
             let (tunnel, ca) = (env.tunnel, env.pki.tether_ca_pem.clone());
             let (cert, key) = (pair.cert_pem.clone(), pair.key_pem.clone());
@@ -842,14 +848,22 @@ async fn handshakes_over_the_backlog_wait_for_a_slot() {
     let mut conns = Vec::new();
     for (i, d) in dials.into_iter().enumerate() {
         let r = d.await.unwrap();
-        conns.push(r.unwrap_or_else(|e| panic!("handshake {i} of {DIALS}: {e:#}")));
+        conns.push(r.unwrap_or_else(|e| panic!("handshake {i} of {n}: {e:#}")));
     }
     let (_, m) = support::plain_get(env.metrics, "/metrics").await.unwrap();
-    let dropped = support::sample(
-        &m,
-        "tether_cloud_edges_refused_total{reason=\"handshake_backlog\"}",
-    )
-    .unwrap_or(0.0);
+    (conns, m)
+}
+
+/// `--max-pending-handshakes` (here 1): edges dialling at once over the limit wait
+/// for a slot, first come first served, instead of being dropped (which left each
+/// to QUIC's doubling retransmission timer): every handshake completes, none is
+/// counted as dropped for the backlog, and the cloud logs the waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshakes_over_the_backlog_wait_for_a_slot() {
+    const DIALS: usize = 8;
+    let env = one_handshake_slot(&[]).await;
+    let (conns, m) = dial_at_once(&env, DIALS).await;
+    let dropped = refused(&m, "handshake_backlog");
     assert_eq!(dropped, 0.0, "Initials dropped for the backlog:\n{m}");
     let log = env.cloud_log();
     assert!(
@@ -865,38 +879,9 @@ async fn handshakes_over_the_backlog_wait_for_a_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_waiting_line_holds_at_most_max_waiting_handshakes() {
     const DIALS: usize = 6;
-    let env = Env::start(
-        &two(),
-        &[
-            "--max-pending-handshakes",
-            "1",
-            "--max-waiting-handshakes",
-            "1",
-            "--handshake-timeout",
-            "30s",
-        ],
-    )
-    .await
-    .unwrap();
-    let pair = &env.pki.edges["edge-intruder"];
-    let dials: Vec<_> = (0..DIALS)
-        .map(|_| {
-            let (tunnel, ca) = (env.tunnel, env.pki.tether_ca_pem.clone());
-            let (cert, key) = (pair.cert_pem.clone(), pair.key_pem.clone());
-            tokio::spawn(async move { support::RawEdge::handshake(tunnel, &ca, &cert, &key).await })
-        })
-        .collect();
-    let mut conns = Vec::new();
-    for (i, d) in dials.into_iter().enumerate() {
-        let r = d.await.unwrap();
-        conns.push(r.unwrap_or_else(|e| panic!("handshake {i} of {DIALS}: {e:#}")));
-    }
-    let (_, m) = support::plain_get(env.metrics, "/metrics").await.unwrap();
-    let full = support::sample(
-        &m,
-        "tether_cloud_edges_refused_total{reason=\"waiting_full\"}",
-    )
-    .unwrap_or(0.0);
+    let env = one_handshake_slot(&["--max-waiting-handshakes", "1"]).await;
+    let (conns, m) = dial_at_once(&env, DIALS).await;
+    let full = refused(&m, "waiting_full");
     assert!(
         full >= 1.0,
         "{DIALS} edges at once never found the line of one full:\n{m}"
@@ -912,17 +897,7 @@ async fn the_waiting_line_holds_at_most_max_waiting_handshakes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attempts_of_an_edge_already_served_do_not_queue_while_the_cloud_is_busy() {
     const ATTEMPTS: usize = 3;
-    let env = Env::start(
-        &two(),
-        &[
-            "--max-pending-handshakes",
-            "1",
-            "--handshake-timeout",
-            "30s",
-        ],
-    )
-    .await
-    .unwrap();
+    let env = one_handshake_slot(&[]).await;
     let pair = &env.pki.edges["edge-intruder"];
     let endpoint =
         support::RawEdge::endpoint(&env.pki.tether_ca_pem, &pair.cert_pem, &pair.key_pem).unwrap();
@@ -943,11 +918,7 @@ async fn attempts_of_an_edge_already_served_do_not_queue_while_the_cloud_is_busy
         );
     }
     let (_, m) = support::plain_get(env.metrics, "/metrics").await.unwrap();
-    let dup = support::sample(
-        &m,
-        "tether_cloud_edges_refused_total{reason=\"duplicate_attempt\"}",
-    )
-    .unwrap_or(0.0);
+    let dup = refused(&m, "duplicate_attempt");
     assert!(
         dup >= 1.0,
         "{ATTEMPTS} attempts from one socket against one slot: none was dropped as a duplicate:\n{m}"
