@@ -150,7 +150,9 @@ mod tests {
     use std::time::Instant;
 
     fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-        tether_proto::tls::provider()
+        // Joins are one-off bootstrap handshakes (this file is also built
+        // into tether-certs' tests, which do not link tether-proto).
+        Arc::new(rustls::crypto::ring::default_provider())
     }
 
     /// A join listener and a client whose stream receive window is 1 byte:
