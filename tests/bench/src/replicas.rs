@@ -35,6 +35,15 @@ use crate::Report;
 /// Requests per latency sample set.
 const LATENCY_N: usize = 200;
 
+/// The simulated edges' transport here: QUIC's defaults (keep-alive 10 s, idle
+/// timeout 30 s). On loopback no load balancer sends an edge's next packet to a
+/// survivor (whose shared reset key would end the connection at once), so after
+/// the `kill -9` the edges notice only by their idle timeout; tether-edge's
+/// 150 s would outlast the scenario's 120 s wait.
+fn kill_quic() -> tether_proto::quic::QuicSettings {
+    tether_proto::quic::QuicSettings::default()
+}
+
 /// Runs both parts and appends their tables.
 pub async fn run(r: &mut Report, n_edges: usize, bulk_mib: usize) -> Result<()> {
     let rows = real_processes(bulk_mib).await.context("replicas: part 1")?;
@@ -262,7 +271,7 @@ async fn simulated(n: usize) -> Result<Vec<(String, Cell)>> {
         .collect::<Result<_>>()?;
     let mut cfgs = Vec::with_capacity(n);
     for i in 0..n {
-        cfgs.push(scale::client_config(&ca, &format!("edge-{i}"))?);
+        cfgs.push(scale::client_config_with(&ca, &format!("edge-{i}"), kill_quic())?);
     }
     // Replica 0 alone first: its RSS before any peer, then with two peer links.
     let r0 = spawn_replica(dir.path(), &files, &peers, 0, &listens, n).await?;

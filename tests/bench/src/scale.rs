@@ -143,6 +143,15 @@ fn edge_quic() -> tether_proto::quic::QuicSettings {
 }
 
 pub(crate) fn client_config(ca: &Ca, node: &str) -> Result<quinn::ClientConfig> {
+    client_config_with(ca, node, edge_quic())
+}
+
+/// [`client_config`] with other transport settings.
+pub(crate) fn client_config_with(
+    ca: &Ca,
+    node: &str,
+    quic: tether_proto::quic::QuicSettings,
+) -> Result<quinn::ClientConfig> {
     let ck = ca.issue_edge(node, VALIDITY)?;
     let mut roots = rustls::RootCertStore::empty();
     for c in tether_certs::pem::certs_from_pem(&ca.cert_pem, "ca")? {
@@ -159,7 +168,7 @@ pub(crate) fn client_config(ca: &Ca, node: &str) -> Result<quinn::ClientConfig> 
     tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)?;
     let mut c = quinn::ClientConfig::new(Arc::new(crypto));
-    c.transport_config(edge_quic().transport_arc().map_err(anyhow::Error::msg)?);
+    c.transport_config(quic.transport_arc().map_err(anyhow::Error::msg)?);
     Ok(c)
 }
 
