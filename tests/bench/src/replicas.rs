@@ -271,7 +271,11 @@ async fn simulated(n: usize) -> Result<Vec<(String, Cell)>> {
         .collect::<Result<_>>()?;
     let mut cfgs = Vec::with_capacity(n);
     for i in 0..n {
-        cfgs.push(scale::client_config_with(&ca, &format!("edge-{i}"), kill_quic())?);
+        cfgs.push(scale::client_config_with(
+            &ca,
+            &format!("edge-{i}"),
+            kill_quic(),
+        )?);
     }
     // Replica 0 alone first: its RSS before any peer, then with two peer links.
     let r0 = spawn_replica(dir.path(), &files, &peers, 0, &listens, n).await?;
