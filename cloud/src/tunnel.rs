@@ -306,6 +306,7 @@ pub async fn serve(
             incoming.refuse();
             continue;
         }
+        let remote = incoming.remote_address();
         let in_progress = cfg.max_pending_handshakes - handshakes.available_permits();
         if in_progress >= cfg.max_pending_handshakes {
             // Every slot busy: another attempt of an edge this replica is
@@ -315,18 +316,17 @@ pub async fn serve(
             // fresh attempt in the line instead of one the edge may give up.
             // (Dropping those too left the line serving attempts the edges
             // had abandoned: 14.1–16.5 s and ~10,800 handshakes for a storm of
-            // 10,000 edges, against 13.5–14.0 s and ~10,000 now.)
-            let remote = incoming.remote_address();
-            let b = lock(&backlog);
-            if b.is_served(remote) {
-                drop(b);
+            // 10,000 edges, against 13.5–14.0 s and ~10,000 now.) One that
+            // got a connection after this check is dropped at its turn in
+            // the line (`wait_in_line`).
+            if lock(&backlog).is_served(remote) {
                 metrics.refuse_edge("duplicate_attempt");
                 incoming.ignore();
                 continue;
             }
         }
         match gate.check(
-            incoming.remote_address().ip(),
+            remote.ip(),
             incoming.remote_address_validated(),
             in_progress,
             std::time::Instant::now(),
@@ -344,7 +344,7 @@ pub async fn serve(
                 continue;
             }
             Verdict::SourceLimited => {
-                debug!(remote = %incoming.remote_address(), limit = cfg.handshakes_per_source, "dropping an edge's Initial: --handshakes-per-source reached");
+                debug!(%remote, limit = cfg.handshakes_per_source, "dropping an edge's Initial: --handshakes-per-source reached");
                 metrics.refuse_edge("source_rate");
                 incoming.ignore();
                 continue;
@@ -359,18 +359,10 @@ pub async fn serve(
         // idle between bursts; queueing every attempt made it serve one edge
         // several times while others timed out behind it; refusing makes
         // every edge start a new connection at once: a retry storm.)
-        let remote = incoming.remote_address();
         let start = match handshakes.clone().try_acquire_owned() {
             Ok(slot) => {
                 let live = Live::start(&backlog, &mut lock(&backlog), remote);
                 Start::Now(Box::new(incoming), slot, live)
-            }
-            Err(_) if lock(&backlog).is_served(remote) => {
-                // Another attempt of an edge in handshake or connected
-                // (see crate::backlog): not worth a place in the line.
-                metrics.refuse_edge("duplicate_attempt");
-                incoming.ignore();
-                continue;
             }
             Err(_) => match lock(&backlog).offer(remote, incoming, std::time::Instant::now()) {
                 Offer::Queued => {
