@@ -24,7 +24,7 @@ use tokio::io::AsyncWriteExt;
 use tokio_util::io::ReaderStream;
 use tracing::{debug, info, warn};
 
-use crate::kubelet::KubeletTarget;
+use crate::kubelet::{KubeletIo, KubeletTarget};
 
 /// Replays streams against the kubelet.
 pub struct Forward {
@@ -100,7 +100,7 @@ impl Forward {
         // Aborted when the cloud resets the stream: that closes the kubelet
         // connection (and so ends an exec process or a log follower) even
         // while we are only waiting on the kubelet.
-        let _conn = KubeletConn(tokio::spawn(async move {
+        let conn_task = KubeletConn(tokio::spawn(async move {
             if let Err(e) = conn.with_upgrades().await {
                 debug!(error = %e, "kubelet connection ended with an error");
             }
@@ -148,6 +148,11 @@ impl Forward {
                 return;
             }
         };
+        // The request is out and answered: nothing more goes over this
+        // connection. Dropping the sender lets hyper's connection task finish
+        // (handing an upgraded connection over) instead of holding its
+        // request channel and read buffer for the life of the session.
+        drop(sender);
         let mut resp = match sent {
             Ok(r) => r,
             Err(e) => {
@@ -205,8 +210,26 @@ impl Forward {
                     return;
                 }
             };
-            let mut kubelet = TokioIo::new(upgraded);
+            // hyper's connection task ended when it handed the connection
+            // over; its handle is all that is left of it.
+            drop(conn_task);
             let mut io = rd.unsplit(wr);
+            // The kubelet connection itself, out of hyper's wrapper: what
+            // hyper read past the 101 goes to the cloud first, and then no
+            // read buffer of hyper's stays with the session.
+            let mut kubelet: Box<dyn KubeletIo> = match upgraded
+                .downcast::<TokioIo<Box<dyn KubeletIo>>>()
+            {
+                Ok(parts) => {
+                    if !parts.read_buf.is_empty() && io.write_all(&parts.read_buf).await.is_err() {
+                        return;
+                    }
+                    parts.io.into_inner()
+                }
+                // Not reached (the type is the one handed to hyper above);
+                // hyper's wrapper works too, with its read buffer.
+                Err(upgraded) => Box::new(TokioIo::new(upgraded)),
+            };
             match tether_proto::pump::copy_both(&mut kubelet, &mut io).await {
                 Ok((to_kubelet, to_cloud)) => debug!(to_kubelet, to_cloud, "upgraded stream ended"),
                 Err(e) => {
@@ -357,5 +380,134 @@ mod tests {
             took < Duration::from_secs(2),
             "closed {took:?} after the reset"
         );
+    }
+
+    /// A kubelet that answers an upgrade with `101` and, in the same write,
+    /// the upgraded protocol's first bytes; then echoes what it reads.
+    async fn eager_kubelet() -> String {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = s.read(&mut buf).await.unwrap();
+                assert!(n > 0, "no request");
+                got.extend_from_slice(&buf[..n]);
+            }
+            s.write_all(
+                b"HTTP/1.1 101 Switching Protocols\r\nconnection: Upgrade\r\nupgrade: SPDY/3.1\r\n\r\nearly",
+            )
+            .await
+            .unwrap();
+            loop {
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                if n == 0 || s.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        });
+        addr
+    }
+
+    /// Everything the edge has sent on `shared` so far, as payload bytes.
+    fn sent_bytes(shared: &SharedStream, into: &mut Vec<u8>) {
+        shared.with_state(|s| {
+            while let Some(f) = s.poll_transmit() {
+                if let Frame::Data { payload, .. } = f {
+                    into.extend_from_slice(&payload);
+                }
+            }
+        });
+    }
+
+    #[tokio::test]
+    async fn bytes_the_kubelet_sends_with_its_101_come_first_then_the_pipe() {
+        let addr = eager_kubelet().await;
+        let cfg = crate::config::KubeletConfig {
+            url: format!("http://{addr}").parse().unwrap(),
+            ca: None,
+            insecure_skip_tls_verify: false,
+            client_cert: None,
+            connect_timeout: Duration::from_secs(2),
+            pods_timeout: Duration::from_secs(2),
+        };
+        let limits = Limits::default();
+        let forward = Arc::new(Forward {
+            target: Arc::new(KubeletTarget::new(&cfg).unwrap()),
+            limits,
+        });
+        let shared = SharedStream::new(StreamState::new(7, (&limits).into()));
+        // Attached, as a new stream is, and the cloud's Attach already in.
+        shared
+            .with_state(|s| {
+                s.attach_fresh()?;
+                s.on_frame(Frame::Attach {
+                    stream: 7,
+                    delivered: 0,
+                    fin_received: false,
+                })
+            })
+            .unwrap();
+        let head = encode_head(
+            &RequestHead {
+                method: "POST".into(),
+                path_and_query: "/exec/default/p1/c?command=sh&stdin=1&stdout=1".into(),
+                headers: vec![
+                    ("connection".to_string(), b"Upgrade".to_vec()),
+                    ("upgrade".to_string(), b"SPDY/3.1".to_vec()),
+                ],
+                has_body: false,
+            },
+            limits.max_head_bytes as usize,
+        )
+        .unwrap();
+        let head_len = head.len() as u64;
+        shared
+            .with_state(|s| {
+                s.on_frame(Frame::Data {
+                    stream: 7,
+                    offset: 0,
+                    payload: head.into(),
+                })
+            })
+            .unwrap();
+        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone())));
+        // Bounded: 5 s for the answer and the early bytes.
+        let mut out = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let rest = loop {
+            sent_bytes(&shared, &mut out);
+            let mut cur = std::io::Cursor::new(out.clone());
+            if let Ok(h) = read_head::<ResponseHead, _>(&mut cur, 1 << 16).await {
+                assert_eq!(h.status, 101);
+                let rest = out[cur.position() as usize..].to_vec();
+                if rest.len() >= 5 {
+                    break rest;
+                }
+            }
+            assert!(Instant::now() < deadline, "no 101 and early bytes: {out:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(rest, b"early");
+        // Then the pipe: what the cloud sends comes back from the kubelet.
+        shared
+            .with_state(|s| {
+                s.on_frame(Frame::Data {
+                    stream: 7,
+                    offset: head_len,
+                    payload: bytes::Bytes::from_static(b"ping"),
+                })
+            })
+            .unwrap();
+        let mut echoed = Vec::new();
+        while echoed.len() < 4 {
+            sent_bytes(&shared, &mut echoed);
+            assert!(Instant::now() < deadline, "no echo: {echoed:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(echoed, b"ping");
+        task.abort();
     }
 }

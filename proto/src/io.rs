@@ -34,9 +34,10 @@ const READER_START: usize = 2048;
 /// `Data` payloads from this size on are read into a buffer of their own.
 const DIRECT_PAYLOAD: usize = READER_START / 2;
 
-/// Reads length-delimited frames from a byte stream. Its buffer starts small
-/// and grows only as frames other than `Data` need it: an idle interactive
-/// stream (one of thousands held open) keeps a few KiB. A `Data` payload of
+/// Reads length-delimited frames from a byte stream. Its buffer starts small,
+/// grows only as frames other than `Data` need it, and is given back while
+/// the stream has nothing to read: an idle interactive stream (one of
+/// thousands held open) holds none. A `Data` payload of
 /// [`DIRECT_PAYLOAD`] bytes or more is read straight into an allocation of
 /// its own that becomes the frame's payload: no second copy, and the small
 /// buffer stays free for reuse instead of being held by payloads that wait
@@ -101,10 +102,7 @@ impl FrameReader {
             if let Some(f) = frame::decode(&mut self.buf, self.max)? {
                 return Ok(Some(f));
             }
-            if self.buf.capacity() - self.buf.len() < READER_START / 2 {
-                self.buf.reserve(self.buf.len().max(READER_START));
-            }
-            if r.read_buf(&mut self.buf).await? == 0 {
+            if self.fill(r).await? == 0 {
                 if self.buf.is_empty() {
                     return Ok(None);
                 }
@@ -115,6 +113,37 @@ impl FrameReader {
                 .into());
             }
         }
+    }
+
+    /// Reads what `r` has into the buffer; the bytes read, 0 at its end.
+    /// While `r` has nothing and nothing is buffered the buffer is given back,
+    /// so an idle stream (one of thousands held open) holds none; it is taken
+    /// again when bytes arrive.
+    async fn fill<R: AsyncRead + Unpin>(&mut self, r: &mut R) -> io::Result<usize> {
+        std::future::poll_fn(|cx| {
+            if self.buf.capacity() - self.buf.len() < READER_START / 2 {
+                self.buf.reserve(self.buf.len().max(READER_START));
+            }
+            let mut rb = ReadBuf::uninit(self.buf.spare_capacity_mut());
+            match Pin::new(&mut *r).poll_read(cx, &mut rb) {
+                Poll::Ready(Ok(())) => {
+                    let n = rb.filled().len();
+                    // SAFETY: `ReadBuf` counts only bytes the reader wrote (it
+                    // cannot swap the slice it was given), and `n` is within the
+                    // spare capacity that slice came from.
+                    unsafe { self.buf.set_len(self.buf.len() + n) };
+                    Poll::Ready(Ok(n))
+                }
+                Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    if self.buf.is_empty() {
+                        self.buf = BytesMut::new();
+                    }
+                    Poll::Pending
+                }
+            }
+        })
+        .await
     }
 }
 
