@@ -257,6 +257,9 @@ pub async fn serve(
     metrics: CloudMetrics,
     draining: Arc<std::sync::atomic::AtomicBool>,
 ) -> anyhow::Result<()> {
+    // Shared by every edge's task (a clone of each metric handle per edge
+    // would cost every connected edge a few hundred bytes).
+    let metrics = Arc::new(metrics);
     let slots = Arc::new(Semaphore::new(cfg.max_edges));
     let handshakes = Arc::new(Semaphore::new(cfg.max_pending_handshakes));
     let backlog: Arc<Line> = Arc::new(std::sync::Mutex::new(Backlog::new(
@@ -396,11 +399,11 @@ pub async fn serve(
         tokio::spawn(
             async move {
                 let (incoming, pending, _live) = match start {
-                    Start::Now(incoming, slot, live) => (*incoming, slot, live),
+                    Start::Now(incoming, slot, live) => (incoming, slot, live),
                     Start::Waiting => {
                         let wait = cfg.handshake_timeout / 2;
-                        match wait_in_line(&backlog, handshakes, remote, wait).await {
-                            Ok(x) => x,
+                        match Box::pin(wait_in_line(&backlog, handshakes, remote, wait)).await {
+                            Ok((incoming, slot, live)) => (Box::new(incoming), slot, live),
                             Err(reason) => {
                                 debug!(%remote, limit = cfg.max_pending_handshakes, ?wait, reason, "dropping an edge's waiting Initial");
                                 metrics.refuse_edge(reason);
@@ -460,7 +463,20 @@ fn node_of(conn: &quinn::Connection) -> anyhow::Result<String> {
         .context("reading the node name from the edge certificate")
 }
 
+/// Refuses an edge on its control stream. Boxed inside: `handle`'s task
+/// future stays the size of its long-lived state (one per edge), not of
+/// this rare one's.
 async fn refuse(
+    send: &mut quinn::SendStream,
+    conn: &quinn::Connection,
+    code: RefusalCode,
+    message: String,
+    max: usize,
+) {
+    Box::pin(refuse_now(send, conn, code, message, max)).await
+}
+
+async fn refuse_now(
     send: &mut quinn::SendStream,
     conn: &quinn::Connection,
     code: RefusalCode,
@@ -580,7 +596,9 @@ fn alpn_of(conn: &quinn::Connection) -> Option<Vec<u8>> {
 /// until its QUIC/TLS handshake is done.
 #[allow(clippy::too_many_arguments)]
 async fn handle(
-    incoming: quinn::Incoming,
+    // Boxed: an async fn keeps its arguments for as long as it runs, and this
+    // one runs for as long as the edge stays connected.
+    incoming: Box<quinn::Incoming>,
     pending: tokio::sync::OwnedSemaphorePermit,
     cfg: &CloudConfig,
     registry: &Arc<Registry>,
@@ -591,7 +609,10 @@ async fn handle(
     moves: &Arc<crate::migration::Watcher>,
 ) -> anyhow::Result<()> {
     let max = cfg.limits.max_frame_bytes as usize;
-    let conn = tokio::time::timeout(cfg.handshake_timeout, incoming)
+    // The handshake's futures are boxed, here and below: they are over before
+    // the edge is attached, and the task (one per edge, for as long as it
+    // stays connected) is then only as large as its attached state.
+    let conn = Box::pin(tokio::time::timeout(cfg.handshake_timeout, *incoming))
         .await
         .map_err(|_| anyhow::anyhow!("no QUIC handshake within --handshake-timeout"))?
         .context("QUIC/TLS handshake")?;
@@ -602,7 +623,13 @@ async fn handle(
             conn.close(close_code::REFUSED.into(), b"joins are not enabled");
             anyhow::bail!("join attempt, but joins are not enabled (--join-store)");
         };
-        return crate::join::serve_join(conn, j.store.clone(), j.ca.clone(), j.validity).await;
+        return Box::pin(crate::join::serve_join(
+            conn,
+            j.store.clone(),
+            j.ca.clone(),
+            j.validity,
+        ))
+        .await;
     }
     let handshake = async {
         let node = match node_of(&conn) {
@@ -634,164 +661,175 @@ async fn handle(
         };
         Ok::<_, anyhow::Error>((conn, node, send, recv, reader, hello))
     };
-    let (conn, node, mut send, recv, reader, hello) =
-        tokio::time::timeout(cfg.handshake_timeout, handshake)
-            .await
-            .map_err(|_| {
-                anyhow::anyhow!(
-                    "no hello within --handshake-timeout ({:?})",
-                    cfg.handshake_timeout
-                )
-            })??;
-    tracing::Span::current().record("node", node.as_str());
-    if let Some(why) = check_hello(&hello, &node) {
-        let code = if hello.node != node {
-            RefusalCode::NodeMismatch
-        } else {
-            RefusalCode::BadHello
-        };
-        refuse(&mut send, &conn, code, format!("node {node}: {why}"), max).await;
-        return Ok(());
-    }
-    let Some(version) = negotiate_version(&hello.versions) else {
-        refuse(
-            &mut send,
-            &conn,
-            RefusalCode::Version,
-            format!("no common protocol version in {:?}", hello.versions),
-            max,
-        )
-        .await;
-        return Ok(());
-    };
-    if draining.load(std::sync::atomic::Ordering::Relaxed) {
-        // Its handshake began before the drain: refused all the same (the
-        // edge ends its round and dials again from a new source port).
-        metrics.refuse_edge("draining");
-        refuse(
-            &mut send,
-            &conn,
-            RefusalCode::Shutdown,
-            format!("node {node}: this replica is draining; connect to another"),
-            max,
-        )
-        .await;
-        return Ok(());
-    }
-    let claim = Claim::of(&hello);
-    // A ticket that does not verify is refused, and the hello with it: the
-    // edge's live session (wherever it is) is not touched, and the edge
-    // starts over with a new state.
-    let ticket = match &hello.ticket {
-        Some(t) => match tickets.verify(t, &node, &hello.resume, unix_ms()) {
-            Ok(()) => Some(t),
-            Err(e) => {
-                metrics.refuse_edge("ticket");
-                refuse(
-                    &mut send,
-                    &conn,
-                    RefusalCode::Ticket,
-                    format!("node {node}: resume ticket refused: {e}"),
-                    max,
-                )
-                .await;
-                return Ok(());
-            }
-        },
-        None => None,
-    };
-    let (session, resumed) = match admit(registry, cfg, &node, &hello, &claim, ticket)? {
-        Ok(v) => v,
-        Err((code, why)) => {
-            if code == RefusalCode::Ticket {
-                metrics.refuse_edge("ticket");
-            }
+    // Everything up to the attach, in a block of its own: its locals (the
+    // hello, the refusal paths' state) are gone before the long wait below,
+    // which is what the edge's task holds while it stays connected.
+    let (conn, node, session, gen, send, recv, reader, resume) = {
+        let (conn, node, mut send, recv, reader, hello) =
+            Box::pin(tokio::time::timeout(cfg.handshake_timeout, handshake))
+                .await
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "no hello within --handshake-timeout ({:?})",
+                        cfg.handshake_timeout
+                    )
+                })??;
+        tracing::Span::current().record("node", node.as_str());
+        if let Some(why) = check_hello(&hello, &node) {
+            let code = if hello.node != node {
+                RefusalCode::NodeMismatch
+            } else {
+                RefusalCode::BadHello
+            };
             refuse(&mut send, &conn, code, format!("node {node}: {why}"), max).await;
             return Ok(());
         }
-    };
-    let gen = next_generation(session.gen().max(ticket.map_or(0, |t| t.gen)), unix_ms());
-    let welcome = Welcome {
-        version,
-        session: session.id,
-        resumed,
-        gen,
-        ticket: issue_ticket(tickets, &session, gen, &hello, cfg.grace),
-        grace_ms: cfg.grace.as_millis() as u64,
-        limits: cfg.limits,
-    };
-    write_frame(&mut send, &Frame::Welcome(welcome), max)
+        let Some(version) = negotiate_version(&hello.versions) else {
+            refuse(
+                &mut send,
+                &conn,
+                RefusalCode::Version,
+                format!("no common protocol version in {:?}", hello.versions),
+                max,
+            )
+            .await;
+            return Ok(());
+        };
+        if draining.load(std::sync::atomic::Ordering::Relaxed) {
+            // Its handshake began before the drain: refused all the same (the
+            // edge ends its round and dials again from a new source port).
+            metrics.refuse_edge("draining");
+            refuse(
+                &mut send,
+                &conn,
+                RefusalCode::Shutdown,
+                format!("node {node}: this replica is draining; connect to another"),
+                max,
+            )
+            .await;
+            return Ok(());
+        }
+        let claim = Claim::of(&hello);
+        // A ticket that does not verify is refused, and the hello with it: the
+        // edge's live session (wherever it is) is not touched, and the edge
+        // starts over with a new state.
+        let ticket = match &hello.ticket {
+            Some(t) => match tickets.verify(t, &node, &hello.resume, unix_ms()) {
+                Ok(()) => Some(t),
+                Err(e) => {
+                    metrics.refuse_edge("ticket");
+                    refuse(
+                        &mut send,
+                        &conn,
+                        RefusalCode::Ticket,
+                        format!("node {node}: resume ticket refused: {e}"),
+                        max,
+                    )
+                    .await;
+                    return Ok(());
+                }
+            },
+            None => None,
+        };
+        let (session, resumed) = match admit(registry, cfg, &node, &hello, &claim, ticket)? {
+            Ok(v) => v,
+            Err((code, why)) => {
+                if code == RefusalCode::Ticket {
+                    metrics.refuse_edge("ticket");
+                }
+                refuse(&mut send, &conn, code, format!("node {node}: {why}"), max).await;
+                return Ok(());
+            }
+        };
+        let gen = next_generation(session.gen().max(ticket.map_or(0, |t| t.gen)), unix_ms());
+        let welcome = Welcome {
+            version,
+            session: session.id,
+            resumed,
+            gen,
+            ticket: issue_ticket(tickets, &session, gen, &hello, cfg.grace),
+            grace_ms: cfg.grace.as_millis() as u64,
+            limits: cfg.limits,
+        };
+        Box::pin(write_frame(&mut send, &Frame::Welcome(welcome), max))
+            .await
+            .context("sending the welcome")?;
+        debug!(node = %node, session = %session.id, resumed, attempt = claim.attempt, "welcome sent; waiting for the edge to commit");
+        // Nothing is attached until the edge commits to this connection: an
+        // attempt it abandoned (it took another welcome, or gave up) is dropped
+        // here and leaves the session untouched.
+        let mut reader = reader;
+        let mut recv = recv;
+        match Box::pin(tokio::time::timeout(
+            cfg.handshake_timeout,
+            reader.next(&mut recv),
+        ))
         .await
-        .context("sending the welcome")?;
-    debug!(node = %node, session = %session.id, resumed, attempt = claim.attempt, "welcome sent; waiting for the edge to commit");
-    // Nothing is attached until the edge commits to this connection: an
-    // attempt it abandoned (it took another welcome, or gave up) is dropped
-    // here and leaves the session untouched.
-    let mut reader = reader;
-    let mut recv = recv;
-    match tokio::time::timeout(cfg.handshake_timeout, reader.next(&mut recv)).await {
-        Ok(Ok(Some(Frame::Commit { session: id }))) if id == session.id => {}
-        Ok(Ok(Some(Frame::Commit { session: id }))) => {
-            conn.close(close_code::PROTOCOL.into(), b"commit names another session");
-            anyhow::bail!(
-                "node {node} committed to session {id}, but was welcomed into {}",
-                session.id
-            );
+        {
+            Ok(Ok(Some(Frame::Commit { session: id }))) if id == session.id => {}
+            Ok(Ok(Some(Frame::Commit { session: id }))) => {
+                conn.close(close_code::PROTOCOL.into(), b"commit names another session");
+                anyhow::bail!(
+                    "node {node} committed to session {id}, but was welcomed into {}",
+                    session.id
+                );
+            }
+            Ok(Ok(Some(other))) => {
+                conn.close(close_code::PROTOCOL.into(), b"expected a commit");
+                anyhow::bail!(
+                    "node {node}: expected a commit, got a {} frame",
+                    other.kind()
+                );
+            }
+            Ok(Ok(None)) | Ok(Err(_)) => {
+                debug!(node = %node, attempt = claim.attempt, "the edge abandoned this attempt before committing");
+                return Ok(());
+            }
+            Err(_) => {
+                conn.close(close_code::REPLACED.into(), b"no commit in time");
+                debug!(node = %node, attempt = claim.attempt, "no commit within --handshake-timeout; dropping this attempt");
+                return Ok(());
+            }
         }
-        Ok(Ok(Some(other))) => {
-            conn.close(close_code::PROTOCOL.into(), b"expected a commit");
-            anyhow::bail!(
-                "node {node}: expected a commit, got a {} frame",
-                other.kind()
-            );
+        match session.attach_connection(conn.clone(), &claim, gen) {
+            Ok(()) => registry.hold(&session),
+            Err(e) => {
+                info!(node = %node, session = %session.id, attempt = claim.attempt, error = %e, "not attaching a committed connection");
+                conn.close(close_code::REPLACED.into(), e.to_string().as_bytes());
+                return Ok(());
+            }
         }
-        Ok(Ok(None)) | Ok(Err(_)) => {
-            debug!(node = %node, attempt = claim.attempt, "the edge abandoned this attempt before committing");
-            return Ok(());
-        }
-        Err(_) => {
-            conn.close(close_code::REPLACED.into(), b"no commit in time");
-            debug!(node = %node, attempt = claim.attempt, "no commit within --handshake-timeout; dropping this attempt");
-            return Ok(());
-        }
-    }
-    match session.attach_connection(conn.clone(), &claim, gen) {
-        Ok(()) => registry.hold(&session),
-        Err(e) => {
-            info!(node = %node, session = %session.id, attempt = claim.attempt, error = %e, "not attaching a committed connection");
-            conn.close(close_code::REPLACED.into(), e.to_string().as_bytes());
-            return Ok(());
-        }
-    }
-    info!(
-        node = %node,
-        session = %session.id,
-        resumed,
-        gen,
-        attempt = claim.attempt,
-        streams = session.open_streams(),
-        remote = %conn.remote_address(),
-        addresses = ?hello.addresses,
-        "edge connected"
-    );
-    metrics.edges_connected.inc();
-    if draining.load(std::sync::atomic::Ordering::Relaxed) {
-        // Committed while the drain began (after the drain's list of edges
-        // was taken): move it at once.
-        info!(node = %node, "draining: telling the edge to move (it attached as the drain began)");
-        conn.close(
-            close_code::MOVE.into(),
-            b"this replica is draining: reconnect to another",
+        info!(
+            node = %node,
+            session = %session.id,
+            resumed,
+            gen,
+            attempt = claim.attempt,
+            streams = session.open_streams(),
+            remote = %conn.remote_address(),
+            addresses = ?hello.addresses,
+            "edge connected"
         );
-        metrics.edges_moved.inc();
-    }
-    // Counted only now: the edge took this welcome and committed to it.
-    if resumed {
-        metrics.resumes.inc();
-    }
-    metrics.sessions.set(registry.len() as i64);
-    // Peers learn the edge is attached here (and requests waiting for it go on).
-    registry.touch_node(&session.node);
+        metrics.edges_connected.inc();
+        if draining.load(std::sync::atomic::Ordering::Relaxed) {
+            // Committed while the drain began (after the drain's list of edges
+            // was taken): move it at once.
+            info!(node = %node, "draining: telling the edge to move (it attached as the drain began)");
+            conn.close(
+                close_code::MOVE.into(),
+                b"this replica is draining: reconnect to another",
+            );
+            metrics.edges_moved.inc();
+        }
+        // Counted only now: the edge took this welcome and committed to it.
+        if resumed {
+            metrics.resumes.inc();
+        }
+        metrics.sessions.set(registry.len() as i64);
+        // Peers learn the edge is attached here (and requests waiting for it go on).
+        registry.touch_node(&session.node);
+        (conn, node, session, gen, send, recv, reader, hello.resume)
+    };
     // A renewal never outlives the presented certificate's own lifetime:
     // a short-lived certificate stays short-lived.
     let renew_for = join.as_ref().map(|j| {
@@ -804,7 +842,7 @@ async fn handle(
     let tickets_for_control = TicketIssuer {
         key: tickets.clone(),
         gen,
-        state: hello.resume,
+        state: resume,
         grace: cfg.grace,
         every: refresh,
     };
@@ -812,10 +850,12 @@ async fn handle(
     // (which answers a NAT rebinding with a frame, see `watch_migration`).
     let send = Arc::new(tokio::sync::Mutex::new(send));
     let edge_keeps_alive = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let control = control_loop(
+    let control = std::pin::pin!(control_loop(
         registry.clone(),
         session.clone(),
-        (recv, reader, send.clone()),
+        recv,
+        reader,
+        send.clone(),
         edge_keeps_alive.clone(),
         Renewal {
             join,
@@ -825,14 +865,14 @@ async fn handle(
         },
         max,
         tickets_for_control,
-    );
-    let migrations = watch_migration(
+    ));
+    let migrations = std::pin::pin!(watch_migration(
         moves.watch(&conn),
         conn.remote_address(),
         &node,
         metrics,
         (&send, &edge_keeps_alive, max),
-    );
+    ));
     tokio::select! {
         () = migrations => {}
         r = control => {
@@ -1087,73 +1127,78 @@ struct Renewal<'a> {
     metrics: &'a CloudMetrics,
 }
 
-async fn control_loop(
+/// Serves the control stream: pod reports, certificate renewals, keep-alive
+/// frames in; fresh resume tickets out. Not an `async fn`: one of these runs
+/// per connected edge, and an `async fn` would keep a second copy of its
+/// arguments in its future.
+// Clippy would turn it back into an `async fn`.
+#[allow(clippy::too_many_arguments, clippy::manual_async_fn)]
+fn control_loop<'a>(
     registry: Arc<Registry>,
     session: Arc<Session>,
-    (mut recv, mut reader, send): (
-        quinn::RecvStream,
-        FrameReader,
-        Arc<tokio::sync::Mutex<quinn::SendStream>>,
-    ),
+    mut recv: quinn::RecvStream,
+    mut reader: FrameReader,
+    send: Arc<tokio::sync::Mutex<quinn::SendStream>>,
     edge_keeps_alive: Arc<std::sync::atomic::AtomicBool>,
-    renewal: Renewal<'_>,
+    renewal: Renewal<'a>,
     max: usize,
     tickets: TicketIssuer,
-) -> anyhow::Result<()> {
-    let Renewal {
-        join,
-        renew_for,
-        conn,
-        metrics,
-    } = renewal;
-    let mut reports = ReportRate::new(std::time::Instant::now());
-    let mut refresh =
-        tokio::time::interval_at(tokio::time::Instant::now() + tickets.every, tickets.every);
-    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let frame = tokio::select! {
-            f = reader.next(&mut recv) => f?,
-            _ = refresh.tick() => {
-                let mut send = send.lock().await;
-                write_frame(&mut *send, &Frame::Ticket(tickets.next(&session)), max).await?;
-                continue;
-            }
-        };
-        match frame {
-            Some(Frame::RenewCert { csr_pem }) => {
-                if let Some(why) = join.as_ref().and_then(|j| revoked(j, &conn, &session.node)) {
-                    // Revoked since this connection's handshake: no new certificate,
-                    // and the connection ends now (its next handshake is refused too).
-                    warn!(node = %session.node, reason = %why, "refusing certificate renewal: the presented certificate is revoked; closing the connection");
-                    metrics.refuse_edge("revoked");
+) -> impl std::future::Future<Output = anyhow::Result<()>> + 'a {
+    async move {
+        let mut reports = ReportRate::new(std::time::Instant::now());
+        let mut refresh =
+            tokio::time::interval_at(tokio::time::Instant::now() + tickets.every, tickets.every);
+        refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let frame = tokio::select! {
+                f = reader.next(&mut recv) => f?,
+                _ = refresh.tick() => {
                     let mut send = send.lock().await;
-                    let _ = write_frame(
-                        &mut *send,
-                        &Frame::RenewedCert {
-                            result: Err(format!("certificate revoked: {why}")),
-                        },
-                        max,
-                    )
-                    .await;
-                    let _ = send.finish();
-                    conn.close(close_code::REFUSED.into(), b"certificate revoked");
-                    return Ok(());
+                    write_frame(&mut *send, &Frame::Ticket(tickets.next(&session)), max).await?;
+                    continue;
                 }
-                // The node is the session's (from its certificate), never the CSR's say-so.
-                let allowed = join.as_ref().map(|j| {
-                    j.renewals
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .try_renew(&session.node, std::time::Instant::now())
-                });
-                let result = match &join {
+            };
+            match frame {
+                Some(Frame::RenewCert { csr_pem }) => {
+                    if let Some(why) = renewal
+                        .join
+                        .as_ref()
+                        .and_then(|j| revoked(j, &renewal.conn, &session.node))
+                    {
+                        // Revoked since this connection's handshake: no new certificate,
+                        // and the connection ends now (its next handshake is refused too).
+                        warn!(node = %session.node, reason = %why, "refusing certificate renewal: the presented certificate is revoked; closing the connection");
+                        renewal.metrics.refuse_edge("revoked");
+                        let mut send = send.lock().await;
+                        let _ = write_frame(
+                            &mut *send,
+                            &Frame::RenewedCert {
+                                result: Err(format!("certificate revoked: {why}")),
+                            },
+                            max,
+                        )
+                        .await;
+                        let _ = send.finish();
+                        renewal
+                            .conn
+                            .close(close_code::REFUSED.into(), b"certificate revoked");
+                        return Ok(());
+                    }
+                    // The node is the session's (from its certificate), never the CSR's say-so.
+                    let allowed = renewal.join.as_ref().map(|j| {
+                        j.renewals
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .try_renew(&session.node, std::time::Instant::now())
+                    });
+                    let result = match &renewal.join {
                     None => Err("certificate renewal is not enabled on this cloud (--join-ca-cert/--join-ca-key)".to_string()),
                     Some(_) if matches!(allowed, Some(Err(_))) => {
                         let wait = match allowed { Some(Err(w)) => w, _ => Duration::ZERO };
                         warn!(node = %session.node, "refusing certificate renewal: renewed less than {RENEWAL_MIN_INTERVAL:?} ago");
                         Err(format!("renewed too recently; try again in {}s", wait.as_secs()))
                     }
-                    Some(j) => tether_certs::sign_edge_csr(&j.ca, &csr_pem, &session.node, renew_for.unwrap_or(j.validity))
+                    Some(j) => tether_certs::sign_edge_csr(&j.ca, &csr_pem, &session.node, renewal.renew_for.unwrap_or(j.validity))
                         .map(|issued| {
                             info!(node = %session.node, serial = %issued.serial, "renewed the edge's certificate");
                             issued.cert_pem
@@ -1163,34 +1208,37 @@ async fn control_loop(
                             e.to_string()
                         }),
                 };
-                let mut send = send.lock().await;
-                write_frame(&mut *send, &Frame::RenewedCert { result }, max).await?;
-            }
-            Some(Frame::PodReport(report)) => {
-                if report.pods.len() > MAX_PODS {
-                    anyhow::bail!(
-                        "pod report of {} pods exceeds {MAX_PODS}",
-                        report.pods.len()
-                    );
+                    let mut send = send.lock().await;
+                    write_frame(&mut *send, &Frame::RenewedCert { result }, max).await?;
                 }
-                if !reports.allow(std::time::Instant::now()) {
-                    anyhow::bail!(
+                Some(Frame::PodReport(report)) => {
+                    if report.pods.len() > MAX_PODS {
+                        anyhow::bail!(
+                            "pod report of {} pods exceeds {MAX_PODS}",
+                            report.pods.len()
+                        );
+                    }
+                    if !reports.allow(std::time::Instant::now()) {
+                        anyhow::bail!(
                         "pod reports faster than {REPORTS_PER_SEC}/s (burst {REPORT_BURST}): closing the connection"
                     );
+                    }
+                    debug!(node = %session.node, pods = report.pods.len(), "pod report");
+                    registry.report_pods(&session, report.pods);
                 }
-                debug!(node = %session.node, pods = report.pods.len(), "pod report");
-                registry.report_pods(&session, report.pods);
+                Some(Frame::GoAway { reason }) => {
+                    info!(node = %session.node, ?reason, "edge is going away")
+                }
+                // The edge's adaptive keep-alive: QUIC acknowledges it; the
+                // edge knows the frame, so it may get one after a migration.
+                Some(Frame::KeepAlive) => {
+                    edge_keeps_alive.store(true, std::sync::atomic::Ordering::Relaxed)
+                }
+                Some(other) => {
+                    anyhow::bail!("unexpected {} frame on the control stream", other.kind())
+                }
+                None => return Ok(()),
             }
-            Some(Frame::GoAway { reason }) => {
-                info!(node = %session.node, ?reason, "edge is going away")
-            }
-            // The edge's adaptive keep-alive: QUIC acknowledges it; the
-            // edge knows the frame, so it may get one after a migration.
-            Some(Frame::KeepAlive) => {
-                edge_keeps_alive.store(true, std::sync::atomic::Ordering::Relaxed)
-            }
-            Some(other) => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
-            None => return Ok(()),
         }
     }
 }
