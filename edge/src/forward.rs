@@ -305,8 +305,8 @@ mod tests {
         (addr, rx)
     }
 
-    async fn reset_while_waiting(answer: &'static [u8]) -> Duration {
-        let (addr, closed) = silent_kubelet(answer).await;
+    /// A forwarder to the plain-HTTP kubelet at `addr`, and stream 7's state.
+    fn forward_to(addr: &str) -> (Arc<Forward>, Arc<SharedStream>, Limits) {
         let cfg = crate::config::KubeletConfig {
             url: format!("http://{addr}").parse().unwrap(),
             ca: None,
@@ -321,6 +321,12 @@ mod tests {
             limits,
         });
         let shared = SharedStream::new(StreamState::new(7, (&limits).into()));
+        (forward, shared, limits)
+    }
+
+    async fn reset_while_waiting(answer: &'static [u8]) -> Duration {
+        let (addr, closed) = silent_kubelet(answer).await;
+        let (forward, shared, limits) = forward_to(&addr);
         let head = encode_head(
             &RequestHead {
                 method: "GET".into(),
@@ -425,20 +431,7 @@ mod tests {
     #[tokio::test]
     async fn bytes_the_kubelet_sends_with_its_101_come_first_then_the_pipe() {
         let addr = eager_kubelet().await;
-        let cfg = crate::config::KubeletConfig {
-            url: format!("http://{addr}").parse().unwrap(),
-            ca: None,
-            insecure_skip_tls_verify: false,
-            client_cert: None,
-            connect_timeout: Duration::from_secs(2),
-            pods_timeout: Duration::from_secs(2),
-        };
-        let limits = Limits::default();
-        let forward = Arc::new(Forward {
-            target: Arc::new(KubeletTarget::new(&cfg).unwrap()),
-            limits,
-        });
-        let shared = SharedStream::new(StreamState::new(7, (&limits).into()));
+        let (forward, shared, limits) = forward_to(&addr);
         // Attached, as a new stream is, and the cloud's Attach already in.
         shared
             .with_state(|s| {
