@@ -277,6 +277,17 @@ mod tests {
     use tether_proto::stream::StreamState;
     use tokio::io::AsyncReadExt;
 
+    /// Reads a request head (up to its blank line) from the edge.
+    async fn read_request(s: &mut tokio::net::TcpStream) {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0, "no request");
+            got.extend_from_slice(&buf[..n]);
+        }
+    }
+
     /// A kubelet that reads one request, writes `answer`, then stays silent;
     /// reports how long after the answer its connection was closed.
     async fn silent_kubelet(
@@ -287,13 +298,8 @@ mod tests {
         let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
-            let mut got = Vec::new();
+            read_request(&mut s).await;
             let mut buf = [0u8; 4096];
-            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                let n = s.read(&mut buf).await.unwrap();
-                assert!(n > 0, "no request");
-                got.extend_from_slice(&buf[..n]);
-            }
             s.write_all(answer).await.unwrap();
             // Bounded: the test gives up after 10 s anyway.
             let _ = tokio::time::timeout(Duration::from_secs(10), async {
@@ -324,19 +330,10 @@ mod tests {
         (forward, shared, limits)
     }
 
-    async fn reset_while_waiting(answer: &'static [u8]) -> Duration {
-        let (addr, closed) = silent_kubelet(answer).await;
-        let (forward, shared, limits) = forward_to(&addr);
-        let head = encode_head(
-            &RequestHead {
-                method: "GET".into(),
-                path_and_query: "/containerLogs/default/p1/c?follow=true".into(),
-                headers: vec![("accept".to_string(), b"*/*".to_vec())],
-                has_body: false,
-            },
-            limits.max_head_bytes as usize,
-        )
-        .unwrap();
+    /// Stream 7 receives `head` from the cloud, as its first bytes; their length.
+    fn deliver_head(shared: &SharedStream, limits: &Limits, head: RequestHead) -> u64 {
+        let head = encode_head(&head, limits.max_head_bytes as usize).unwrap();
+        let len = head.len() as u64;
         shared
             .with_state(|s| {
                 s.on_frame(Frame::Data {
@@ -346,6 +343,22 @@ mod tests {
                 })
             })
             .unwrap();
+        len
+    }
+
+    async fn reset_while_waiting(answer: &'static [u8]) -> Duration {
+        let (addr, closed) = silent_kubelet(answer).await;
+        let (forward, shared, limits) = forward_to(&addr);
+        deliver_head(
+            &shared,
+            &limits,
+            RequestHead {
+                method: "GET".into(),
+                path_and_query: "/containerLogs/default/p1/c?follow=true".into(),
+                headers: vec![("accept".to_string(), b"*/*".to_vec())],
+                has_body: false,
+            },
+        );
         let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone())));
         tokio::time::sleep(Duration::from_millis(500)).await;
         // The cloud gives up (504, or the apiserver left): its Reset arrives.
@@ -395,13 +408,8 @@ mod tests {
         let addr = l.local_addr().unwrap().to_string();
         tokio::spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
-            let mut got = Vec::new();
+            read_request(&mut s).await;
             let mut buf = [0u8; 4096];
-            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                let n = s.read(&mut buf).await.unwrap();
-                assert!(n > 0, "no request");
-                got.extend_from_slice(&buf[..n]);
-            }
             s.write_all(
                 b"HTTP/1.1 101 Switching Protocols\r\nconnection: Upgrade\r\nupgrade: SPDY/3.1\r\n\r\nearly",
             )
@@ -443,8 +451,10 @@ mod tests {
                 })
             })
             .unwrap();
-        let head = encode_head(
-            &RequestHead {
+        let head_len = deliver_head(
+            &shared,
+            &limits,
+            RequestHead {
                 method: "POST".into(),
                 path_and_query: "/exec/default/p1/c?command=sh&stdin=1&stdout=1".into(),
                 headers: vec![
@@ -453,19 +463,7 @@ mod tests {
                 ],
                 has_body: false,
             },
-            limits.max_head_bytes as usize,
-        )
-        .unwrap();
-        let head_len = head.len() as u64;
-        shared
-            .with_state(|s| {
-                s.on_frame(Frame::Data {
-                    stream: 7,
-                    offset: 0,
-                    payload: head.into(),
-                })
-            })
-            .unwrap();
+        );
         let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone())));
         // Bounded: 5 s for the answer and the early bytes.
         let mut out = Vec::new();
