@@ -42,6 +42,7 @@ use tokio::process::Command;
 
 use crate::bins;
 use crate::pki::{self, Pki};
+use crate::ports;
 use crate::probe::KubeletClient;
 use crate::process::{Proc, SpawnOptions};
 
@@ -338,24 +339,6 @@ fn command(program: &Path) -> Command {
     cmd
 }
 
-/// A free TCP port on loopback (released before the replica binds it).
-fn free_tcp_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")
-        .context("binding a TCP port")?
-        .local_addr()
-        .context("reading a TCP port")?
-        .port())
-}
-
-/// A free UDP port on loopback (released before the replica binds it).
-fn free_udp_port() -> Result<u16> {
-    Ok(std::net::UdpSocket::bind("127.0.0.1:0")
-        .context("binding a UDP port")?
-        .local_addr()
-        .context("reading a UDP port")?
-        .port())
-}
-
 fn parse_addr(token: &str, what: &str) -> Result<SocketAddr> {
     token
         .parse()
@@ -553,7 +536,7 @@ impl Cluster {
         let tunnel = cloud_bin.is_some();
         let replicas = if tunnel { spec.replicas.max(1) } else { 0 };
         let kubelet_listens = (0..replicas)
-            .map(|_| free_tcp_port().map(|p| SocketAddr::from(([127, 0, 0, 1], p))))
+            .map(|_| ports::free_loopback(ports::Proto::Tcp))
             .collect::<Result<Vec<_>>>()?;
         let kubeconfig = dir.join("kubeconfig");
         let apiserver_streams = apiserver_streams_from_env()?;
@@ -604,7 +587,7 @@ impl Cluster {
             let peering = if n > 1 {
                 let peers = pki::mint_peers(&dir.join("pki").join("peers"))?;
                 let listens = (0..n)
-                    .map(|_| free_udp_port().map(|p| SocketAddr::from(([127, 0, 0, 1], p))))
+                    .map(|_| ports::free_loopback(ports::Proto::Udp))
                     .collect::<Result<Vec<_>>>()?;
                 Some((peers, listens))
             } else {

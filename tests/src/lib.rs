@@ -15,6 +15,9 @@
 //! - [`cluster`]: starts a whole cluster — kubelet simulators, cloud, edges and the
 //!   apiserver stand-in — either through the tunnel or, behind one switch
 //!   ([`cluster::Mode`]), with the apiserver dialling the kubelets directly.
+//! - [`ports`]: ports chosen before the process that binds them starts, drawn from below
+//!   the ephemeral range so that no other process's `bind(0)` or outgoing connection takes
+//!   them first.
 //! - [`probe`]: a small HTTPS client that talks to the cloud's kubelet API as the
 //!   apiserver would, for readiness checks and routing assertions.
 //! - [`kubectl`]: which kubectl binaries are under test, and running them.
@@ -37,6 +40,7 @@ pub mod kubectl;
 pub mod netns;
 pub mod pki;
 pub mod podhttp;
+pub mod ports;
 pub mod probe;
 pub mod process;
 pub mod pty;

@@ -323,10 +323,9 @@ async fn connect_proxy(
     (addr, asked)
 }
 
+/// A free TCP port on loopback, below the ephemeral range (see `tether_tests::ports`).
 fn free_tcp_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
+    tether_tests::ports::free_loopback(tether_tests::ports::Proto::Tcp)
         .unwrap()
         .port()
 }

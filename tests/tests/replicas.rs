@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use support::{plain_get, sample};
 use tether_tests::pki::{self, Pair, PeerPki, Pki};
+use tether_tests::ports;
 use tether_tests::process::{Proc, SpawnOptions};
 
 /// Short membership timings so the test is quick: re-resolve every second,
@@ -28,13 +29,9 @@ struct Replica {
     metrics: SocketAddr,
 }
 
-/// A free UDP port on loopback (released before the replica binds it).
+/// A free UDP port on loopback, below the ephemeral range (see `tether_tests::ports`).
 fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    ports::free_loopback(ports::Proto::Udp).unwrap().port()
 }
 
 /// A run directory and the certificates every replica of a test uses.

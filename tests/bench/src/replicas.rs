@@ -263,11 +263,7 @@ async fn simulated(n: usize) -> Result<Vec<(String, Cell)>> {
     let files = scale::cloud_files(dir.path(), &ca)?;
     let peers = tether_tests::pki::mint_peers(&dir.path().join("peers"))?;
     let listens: Vec<SocketAddr> = (0..3)
-        .map(|_| {
-            std::net::UdpSocket::bind("127.0.0.1:0")
-                .and_then(|s| s.local_addr())
-                .map_err(anyhow::Error::from)
-        })
+        .map(|_| tether_tests::ports::free_loopback(tether_tests::ports::Proto::Udp))
         .collect::<Result<_>>()?;
     let mut cfgs = Vec::with_capacity(n);
     for i in 0..n {
