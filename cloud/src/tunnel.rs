@@ -55,8 +55,17 @@ pub fn cid_key(reset_key: &ring::hmac::Key) -> u64 {
 pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
     let sc = crate::tls::quic_server_config(cfg, &cfg.quic)?;
     let endpoint_config = endpoint_config(cfg.reset_key_file.as_deref(), cfg.reset_interval)?;
-    let socket = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
+    let (socket, buffers) = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
         .with_context(|| format!("binding UDP {}", cfg.tunnel_listen))?;
+    match buffers.shortfall(cfg.quic.udp_buffer) {
+        Some(why) => warn!(listen = %cfg.tunnel_listen, "{why}"),
+        None => info!(
+            listen = %cfg.tunnel_listen,
+            receive = buffers.receive,
+            send = buffers.send,
+            "tunnel UDP socket buffers"
+        ),
+    }
     let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
     quinn::Endpoint::new(endpoint_config, Some(sc), socket, runtime)
         .context("creating the QUIC endpoint")

@@ -555,12 +555,26 @@ impl Dialer {
 }
 
 /// A UDP socket for the client endpoint: dual-stack where the host has IPv6,
-/// else IPv4.
+/// else IPv4. Buffers smaller than `--udp-buffer` are logged once per process
+/// (every reconnect round binds a new socket).
 fn bind_client_socket(udp_buffer: usize) -> std::io::Result<std::net::UdpSocket> {
     use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
-    tether_proto::quic::bind_udp(SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)), udp_buffer).or_else(
-        |_| tether_proto::quic::bind_udp(SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)), udp_buffer),
-    )
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    let (sock, got) =
+        tether_proto::quic::bind_udp(SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)), udp_buffer)
+            .or_else(|_| {
+                tether_proto::quic::bind_udp(
+                    SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+                    udp_buffer,
+                )
+            })?;
+    if let Some(why) = got.shortfall(udp_buffer) {
+        if !WARNED.swap(true, Ordering::Relaxed) {
+            warn!("{why}");
+        }
+    }
+    Ok(sock)
 }
 
 /// Watches the host's addresses (woken by the kernel's address events; a

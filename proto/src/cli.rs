@@ -73,9 +73,14 @@ pub struct QuicArgs {
     /// trip or two; keep it at least `--replay-buffer-bytes`.
     #[arg(long, env = "TETHER_STREAM_WINDOW", default_value = "4MiB", value_parser = parse_bytes_u32)]
     pub stream_window: u32,
-    /// UDP socket buffer size.
-    #[arg(long, env = "TETHER_UDP_BUFFER", default_value = "4MiB", value_parser = parse_bytes)]
-    pub udp_buffer: u64,
+    /// UDP socket buffer size [default: 32MiB on the cloud, 4MiB on the edge].
+    /// The cloud's one socket takes every edge's datagrams: after a restart
+    /// thousands of edges' handshakes arrive at once, and a datagram the
+    /// kernel drops for want of buffer costs its edge a retransmission timer
+    /// inflated by the storm (seconds). Beyond `net.core.rmem_max` it needs
+    /// `CAP_NET_ADMIN`, else a warning says what was granted.
+    #[arg(long, env = "TETHER_UDP_BUFFER", value_parser = parse_bytes)]
+    pub udp_buffer: Option<u64>,
     /// Congestion controller: `cubic`, `bbr` (loss-tolerant, for lossy cellular links) or `newreno`.
     #[arg(long, env = "TETHER_CONGESTION", default_value = "bbr", value_parser = ["bbr", "cubic", "newreno"])]
     pub congestion: String,
@@ -96,6 +101,13 @@ pub enum Role {
 /// edge tens of KiB for nothing.
 pub const EDGE_OPENED_STREAMS: u32 = 2;
 
+/// The cloud's default `--udp-buffer`: 10,000 edges dialling back after a
+/// restart overflowed 4 and 8 MiB on 2 cores (thousands of datagrams dropped),
+/// not 32 MiB (`tether-bench --only edges --scale 10000`).
+pub const CLOUD_UDP_BUFFER: u64 = 32 * 1024 * 1024;
+/// The edge's default `--udp-buffer`: one connection's bursts.
+pub const EDGE_UDP_BUFFER: u64 = 4 * 1024 * 1024;
+
 impl QuicArgs {
     /// The QUIC settings of `role`, with stream limits taken from `limits`.
     pub fn settings(&self, limits: &Limits, role: Role) -> Result<QuicSettings, String> {
@@ -110,8 +122,11 @@ impl QuicArgs {
                 Role::Edge => limits.max_streams_per_edge,
             },
             stream_window: self.stream_window,
-            udp_buffer: usize::try_from(self.udp_buffer)
-                .map_err(|_| "udp-buffer too large".to_string())?,
+            udp_buffer: usize::try_from(self.udp_buffer.unwrap_or(match role {
+                Role::Cloud => CLOUD_UDP_BUFFER,
+                Role::Edge => EDGE_UDP_BUFFER,
+            }))
+            .map_err(|_| "udp-buffer too large".to_string())?,
             congestion: match self.congestion.as_str() {
                 "bbr" => crate::quic::Congestion::Bbr,
                 "newreno" => crate::quic::Congestion::NewReno,
@@ -319,6 +334,27 @@ pub fn start<A: BinaryArgs>(argv: &[std::ffi::OsString]) -> Result<Option<A::Con
 
 #[cfg(test)]
 mod tests {
+    #[derive(Debug, Parser)]
+    struct QuicOnly {
+        #[command(flatten)]
+        quic: QuicArgs,
+    }
+
+    #[test]
+    fn udp_buffer_defaults_by_role_and_a_flag_overrides_both() {
+        let limits = crate::limits::Limits::default();
+        let quic = |argv: &[&str]| QuicOnly::try_parse_from(argv).unwrap().quic;
+        let defaults = quic(&["t"]);
+        let cloud = defaults.settings(&limits, Role::Cloud).unwrap();
+        let edge = defaults.settings(&limits, Role::Edge).unwrap();
+        assert_eq!(cloud.udp_buffer as u64, CLOUD_UDP_BUFFER);
+        assert_eq!(edge.udp_buffer as u64, EDGE_UDP_BUFFER);
+        let set = quic(&["t", "--udp-buffer", "1MiB"]);
+        for role in [Role::Cloud, Role::Edge] {
+            assert_eq!(set.settings(&limits, role).unwrap().udp_buffer, 1 << 20);
+        }
+    }
+
     #[test]
     fn log_filter_takes_levels_and_targets_and_rejects_nonsense() {
         let args = |log: &str| LogArgs {

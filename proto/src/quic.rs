@@ -99,40 +99,116 @@ impl QuicSettings {
     }
 }
 
-/// A UDP socket bound to `addr` with enlarged kernel buffers (the kernel may
-/// clamp them to `net.core.{r,w}mem_max`; that is logged by the caller, not an
-/// error).
-pub fn bind_udp(addr: SocketAddr, buffer: usize) -> std::io::Result<UdpSocket> {
-    let sock = UdpSocket::bind(addr)?;
-    set_buffers(&sock, buffer);
-    Ok(sock)
+/// The kernel buffers a UDP socket got, bytes (as asked for: Linux reports
+/// twice the size it was given, for its bookkeeping; that is halved here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UdpBuffers {
+    pub receive: usize,
+    pub send: usize,
 }
 
-fn set_buffers(sock: &UdpSocket, buffer: usize) {
+impl UdpBuffers {
+    /// What to tell an operator when the buffers are smaller than `wanted`.
+    pub fn shortfall(&self, wanted: usize) -> Option<String> {
+        (self.receive < wanted || self.send < wanted).then(|| {
+            format!(
+                "UDP socket buffers are {} KiB receive / {} KiB send, not the {} KiB asked for \
+                 (--udp-buffer): the kernel caps them at net.core.rmem_max / wmem_max unless \
+                 the process has CAP_NET_ADMIN; raise those sysctls, or the cloud drops \
+                 datagrams in a reconnect storm and the edges that lose a packet then wait \
+                 out a retransmission timer inflated by the storm",
+                self.receive / 1024,
+                self.send / 1024,
+                wanted / 1024
+            )
+        })
+    }
+}
+
+/// A UDP socket bound to `addr` with kernel buffers of `buffer` bytes, and the
+/// buffers it really got. The kernel caps a plain request at
+/// `net.core.{r,w}mem_max`; where that falls short, the privileged request
+/// (`SO_RCVBUFFORCE`, which needs `CAP_NET_ADMIN`) is tried as well. Getting
+/// less is not an error: the caller logs [`UdpBuffers::shortfall`].
+pub fn bind_udp(addr: SocketAddr, buffer: usize) -> std::io::Result<(UdpSocket, UdpBuffers)> {
+    let sock = UdpSocket::bind(addr)?;
+    let got = set_buffers(&sock, buffer);
+    Ok((sock, got))
+}
+
+fn set_buffers(sock: &UdpSocket, buffer: usize) -> UdpBuffers {
     use std::os::fd::AsRawFd;
     let fd = sock.as_raw_fd();
-    let size = buffer.min(i32::MAX as usize) as i32;
-    for opt in [SO_RCVBUF, SO_SNDBUF] {
-        // SAFETY: fd is a valid socket for the lifetime of `sock`; the option
-        // value is a plain int of the size passed.
-        unsafe {
-            setsockopt(
-                fd,
-                SOL_SOCKET,
-                opt,
-                &size as *const i32 as *const _,
-                std::mem::size_of::<i32>() as u32,
-            );
+    // The kernel doubles what it is given; ask for no more than it can hold.
+    let size = buffer.min(i32::MAX as usize / 2) as i32;
+    let mut got = [0usize; 2];
+    for (i, (opt, force)) in [(SO_RCVBUF, SO_RCVBUFFORCE), (SO_SNDBUF, SO_SNDBUFFORCE)]
+        .into_iter()
+        .enumerate()
+    {
+        set_int(fd, opt, size);
+        got[i] = get_int(fd, opt) / 2;
+        if got[i] < buffer {
+            // Fails with EPERM without CAP_NET_ADMIN, leaving the capped size.
+            set_int(fd, force, size);
+            got[i] = get_int(fd, opt) / 2;
         }
     }
+    UdpBuffers {
+        receive: got[0],
+        send: got[1],
+    }
+}
+
+fn set_int(fd: i32, opt: i32, value: i32) {
+    // SAFETY: fd is a valid socket for the lifetime of the caller's socket;
+    // the option value is a plain int of the size passed.
+    unsafe {
+        setsockopt(
+            fd,
+            SOL_SOCKET,
+            opt,
+            &value as *const i32 as *const _,
+            std::mem::size_of::<i32>() as u32,
+        );
+    }
+}
+
+/// The option's value, or 0 if it cannot be read.
+fn get_int(fd: i32, opt: i32) -> usize {
+    let mut value: i32 = 0;
+    let mut len = std::mem::size_of::<i32>() as u32;
+    // SAFETY: as in `set_int`; `value` and `len` are valid for writes of an int.
+    let rc = unsafe {
+        getsockopt(
+            fd,
+            SOL_SOCKET,
+            opt,
+            &mut value as *mut i32 as *mut _,
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return 0;
+    }
+    usize::try_from(value).unwrap_or(0)
 }
 
 const SOL_SOCKET: i32 = 1;
 const SO_SNDBUF: i32 = 7;
 const SO_RCVBUF: i32 = 8;
+const SO_SNDBUFFORCE: i32 = 32;
+const SO_RCVBUFFORCE: i32 = 33;
 
 extern "C" {
     fn setsockopt(fd: i32, level: i32, name: i32, value: *const std::ffi::c_void, len: u32) -> i32;
+    fn getsockopt(
+        fd: i32,
+        level: i32,
+        name: i32,
+        value: *mut std::ffi::c_void,
+        len: *mut u32,
+    ) -> i32;
 }
 
 #[cfg(test)]
@@ -160,9 +236,70 @@ mod tests {
         }
     }
 
+    fn sysctl(name: &str) -> usize {
+        std::fs::read_to_string(format!("/proc/sys/net/core/{name}"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
     #[test]
-    fn binds_with_buffers() {
-        let s = bind_udp("127.0.0.1:0".parse().unwrap(), 1 << 20).unwrap();
+    fn binds_with_the_buffers_asked_for() {
+        let (s, got) = bind_udp("127.0.0.1:0".parse().unwrap(), 160 * 1024).unwrap();
         assert!(s.local_addr().unwrap().port() != 0);
+        assert_eq!(
+            got,
+            UdpBuffers {
+                receive: 160 * 1024,
+                send: 160 * 1024
+            }
+        );
+        assert_eq!(got.shortfall(160 * 1024), None);
+    }
+
+    #[test]
+    fn buffers_beyond_the_sysctl_cap_are_forced_or_reported() {
+        // Four times the cap: granted only to a process with CAP_NET_ADMIN.
+        let (rmax, wmax) = (sysctl("rmem_max"), sysctl("wmem_max"));
+        let want = 4 * rmax.max(wmax);
+        let (_s, got) = bind_udp("127.0.0.1:0".parse().unwrap(), want).unwrap();
+        // SAFETY: geteuid has no preconditions. (Root in the initial user
+        // namespace has CAP_NET_ADMIN; the suite runs as root here.)
+        let root = unsafe { geteuid() } == 0;
+        if root {
+            assert_eq!(
+                got,
+                UdpBuffers {
+                    receive: want,
+                    send: want
+                }
+            );
+            assert_eq!(got.shortfall(want), None);
+        } else {
+            assert_eq!(
+                got,
+                UdpBuffers {
+                    receive: rmax,
+                    send: wmax
+                }
+            );
+            let why = got.shortfall(want).unwrap();
+            assert!(why.contains("net.core.rmem_max"), "{why}");
+        }
+        // What an unprivileged process gets is reported, not hidden.
+        let capped = UdpBuffers {
+            receive: rmax,
+            send: wmax,
+        };
+        let why = capped.shortfall(want).unwrap();
+        assert!(
+            why.contains(&format!("{} KiB receive", rmax / 1024)),
+            "{why}"
+        );
+    }
+
+    extern "C" {
+        fn geteuid() -> u32;
     }
 }
