@@ -54,6 +54,10 @@ struct Sizes {
     load_bytes: u64,
     /// Bound of one bulk download.
     bulk_limit: Duration,
+    /// Rounds of the bulk table, the peers taking turns in each; a figure is
+    /// the median of its rounds (one 64 MiB download is a third of a second
+    /// here, and single runs of the same code differed by almost 2×).
+    bulk_rounds: usize,
 }
 
 /// What a run does.
@@ -97,6 +101,7 @@ impl Plan {
                 parallel_bytes: 512 << 10,
                 load_bytes: 4 << 20,
                 bulk_limit: Duration::from_secs(30),
+                bulk_rounds: 1,
             };
             return Plan {
                 quick,
@@ -126,6 +131,7 @@ impl Plan {
                         parallel_bytes: 8 << 20,
                         load_bytes: 8 << 20,
                         bulk_limit: Duration::from_secs(60),
+                        bulk_rounds: 7,
                     },
                 ),
                 (
@@ -137,6 +143,7 @@ impl Plan {
                         parallel_bytes: 2 << 20,
                         load_bytes: 8 << 20,
                         bulk_limit: Duration::from_secs(120),
+                        bulk_rounds: 5,
                     },
                 ),
                 (
@@ -148,6 +155,7 @@ impl Plan {
                         parallel_bytes: 256 << 10,
                         load_bytes: 2 << 20,
                         bulk_limit: Duration::from_secs(120),
+                        bulk_rounds: 3,
                     },
                 ),
             ],
@@ -271,31 +279,82 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
     }
     r.push(&t.render());
 
+    let rounds = s.bulk_rounds.max(1);
+    let what = match rounds {
+        1 => String::new(),
+        n => format!(", median of {n}"),
+    };
     let mut t = Table::new(
         &[
             "peer",
-            &format!("1 stream MB/s ({} MiB)", s.bulk_bytes >> 20),
-            &format!("10 streams MB/s (sum, {} KiB each)", s.parallel_bytes >> 10),
+            &format!("1 stream MB/s ({} MiB{what})", s.bulk_bytes >> 20),
+            &format!(
+                "10 streams MB/s (sum, {} KiB each{what})",
+                s.parallel_bytes >> 10
+            ),
         ],
         1,
     );
-    for p in &bed.peers {
-        let Some(dial) = unavailable(r, p) else {
+    // Round by round, the peers taking turns, so that a slow minute of the
+    // machine falls on all of them alike.
+    let dials: Vec<_> = bed.peers.iter().map(|p| unavailable(r, p)).collect();
+    // Per peer: the figures of each kind so far, or the error that ended it.
+    let mut got: Vec<[Result<Vec<f64>, Cell>; 2]> = bed
+        .peers
+        .iter()
+        .map(|_| [Ok(Vec::new()), Ok(Vec::new())])
+        .collect();
+    for _ in 0..rounds {
+        for ((p, dial), [one, ten]) in bed.peers.iter().zip(&dials).zip(got.iter_mut()) {
+            let Some(dial) = dial else { continue };
+            if let Ok(v) = one {
+                match measure::bulk(dial, s.bulk_bytes, s.bulk_limit).await {
+                    Ok(x) => v.push(x),
+                    Err(e) => *one = Err(r.error(format!("{name}: {} bulk: {e:#}", p.name))),
+                }
+            }
+            if let Ok(v) = ten {
+                match measure::parallel(dial, 10, s.parallel_bytes, s.bulk_limit).await {
+                    Ok(x) => v.push(x),
+                    Err(e) => *ten = Err(r.error(format!("{name}: {} 10 streams: {e:#}", p.name))),
+                }
+            }
+        }
+    }
+    let mut ranges = Vec::new();
+    for ((p, dial), kinds) in bed.peers.iter().zip(&dials).zip(got) {
+        if dial.is_none() {
             t.row(p.name, vec![Cell::text("n/a"); 2]);
             continue;
-        };
-        let one = match measure::bulk(&dial, s.bulk_bytes, s.bulk_limit).await {
-            Ok(v) => Cell::Num(v),
-            Err(e) => r.error(format!("{name}: {} bulk: {e:#}", p.name)),
-        };
-        let ten = match measure::parallel(&dial, 10, s.parallel_bytes, s.bulk_limit).await {
-            Ok(v) => Cell::Num(v),
-            Err(e) => r.error(format!("{name}: {} 10 streams: {e:#}", p.name)),
-        };
-        t.row(p.name, vec![one, ten]);
+        }
+        let mut cells = Vec::new();
+        let mut spans = Vec::new();
+        for kind in kinds {
+            match kind {
+                Ok(v) => {
+                    let (lo, hi) = v
+                        .iter()
+                        .fold((f64::MAX, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+                    spans.push(format!("{lo:.0}–{hi:.0}"));
+                    cells.push(Cell::Num(pct(&v, 0.5)));
+                }
+                Err(c) => {
+                    spans.push("-".into());
+                    cells.push(c);
+                }
+            }
+        }
+        ranges.push(format!("{} {}", p.name, spans.join(" / ")));
+        t.row(p.name, cells);
     }
     r.push("\n");
     r.push(&t.render());
+    if rounds > 1 {
+        r.push(&format!(
+            "\nRange of the {rounds} rounds (1 stream / 10 streams, MB/s): {}.\n",
+            ranges.join("; ")
+        ));
+    }
 
     // Time to open a stream: a new connection (TCP + TLS handshake; to the cloud for
     // Tether, through the tunnel to the kubelet for the others), a GET, its whole
