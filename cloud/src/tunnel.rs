@@ -58,7 +58,12 @@ pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
     let (socket, buffers) = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
         .with_context(|| format!("binding UDP {}", cfg.tunnel_listen))?;
     match buffers.shortfall(cfg.quic.udp_buffer) {
-        Some(why) => warn!(listen = %cfg.tunnel_listen, "{why}"),
+        Some(why) => warn!(
+            listen = %cfg.tunnel_listen,
+            "{why}; short of buffer, this socket drops datagrams when a fleet dials back \
+             after a restart, and an edge that loses one waits out a retransmission timer \
+             the storm stretched to seconds"
+        ),
         None => info!(
             listen = %cfg.tunnel_listen,
             receive = buffers.receive,

@@ -47,7 +47,7 @@ impl Default for QuicSettings {
             max_bidi_streams: 1024,
             stream_window: 4 * 1024 * 1024,
             conn_window: 32 * 1024 * 1024,
-            udp_buffer: 4 * 1024 * 1024,
+            udp_buffer: crate::cli::EDGE_UDP_BUFFER as usize,
             congestion: Congestion::Bbr,
         }
     }
@@ -114,9 +114,7 @@ impl UdpBuffers {
             format!(
                 "UDP socket buffers are {} KiB receive / {} KiB send, not the {} KiB asked for \
                  (--udp-buffer): the kernel caps them at net.core.rmem_max / wmem_max unless \
-                 the process has CAP_NET_ADMIN; raise those sysctls, or the cloud drops \
-                 datagrams in a reconnect storm and the edges that lose a packet then wait \
-                 out a retransmission timer inflated by the storm",
+                 the process has CAP_NET_ADMIN; raise those sysctls",
                 self.receive / 1024,
                 self.send / 1024,
                 wanted / 1024

@@ -11,7 +11,7 @@
 //! the kernel never hands out on its own, at random, checked free with a bind, and never
 //! twice in one test process.
 
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, UdpSocket};
 use std::sync::Mutex;
 
@@ -26,7 +26,7 @@ const ATTEMPTS: usize = 500;
 const RANGE_FILE: &str = "/proc/sys/net/ipv4/ip_local_port_range";
 
 /// Ports this process has handed out already.
-static GIVEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
 
 /// Which protocol the port must be free for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,9 +55,8 @@ fn is_free(port: u16, proto: Proto) -> bool {
 /// range, and was not handed out before by this process.
 pub fn free_loopback(proto: Proto) -> Result<SocketAddr> {
     let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    let given = given.get_or_insert_with(HashSet::new);
     let start = rand::rng().random_range(LOWEST..u16::MAX);
-    pick(proto, LOWEST..ephemeral_start(), start, given)
+    pick(proto, LOWEST..ephemeral_start(), start, &mut given)
 }
 
 /// The first port of `range`, scanning from `from` and wrapping around, that is free
@@ -66,7 +65,7 @@ fn pick(
     proto: Proto,
     range: std::ops::Range<u16>,
     from: u16,
-    given: &mut HashSet<u16>,
+    given: &mut BTreeSet<u16>,
 ) -> Result<SocketAddr> {
     let len = range.end.saturating_sub(range.start);
     if len < 100 {
@@ -95,7 +94,7 @@ mod tests {
     #[test]
     fn ports_are_below_the_ephemeral_range_free_and_never_repeated() {
         let end = ephemeral_start();
-        let mut seen = HashSet::new();
+        let mut seen = BTreeSet::new();
         for proto in [Proto::Tcp, Proto::Udp, Proto::Tcp] {
             for _ in 0..20 {
                 let addr = free_loopback(proto).unwrap();
@@ -129,7 +128,7 @@ mod tests {
             2,
             "too few free ports in {range:?} on this machine"
         );
-        let mut given = HashSet::new();
+        let mut given = BTreeSet::new();
         let a = pick(Proto::Tcp, range.clone(), range.end - 1, &mut given).unwrap();
         let b = pick(Proto::Tcp, range.clone(), range.end - 1, &mut given).unwrap();
         assert_eq!([a.port(), b.port()], [open[0], open[1]]);
@@ -140,7 +139,7 @@ mod tests {
 
     #[test]
     fn a_range_too_small_is_refused() {
-        let err = pick(Proto::Udp, 30_000..30_010, 30_000, &mut HashSet::new()).unwrap_err();
+        let err = pick(Proto::Udp, 30_000..30_010, 30_000, &mut BTreeSet::new()).unwrap_err();
         assert!(err.to_string().contains("too little room"), "{err}");
     }
 }

@@ -332,9 +332,7 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
         for kind in kinds {
             match kind {
                 Ok(v) => {
-                    let (lo, hi) = v
-                        .iter()
-                        .fold((f64::MAX, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+                    let (lo, hi) = (pct(&v, 0.0), pct(&v, 1.0));
                     spans.push(format!("{lo:.0}–{hi:.0}"));
                     cells.push(Cell::Num(pct(&v, 0.5)));
                 }
