@@ -550,6 +550,8 @@ impl Forwarder {
                     format_args!("edge {node} answered 101 to a plain request"),
                 );
             };
+            // exec, attach, port-forward: someone may be typing.
+            shared.mark_interactive();
             tokio::spawn(
                 pipe_upgraded(on_upgrade, rd.unsplit(wr), shared, open_guard).in_current_span(),
             );

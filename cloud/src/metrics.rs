@@ -10,6 +10,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use tether_proto::copies::CopyCounters;
 use tether_proto::ops::ByteCounters;
 use tether_proto::route::StreamKind;
 
@@ -77,6 +78,8 @@ pub struct CloudMetrics {
     pub route_waits: Family<ResultLabel, Counter>,
     /// (node, peer) pairs learnt from peers.
     pub remote_edges: Gauge,
+    /// Datagram copies of interactive writes, both ways.
+    pub copies: CopyCounters,
 }
 
 impl CloudMetrics {
@@ -107,8 +110,10 @@ impl CloudMetrics {
             stale_routes: Counter::default(),
             route_waits: Family::default(),
             remote_edges: Gauge::default(),
+            copies: CopyCounters::default(),
         };
         let r = registry.sub_registry_with_prefix("tether_cloud");
+        m.copies.register(r);
         r.register(
             "edges_connected",
             "Edges with a live QUIC connection",

@@ -1450,14 +1450,14 @@ mod tests {
         // The edge commits here: generation 150, held here.
         let (edge_conn, _far, _e2) = crate::relay::testlink::pair().await;
         session
-            .attach_connection(edge_conn.clone(), &claim(1, 1), 150)
+            .attach_connection(edge_conn.clone(), None, &claim(1, 1), 150)
             .unwrap();
         r.hold(&session);
         assert!(session.is_held() && Arc::ptr_eq(&r.get("n").unwrap(), &session));
         // A commit of an older generation is refused.
         let (old_conn, _far2, _e3) = crate::relay::testlink::pair().await;
         assert!(session
-            .attach_connection(old_conn, &claim(1, 2), 120)
+            .attach_connection(old_conn, None, &claim(1, 2), 120)
             .is_err());
         // Two connections raced on two replicas: b's newer generation wins here
         // too — ours is closed, the session is relayed through b and no longer

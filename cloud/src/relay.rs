@@ -538,7 +538,8 @@ mod link_tests {
             attempt: 1,
         };
         let attached_ms = tether_proto::ticket::unix_ms();
-        live.attach_connection(c3, &claim, attached_ms).unwrap();
+        live.attach_connection(c3, None, &claim, attached_ms)
+            .unwrap();
         r.insert(live.clone());
         r.apply_remote(
             &a,

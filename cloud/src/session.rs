@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
+use tether_proto::copies::{CopyLink, CopySink};
 use tether_proto::frame::ResetCode;
 use tether_proto::io::{drive, PeerAttach, ResumableIo, SharedStream};
 use tether_proto::route::StreamKind;
@@ -60,6 +61,8 @@ pub enum Link {
         epoch: u64,
         gen: u64,
         conn: quinn::Connection,
+        /// Datagram copies of interactive writes on `conn`, when enabled.
+        copies: Option<Arc<CopyLink>>,
     },
     /// Through `replica`, which holds the edge's connection of generation
     /// `gen`; `conn` is the peer link this replica dialled to it.
@@ -248,6 +251,11 @@ impl Session {
         self.book.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The open stream `id`, for a datagram copy of its bytes.
+    pub fn stream(&self, id: StreamId) -> Option<Arc<SharedStream>> {
+        self.streams().get(&id).cloned()
+    }
+
     fn streams(&self) -> std::sync::MutexGuard<'_, HashMap<StreamId, Arc<SharedStream>>> {
         self.streams.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -355,6 +363,7 @@ impl Session {
     pub fn attach_connection(
         &self,
         conn: quinn::Connection,
+        copies: Option<Arc<CopyLink>>,
         claim: &Claim,
         gen: u64,
     ) -> Result<(), AttachError> {
@@ -375,7 +384,15 @@ impl Session {
             }
             self.gen.store(gen, Ordering::Relaxed);
             let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
-            old = Some(std::mem::replace(l, Link::Connected { epoch, gen, conn }));
+            old = Some(std::mem::replace(
+                l,
+                Link::Connected {
+                    epoch,
+                    gen,
+                    conn,
+                    copies,
+                },
+            ));
             true
         });
         if let Some(reason) = ended {
@@ -634,7 +651,15 @@ impl Session {
                 }
             };
             let attach = std::mem::replace(&mut peer, PeerAttach::Read);
-            match drive(shared.clone(), recv, send, attach, max_frame).await {
+            // Copies only on the edge's own connection: a relay carries the
+            // stream's bytes, not the holder's datagrams.
+            let copies = match &link {
+                Link::Connected {
+                    copies: Some(c), ..
+                } => Some(c.clone() as Arc<dyn CopySink>),
+                _ => None,
+            };
+            match drive(shared.clone(), recv, send, attach, max_frame, copies).await {
                 Ok(()) => break,
                 Err(e) => {
                     if shared.is_done() {

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use tether_proto::copies::CopyLink;
 use tether_proto::frame::ResetCode;
 use tether_proto::handshake::{
     close_code, negotiate_version, Hello, Refusal, RefusalCode, Welcome,
@@ -678,7 +679,7 @@ async fn handle(
     // Everything up to the attach, in a block of its own: its locals (the
     // hello, the refusal paths' state) are gone before the long wait below,
     // which is what the edge's task holds while it stays connected.
-    let (conn, node, session, gen, send, recv, reader, resume) = {
+    let (conn, node, session, gen, send, recv, reader, resume, copies) = {
         let (conn, node, mut send, recv, reader, hello) =
             Box::pin(tokio::time::timeout(cfg.handshake_timeout, handshake))
                 .await
@@ -805,7 +806,8 @@ async fn handle(
                 return Ok(());
             }
         }
-        match session.attach_connection(conn.clone(), &claim, gen) {
+        let copies = CopyLink::new(conn.clone(), cfg.quic.copies, metrics.copies.clone());
+        match session.attach_connection(conn.clone(), Some(copies.clone()), &claim, gen) {
             Ok(()) => registry.hold(&session),
             Err(e) => {
                 info!(node = %node, session = %session.id, attempt = claim.attempt, error = %e, "not attaching a committed connection");
@@ -842,7 +844,17 @@ async fn handle(
         metrics.sessions.set(registry.len() as i64);
         // Peers learn the edge is attached here (and requests waiting for it go on).
         registry.touch_node(&session.node);
-        (conn, node, session, gen, send, recv, reader, hello.resume)
+        (
+            conn,
+            node,
+            session,
+            gen,
+            send,
+            recv,
+            reader,
+            hello.resume,
+            copies,
+        )
     };
     // A renewal never outlives the presented certificate's own lifetime:
     // a short-lived certificate stays short-lived.
@@ -887,8 +899,16 @@ async fn handle(
         metrics,
         (&send, &edge_keeps_alive, max),
     ));
+    // Copies the edge sends, for this connection's life (a clone of the
+    // session, so the session itself is free once the connection ends).
+    let copy_session = session.clone();
+    let copies_in = std::pin::pin!(copies.serve(move |id| copy_session.stream(id), &node));
     tokio::select! {
         () = migrations => {}
+        // Ends only when the connection does.
+        () = copies_in => {
+            debug!(node = %node, reason = ?conn.close_reason(), "edge connection closed");
+        }
         r = control => {
             // A control stream that fails because the connection closed is
             // not a protocol error: keep the peer's close reason.

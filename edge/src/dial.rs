@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rand::Rng;
+use tether_proto::copies::{CopyLink, CopySink};
 use tether_proto::handshake::{
     close_code, Hello, RefusalCode, Welcome, ALPN_TUNNEL, PROTOCOL_VERSION,
 };
@@ -477,11 +478,18 @@ impl Dialer {
             &self.metrics,
             &self.node,
         );
+        let copy_link = CopyLink::new(
+            conn.clone(),
+            self.cfg.quic.copies,
+            self.metrics.copies.clone(),
+        );
+        let copies_in = copy_link.announce_and_serve(|id| self.streams.stream(id), "cloud");
         let acceptor = async {
             loop {
                 match conn.accept_bi().await {
                     Ok((s, r)) => {
-                        tokio::spawn(self.streams.clone().accept(s, r));
+                        let copies = Some(copy_link.clone() as Arc<dyn CopySink>);
+                        tokio::spawn(self.streams.clone().accept(s, r, copies));
                     }
                     Err(e) => return e,
                 }
@@ -495,6 +503,7 @@ impl Dialer {
         );
         tokio::select! {
             _ = acceptor => {}
+            () = copies_in => {}
             () = watcher => {}
             () = keeper => {}
             () = renewer => {}

@@ -213,6 +213,8 @@ impl Forward {
             // hyper's connection task ended when it handed the connection
             // over; its handle is all that is left of it.
             drop(conn_task);
+            // exec, attach, port-forward: someone may be typing.
+            shared.mark_interactive();
             let mut io = rd.unsplit(wr);
             // The kubelet connection itself, out of hyper's wrapper: what
             // hyper read past the 101 goes to the cloud first, and then no

@@ -4,6 +4,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::{Gauge, Gauge as FloatGauge};
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
+use tether_proto::copies::CopyCounters;
 use tether_proto::ops::ByteCounters;
 
 /// Every metric of `tether-edge`.
@@ -30,12 +31,15 @@ pub struct EdgeMetrics {
     /// NAT rebindings the cloud reported (path challenges after a keep-alive).
     pub nat_rebindings: Counter,
     pub bytes: ByteCounters,
+    /// Datagram copies of interactive writes, both ways.
+    pub copies: CopyCounters,
 }
 
 impl EdgeMetrics {
     pub fn register(registry: &mut Registry) -> EdgeMetrics {
         let m = EdgeMetrics::default();
         let r = registry.sub_registry_with_prefix("tether_edge");
+        m.copies.register(r);
         r.register(
             "connected",
             "1 while connected to the cloud",

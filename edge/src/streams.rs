@@ -19,6 +19,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tether_proto::copies::CopySink;
 use tether_proto::frame::ResetCode;
 use tether_proto::handshake::stream_code;
 use tether_proto::io::{drive, write_frame, FrameReader, PeerAttach, ResumableIo, SharedStream};
@@ -197,8 +198,20 @@ impl EdgeStreams {
         });
     }
 
-    /// Handles one QUIC stream the cloud opened.
-    pub async fn accept(self: Arc<Self>, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
+    /// The open stream `id`, for a datagram copy of its bytes.
+    pub fn stream(&self, id: StreamId) -> Option<Arc<SharedStream>> {
+        self.map().live.get(&id).map(|l| l.shared.clone())
+    }
+
+    /// Takes a QUIC stream the cloud opened: a new logical stream or a
+    /// re-attach of one held here. `copies` is the connection's datagram
+    /// copy path, if it has one.
+    pub async fn accept(
+        self: Arc<Self>,
+        mut send: quinn::SendStream,
+        mut recv: quinn::RecvStream,
+        copies: Option<Arc<dyn CopySink>>,
+    ) {
         let limits = self.limits();
         let max = limits.max_frame_bytes as usize;
         let mut reader = FrameReader::new(max);
@@ -288,7 +301,7 @@ impl EdgeStreams {
         let recv = reader.into_prefixed(recv);
         // One driver per stream: a re-attach replaces (aborts) a driver still
         // blocked on the dead connection.
-        let task = tokio::spawn(drive(shared.clone(), recv, send, peer, max));
+        let task = tokio::spawn(drive(shared.clone(), recv, send, peer, max, copies));
         {
             let mut t = self.map();
             match t.live.get_mut(&id) {
@@ -445,7 +458,7 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        let accepting = tokio::spawn(streams.clone().accept(esend, erecv));
+        let accepting = tokio::spawn(streams.clone().accept(esend, erecv, None));
         // Wait (bounded) until the edge drives it over this transport.
         let shared = {
             let start = std::time::Instant::now();

@@ -84,6 +84,19 @@ pub struct QuicArgs {
     /// Congestion controller: `cubic`, `bbr` (loss-tolerant, for lossy cellular links) or `newreno`.
     #[arg(long, env = "TETHER_CONGESTION", default_value = "bbr", value_parser = ["bbr", "cubic", "newreno"])]
     pub congestion: String,
+    /// Writes of an upgraded exec, attach or port-forward stream up to this
+    /// size also go once more as a QUIC datagram padded to a full packet, so a
+    /// lost packet does not hold a keystroke or its echo for a loss-detection
+    /// round trip; each copied write costs one packet more on the wire. 0
+    /// sends no copies (they are still received).
+    #[arg(long, env = "TETHER_INTERACTIVE_COPY_BYTES", default_value = "256", value_parser = parse_bytes)]
+    pub interactive_copy_bytes: u64,
+    /// Copies one stream may send per second; its further writes go once.
+    #[arg(long, env = "TETHER_INTERACTIVE_COPIES_PER_SEC", default_value_t = 200)]
+    pub interactive_copies_per_sec: u32,
+    /// QUIC datagrams buffered per connection each way (at least 2KiB).
+    #[arg(long, env = "TETHER_DATAGRAM_BUFFER", default_value = "64KiB", value_parser = parse_bytes)]
+    pub datagram_buffer: u64,
 }
 
 /// Which end of the tunnel a QUIC configuration is for: it decides how many
@@ -131,6 +144,13 @@ impl QuicArgs {
                 "bbr" => crate::quic::Congestion::Bbr,
                 "newreno" => crate::quic::Congestion::NewReno,
                 _ => crate::quic::Congestion::Cubic,
+            },
+            datagram_buffer: usize::try_from(self.datagram_buffer)
+                .map_err(|_| "datagram-buffer too large".to_string())?,
+            copies: crate::copies::CopySettings {
+                max_payload: usize::try_from(self.interactive_copy_bytes)
+                    .map_err(|_| "interactive-copy-bytes too large".to_string())?,
+                per_sec: self.interactive_copies_per_sec,
             },
             ..QuicSettings::default()
         };
@@ -353,6 +373,32 @@ mod tests {
         for role in [Role::Cloud, Role::Edge] {
             assert_eq!(set.settings(&limits, role).unwrap().udp_buffer, 1 << 20);
         }
+    }
+
+    #[test]
+    fn interactive_copy_flags_reach_the_settings() {
+        let limits = crate::limits::Limits::default();
+        let quic = |argv: &[&str]| QuicOnly::try_parse_from(argv).unwrap().quic;
+        let d = quic(&["t"]).settings(&limits, Role::Edge).unwrap();
+        assert_eq!(d.copies, crate::copies::CopySettings::default());
+        assert_eq!(d.datagram_buffer, 64 * 1024);
+        let s = quic(&[
+            "t",
+            "--interactive-copy-bytes",
+            "0",
+            "--interactive-copies-per-sec",
+            "7",
+            "--datagram-buffer",
+            "8KiB",
+        ])
+        .settings(&limits, Role::Cloud)
+        .unwrap();
+        assert_eq!(s.copies.max_payload, 0);
+        assert_eq!(s.copies.per_sec, 7);
+        assert_eq!(s.datagram_buffer, 8192);
+        assert!(quic(&["t", "--datagram-buffer", "1KiB"])
+            .settings(&limits, Role::Edge)
+            .is_err());
     }
 
     #[test]

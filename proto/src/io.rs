@@ -19,6 +19,7 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
@@ -26,6 +27,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::Notify;
 
+use crate::copies::{CopyBudget, CopySink};
 use crate::frame::{self, Frame, FrameError, ResetCode};
 use crate::stream::{ReadOutcome, StreamError, StreamState};
 
@@ -287,6 +289,8 @@ pub struct SharedStream {
     done: Notify,
     /// Wakes whoever waits for a reset ([`SharedStream::wait_reset`]).
     reset: Notify,
+    /// Small writes are also sent as datagram copies ([`crate::copies`]).
+    interactive: AtomicBool,
 }
 
 impl SharedStream {
@@ -303,7 +307,28 @@ impl SharedStream {
             rx_room: Notify::new(),
             done: Notify::new(),
             reset: Notify::new(),
+            interactive: AtomicBool::new(false),
         })
+    }
+
+    /// Marks the stream interactive (an upgraded exec, attach or
+    /// port-forward): its small writes are also sent as datagram copies
+    /// where the transport allows ([`crate::copies`]).
+    pub fn mark_interactive(&self) {
+        self.interactive.store(true, Ordering::Relaxed);
+    }
+
+    /// Applies a datagram copy of the peer's bytes (see
+    /// [`StreamState::on_copy`]); returns how many bytes it delivered first.
+    pub fn on_copy(&self, offset: u64, payload: &[u8]) -> usize {
+        let mut g = self.lock();
+        let added = g.state.on_copy(offset, payload);
+        if added > 0 {
+            if let Some(w) = g.read_waker.take() {
+                w.wake();
+            }
+        }
+        added
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -549,19 +574,22 @@ pub enum PeerAttach {
 /// done (`Ok`) or the transport fails (`Err`; the stream is detached and can be
 /// re-attached by calling `drive` again with a new transport).
 ///
-/// Sends our `Attach` first. `max_frame` bounds frames both ways.
+/// Sends our `Attach` first. `max_frame` bounds frames both ways. With
+/// `copies`, an interactive stream's small writes also go as datagram copies
+/// on the transport's connection ([`crate::copies`]).
 pub async fn drive<R, W>(
     shared: Arc<SharedStream>,
     mut recv: R,
     mut send: W,
     peer: PeerAttach,
     max_frame: usize,
+    copies: Option<Arc<dyn CopySink>>,
 ) -> Result<(), TransportError>
 where
     R: AsyncRead + Unpin,
     W: ChunkWrite,
 {
-    let result = drive_inner(&shared, &mut recv, &mut send, peer, max_frame).await;
+    let result = drive_inner(&shared, &mut recv, &mut send, peer, max_frame, copies).await;
     match result {
         // Once the stream is done, the transport closing under the last
         // frames (the peer dropped its end first) is no failure.
@@ -580,6 +608,7 @@ async fn drive_inner<R, W>(
     send: &mut W,
     peer: PeerAttach,
     max_frame: usize,
+    copies: Option<Arc<dyn CopySink>>,
 ) -> Result<(), TransportError>
 where
     R: AsyncRead + Unpin,
@@ -598,7 +627,7 @@ where
                 shared.reset(ResetCode::ProtocolError, e.to_string());
                 return Err(e.into());
             }
-            return attached_loops(shared, recv, send, &mut reader, max_frame).await;
+            return attached_loops(shared, recv, send, &mut reader, max_frame, copies).await;
         }
         PeerAttach::Read => match reader.next(recv).await? {
             Some(Frame::Attach {
@@ -650,7 +679,7 @@ where
         shared.with_state(|s| s.abandon());
         return Err(e.into());
     }
-    attached_loops(shared, recv, send, &mut reader, max_frame).await
+    attached_loops(shared, recv, send, &mut reader, max_frame, copies).await
 }
 
 /// Moves frames both ways on an attached transport until the stream is done
@@ -661,13 +690,14 @@ async fn attached_loops<R, W>(
     send: &mut W,
     reader: &mut FrameReader,
     max_frame: usize,
+    copies: Option<Arc<dyn CopySink>>,
 ) -> Result<(), TransportError>
 where
     R: AsyncRead + Unpin,
     W: ChunkWrite,
 {
     let rx = receive_loop(shared, recv, reader);
-    let tx = transmit_loop(shared, send, max_frame);
+    let tx = transmit_loop(shared, send, max_frame, copies);
     tokio::pin!(rx, tx);
     tokio::select! {
         r = &mut tx => r,
@@ -726,11 +756,13 @@ async fn transmit_loop<W: ChunkWrite>(
     shared: &Arc<SharedStream>,
     send: &mut W,
     max_frame: usize,
+    copies: Option<Arc<dyn CopySink>>,
 ) -> Result<(), TransportError> {
     // Frame headers and small frames are encoded into `head`; each `Data`
     // payload joins `chunks` as it is, after the header before it.
     let mut head = BytesMut::new();
     let mut chunks: Vec<Bytes> = Vec::new();
+    let mut budget = CopyBudget::new();
     loop {
         let wake = shared.tx.notified();
         tokio::pin!(wake);
@@ -739,6 +771,9 @@ async fn transmit_loop<W: ChunkWrite>(
             let mut g = shared.lock();
             // Batch whatever is ready into one write.
             let mut batched = 0;
+            // The batch's `Data` frames: how many, and the first's place.
+            let mut data_frames = 0;
+            let mut first_data = None;
             while batched < TRANSMIT_BATCH {
                 match g.state.poll_transmit() {
                     Some(Frame::Data {
@@ -754,6 +789,10 @@ async fn transmit_loop<W: ChunkWrite>(
                             max_frame,
                         )?;
                         batched += payload.len();
+                        data_frames += 1;
+                        if first_data.is_none() {
+                            first_data = Some((stream, offset, chunks.len() + 1));
+                        }
                         chunks.push(head.split().freeze());
                         chunks.push(payload);
                     }
@@ -767,6 +806,20 @@ async fn transmit_loop<W: ChunkWrite>(
             }
             if !head.is_empty() {
                 chunks.push(head.split().freeze());
+            }
+            // A lone small write of an interactive stream (a keystroke, its
+            // echo) goes once more as a datagram, before the frame is queued
+            // (see `crate::copies`); a batch of several is a transfer, not
+            // typing.
+            if let (Some(sink), 1, Some((stream, offset, at))) = (&copies, data_frames, first_data)
+            {
+                let settings = sink.settings();
+                if shared.interactive.load(Ordering::Relaxed)
+                    && chunks[at].len() <= settings.max_payload
+                    && budget.take(settings.per_sec, std::time::Instant::now())
+                {
+                    sink.send_copy(stream, offset, &chunks[at]);
+                }
             }
             if !chunks.is_empty() {
                 // Writing made room in nobody's buffer, but acks may have let
@@ -818,9 +871,157 @@ mod tests {
         let (xr, xw) = split(x);
         let (yr, yw) = split(y);
         (
-            tokio::spawn(drive(a.clone(), xr, Copying(xw), PeerAttach::Read, 1 << 20)),
-            tokio::spawn(drive(b.clone(), yr, Copying(yw), PeerAttach::Read, 1 << 20)),
+            tokio::spawn(drive(
+                a.clone(),
+                xr,
+                Copying(xw),
+                PeerAttach::Read,
+                1 << 20,
+                None,
+            )),
+            tokio::spawn(drive(
+                b.clone(),
+                yr,
+                Copying(yw),
+                PeerAttach::Read,
+                1 << 20,
+                None,
+            )),
         )
+    }
+
+    /// A writer whose writes wait while its gate is closed: a transport whose
+    /// packets are held up (lost and not yet resent).
+    struct Held<W> {
+        inner: W,
+        open: tokio::sync::watch::Receiver<bool>,
+    }
+
+    impl<W: AsyncWrite + Unpin + Send> ChunkWrite for Held<W> {
+        async fn write_chunks(&mut self, chunks: &mut [Bytes]) -> io::Result<()> {
+            if self.open.wait_for(|o| *o).await.is_err() {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            for c in chunks.iter() {
+                self.inner.write_all(c).await?;
+            }
+            Ok(())
+        }
+    }
+
+    impl<W: AsyncWrite + Unpin> AsyncWrite for Held<W> {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            Pin::new(&mut self.inner).poll_write(cx, buf)
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_flush(cx)
+        }
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_shutdown(cx)
+        }
+    }
+
+    /// Copies go straight into the far end's state, and are counted.
+    struct Direct {
+        to: Arc<SharedStream>,
+        settings: crate::copies::CopySettings,
+        sent: Mutex<Vec<(u64, Vec<u8>)>>,
+    }
+
+    impl CopySink for Direct {
+        fn settings(&self) -> crate::copies::CopySettings {
+            self.settings
+        }
+        fn send_copy(&self, _stream: u64, offset: u64, payload: &[u8]) -> bool {
+            self.sent.lock().unwrap().push((offset, payload.to_vec()));
+            self.to.on_copy(offset, payload);
+            true
+        }
+    }
+
+    async fn read_some(io: &mut ResumableIo, n: usize) -> Vec<u8> {
+        let mut buf = vec![0; n];
+        tokio::time::timeout(Duration::from_secs(5), io.read_exact(&mut buf))
+            .await
+            .expect("bytes within 5 s")
+            .unwrap();
+        buf
+    }
+
+    /// A small write of an interactive stream arrives through its copy while
+    /// the stream's own transport is held up; when the frame comes it is a
+    /// duplicate, and every byte is read exactly once. A write over the size
+    /// bound, a batch of several frames and a stream not marked interactive
+    /// send no copy.
+    #[tokio::test]
+    async fn a_held_up_small_write_arrives_through_its_copy_exactly_once() {
+        let (a, b) = pair();
+        let (x, y) = duplex(16 * 1024);
+        let (xr, xw) = split(x);
+        let (yr, yw) = split(y);
+        let (gate, open) = tokio::sync::watch::channel(true);
+        let sink = Arc::new(Direct {
+            to: b.clone(),
+            settings: crate::copies::CopySettings {
+                max_payload: 4,
+                per_sec: 100,
+            },
+            sent: Mutex::new(Vec::new()),
+        });
+        let copies: Arc<dyn CopySink> = sink.clone();
+        let da = tokio::spawn(drive(
+            a.clone(),
+            xr,
+            Held { inner: xw, open },
+            PeerAttach::Read,
+            1 << 20,
+            Some(copies),
+        ));
+        let db = tokio::spawn(drive(
+            b.clone(),
+            yr,
+            Copying(yw),
+            PeerAttach::Read,
+            1 << 20,
+            None,
+        ));
+        let mut wa = ResumableIo::new(a.clone());
+        let mut rb = ResumableIo::new(b.clone());
+        // Not interactive yet: no copy.
+        wa.write_all(b"x").await.unwrap();
+        assert_eq!(read_some(&mut rb, 1).await, b"x");
+        assert!(sink.sent.lock().unwrap().is_empty());
+        a.mark_interactive();
+        gate.send_replace(false);
+        wa.write_all(b"yz").await.unwrap();
+        // Only the copy can bring these now.
+        assert_eq!(read_some(&mut rb, 2).await, b"yz");
+        assert_eq!(*sink.sent.lock().unwrap(), vec![(1, b"yz".to_vec())]);
+        // Over the size bound: no copy, so it waits for the transport.
+        wa.write_all(b"hello").await.unwrap();
+        gate.send_replace(true);
+        assert_eq!(read_some(&mut rb, 5).await, b"hello");
+        assert_eq!(sink.sent.lock().unwrap().len(), 1);
+        wa.write_all(b"!").await.unwrap();
+        assert_eq!(read_some(&mut rb, 1).await, b"!");
+        assert_eq!(sink.sent.lock().unwrap().len(), 2);
+        assert_eq!(b.with_state(|s| s.offsets().2), 9, "nothing received twice");
+        wa.shutdown().await.unwrap();
+        rb.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        rb.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty());
+        drop((wa, rb));
+        tokio::time::timeout(Duration::from_secs(5), async {
+            da.await.unwrap().unwrap();
+            db.await.unwrap().unwrap();
+        })
+        .await
+        .expect("both drivers finish");
     }
 
     fn pattern(n: usize) -> Vec<u8> {
@@ -849,7 +1050,14 @@ mod tests {
         });
         let (x, mut y) = duplex(16 * 1024);
         let (xr, xw) = split(x);
-        let driver = tokio::spawn(drive(a.clone(), xr, Copying(xw), PeerAttach::Read, 1 << 20));
+        let driver = tokio::spawn(drive(
+            a.clone(),
+            xr,
+            Copying(xw),
+            PeerAttach::Read,
+            1 << 20,
+            None,
+        ));
         let lost = Frame::Attach {
             stream: 5,
             delivered: 0,
@@ -1058,8 +1266,15 @@ mod tests {
             let (xr, xw) = split(x);
             let (yr, yw) = split(y);
             let attach = if round == 0 { first } else { PeerAttach::Read };
-            let da = tokio::spawn(drive(a.clone(), xr, Copying(xw), attach, 1 << 20));
-            let db = tokio::spawn(drive(b.clone(), yr, Copying(yw), PeerAttach::Read, 1 << 20));
+            let da = tokio::spawn(drive(a.clone(), xr, Copying(xw), attach, 1 << 20, None));
+            let db = tokio::spawn(drive(
+                b.clone(),
+                yr,
+                Copying(yw),
+                PeerAttach::Read,
+                1 << 20,
+                None,
+            ));
             if round < 2 {
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 da.abort();

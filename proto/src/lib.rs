@@ -18,6 +18,8 @@
 //! - [`ticket`]: resume tickets any replica can verify (shared key, node, generation, expiry).
 //! - [`limits`]: every bound, with its default.
 //! - [`units`]: parsing durations and sizes in configuration.
+//! - [`copies`]: datagram copies of small interactive writes (a lost
+//!   keystroke does not wait for QUIC's loss detection).
 //! - [`io`]: the tokio adapter that makes a [`stream::StreamState`] an
 //!   `AsyncRead + AsyncWrite` and drives it over a QUIC stream.
 //! - [`quic`]: QUIC transport settings both binaries share.
@@ -27,6 +29,7 @@
 //!   `/healthz`, `/readyz`, `/status`).
 
 pub mod cli;
+pub mod copies;
 pub mod frame;
 pub mod handshake;
 pub mod head;

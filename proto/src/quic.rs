@@ -28,7 +28,15 @@ pub struct QuicSettings {
     pub udp_buffer: usize,
     /// Congestion controller.
     pub congestion: Congestion,
+    /// QUIC datagrams buffered each way (bytes): what datagram copies of
+    /// interactive writes may hold in memory per connection.
+    pub datagram_buffer: usize,
+    /// Datagram copies of small interactive writes ([`crate::copies`]).
+    pub copies: crate::copies::CopySettings,
 }
+
+/// The smallest datagram buffer: one full-size datagram.
+pub const MIN_DATAGRAM_BUFFER: usize = 2048;
 
 /// Which congestion controller QUIC uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +57,8 @@ impl Default for QuicSettings {
             conn_window: 32 * 1024 * 1024,
             udp_buffer: crate::cli::EDGE_UDP_BUFFER as usize,
             congestion: Congestion::Bbr,
+            datagram_buffer: 64 * 1024,
+            copies: crate::copies::CopySettings::default(),
         }
     }
 }
@@ -79,6 +89,14 @@ impl QuicSettings {
         t.stream_receive_window(self.stream_window.into());
         t.receive_window(self.conn_window.into());
         t.send_window(u64::from(self.conn_window));
+        if self.datagram_buffer < MIN_DATAGRAM_BUFFER {
+            return Err(format!(
+                "datagram buffer ({}) must be at least {MIN_DATAGRAM_BUFFER} bytes",
+                self.datagram_buffer
+            ));
+        }
+        t.datagram_receive_buffer_size(Some(self.datagram_buffer));
+        t.datagram_send_buffer_size(self.datagram_buffer);
         match self.congestion {
             Congestion::Cubic => {
                 t.congestion_controller_factory(Arc::new(quinn::congestion::CubicConfig::default()))
@@ -221,6 +239,16 @@ mod tests {
         };
         assert!(s.transport().is_err());
         QuicSettings::default().transport().unwrap();
+    }
+
+    #[test]
+    fn datagram_buffer_below_one_datagram_is_refused() {
+        let s = |datagram_buffer| QuicSettings {
+            datagram_buffer,
+            ..QuicSettings::default()
+        };
+        assert!(s(MIN_DATAGRAM_BUFFER - 1).transport().is_err());
+        s(MIN_DATAGRAM_BUFFER).transport().unwrap();
     }
 
     #[test]

@@ -366,6 +366,36 @@ impl StreamState {
         Ok(())
     }
 
+    /// A copy of the peer's bytes `[offset, offset + payload.len())` that came
+    /// another way than the stream's own frames (a datagram, see
+    /// [`crate::copies`]): taken only where it continues what was received,
+    /// so the `Data` frame carrying the same bytes is a duplicate when it
+    /// arrives. Anything else — a gap (an earlier frame is still missing), bytes
+    /// already received, past the announced end, a reset stream, a full receive
+    /// queue — is dropped: a copy is never needed, so it is never an error.
+    /// Returns how many bytes it added.
+    pub fn on_copy(&mut self, offset: u64, payload: &[u8]) -> usize {
+        if self.reset.is_some() || offset > self.received {
+            return 0;
+        }
+        let Some(end) = offset.checked_add(payload.len() as u64) else {
+            return 0;
+        };
+        if end <= self.received || self.peer_end.is_some_and(|e| end > e) {
+            return 0;
+        }
+        let fresh = &payload[(self.received - offset) as usize..];
+        if self.recv_memory() + fresh.len() > self.limits.recv_bytes {
+            return 0;
+        }
+        self.recv_tail.extend_from_slice(fresh);
+        self.received = end;
+        if self.discard_incoming {
+            self.drop_received();
+        }
+        fresh.len()
+    }
+
     /// Handles a stream frame from the peer (anything but `Attach`, except the
     /// peer's first `Attach` after [`attach_fresh`](StreamState::attach_fresh)).
     pub fn on_frame(&mut self, frame: Frame) -> Result<(), StreamError> {
@@ -743,6 +773,60 @@ mod tests {
                 _ => return (out, false),
             }
         }
+    }
+
+    #[test]
+    fn a_copy_continuing_the_received_bytes_is_taken_and_its_frame_then_a_duplicate() {
+        let (mut a, mut b) = pair();
+        assert_eq!(a.write(b"ab"), 2);
+        let first = a.poll_transmit().unwrap();
+        b.on_frame(first).unwrap();
+        assert_eq!(a.write(b"cd"), 2);
+        // The frame with "cd" is delayed (its packet lost); its copy arrives.
+        let delayed = a.poll_transmit().unwrap();
+        assert_eq!(b.on_copy(2, b"cd"), 2);
+        assert_eq!(read_all(&mut b).0, b"abcd");
+        // The frame comes later: nothing twice, and the stream goes on.
+        b.on_frame(delayed).unwrap();
+        assert_eq!(a.write(b"e"), 1);
+        pump(&mut a, &mut b);
+        assert_eq!(read_all(&mut b).0, b"e");
+        assert_eq!(b.offsets().2, 5);
+    }
+
+    #[test]
+    fn a_copy_that_cannot_continue_the_stream_is_dropped_not_an_error() {
+        let (_, mut b) = pair();
+        // A gap: an earlier frame has not arrived.
+        assert_eq!(b.on_copy(3, b"xyz"), 0);
+        // Already received, wholly and partly.
+        assert_eq!(b.on_copy(0, b"ab"), 2);
+        assert_eq!(b.on_copy(0, b"ab"), 0);
+        assert_eq!(b.on_copy(1, b"bc"), 1);
+        assert_eq!(read_all(&mut b).0, b"abc");
+        // An offset that would overflow.
+        assert_eq!(b.on_copy(u64::MAX, b"xy"), 0);
+        // Beyond the announced end.
+        b.on_frame(Frame::End {
+            stream: 1,
+            offset: 4,
+        })
+        .unwrap();
+        assert_eq!(b.on_copy(3, b"de"), 0);
+        assert_eq!(b.on_copy(3, b"d"), 1);
+        assert_eq!(read_all(&mut b), (b"d".to_vec(), true));
+    }
+
+    #[test]
+    fn a_copy_respects_the_receive_bound_and_a_reset() {
+        let (_, mut b) = pair();
+        // The queue holds at most `recv_bytes` (64): a copy that would pass it
+        // is dropped; its frame is still to come and waits for room.
+        assert_eq!(b.on_copy(0, &[1; 60]), 60);
+        assert_eq!(b.on_copy(60, &[2; 8]), 0);
+        assert_eq!(b.on_copy(60, &[2; 4]), 4);
+        b.reset(ResetCode::Cancelled, "gone");
+        assert_eq!(b.on_copy(64, b"x"), 0);
     }
 
     #[test]

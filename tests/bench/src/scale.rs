@@ -397,7 +397,17 @@ pub(crate) async fn edge(
         if let Some((conn, send, recv)) = establish(&ep, &cfg, &node, addr, &state).await {
             welcomes.fetch_add(1, Ordering::Relaxed);
             delay = Duration::from_millis(100);
-            let closed = conn.closed().await;
+            // Answer the cloud's datagram hello as the edge does (and take
+            // copies, though nothing here writes).
+            let copies = tether_proto::copies::CopyLink::new(
+                conn.clone(),
+                Default::default(),
+                Default::default(),
+            );
+            let closed = tokio::select! {
+                closed = conn.closed() => closed,
+                () = copies.announce_and_serve(|_| None, "cloud") => conn.closed().await,
+            };
             drop((send, recv));
             // The edge's --reconnect-spread after a cloud shutdown.
             if let quinn::ConnectionError::ApplicationClosed(c) = closed {

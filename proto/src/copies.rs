@@ -1,0 +1,581 @@
+//! Datagram copies of small interactive writes.
+//!
+//! A keystroke in `kubectl exec` is one small `Data` frame. When the packet
+//! carrying it is lost, QUIC resends it only once it has declared the packet
+//! lost — at least one round trip later, more on a quiet connection — and the
+//! echo waits that long. So a small write on an interactive stream (an
+//! upgraded exec, attach or port-forward) is also sent once more as a QUIC
+//! datagram, which the receiver applies by offset
+//! ([`StreamState::on_copy`](crate::stream::StreamState::on_copy)); whichever
+//! copy arrives first delivers the bytes and the other is a duplicate.
+//!
+//! This module owns the datagram's wire format, the decision whether one
+//! connection may send copies ([`CopyLink`]) and the loop that applies the
+//! copies a connection receives. Which writes are copied is the transmit
+//! loop's ([`crate::io`]): a batch that is one small `Data` frame of a stream
+//! marked interactive, within a per-stream rate.
+//!
+//! A copy is padded to the largest datagram the path takes, so QUIC cannot
+//! put the stream frame with the same bytes into the same packet: the two
+//! travel in different packets and one loss cannot take both. That makes a
+//! copied write cost one full packet more on the wire; the size and rate
+//! bounds ([`CopySettings`]) keep bulk transfers and chatty streams out.
+//!
+//! The edge says that it reads copies with a one-byte `hello` datagram when
+//! its connection starts; the cloud answers `heard`. Each end sends copies
+//! only to a peer it heard from (a `hello`, a `heard` or a copy), so a peer
+//! without this module never gets datagrams it would leave queued.
+//! Datagrams are unreliable: an unanswered `hello` is sent again 1, 3, 7 and
+//! 15 s after the first, then no more (a cloud that never answers does not
+//! read copies).
+//!
+//! Format: a kind byte (`0` hello, `1` copy, `2` heard), then for a copy the stream id,
+//! the offset and the payload length as LEB128 varints, the payload, and zero
+//! padding. Datagrams of other kinds are ignored.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use prometheus_client::metrics::counter::Counter;
+
+use crate::frame::StreamId;
+use crate::io::SharedStream;
+
+const HELLO: u8 = 0;
+const COPY: u8 = 1;
+const HEARD: u8 = 2;
+/// Sends of an unanswered `hello`, the first one included.
+const HELLO_TRIES: u32 = 5;
+/// Wait before the first resend of an unanswered `hello`; doubled after each.
+const HELLO_RESEND: Duration = Duration::from_secs(1);
+/// Longest LEB128 encoding of a `u64`.
+const VARINT_MAX: usize = 10;
+/// A copy's bytes besides its payload (kind and three varints).
+pub const COPY_OVERHEAD: usize = 1 + 3 * VARINT_MAX;
+
+/// Bounds of interactive copies, from configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopySettings {
+    /// Largest write copied, bytes; 0 sends no copies.
+    pub max_payload: usize,
+    /// Copies one stream may send per second; writes beyond go only once.
+    pub per_sec: u32,
+}
+
+impl Default for CopySettings {
+    fn default() -> Self {
+        CopySettings {
+            max_payload: 256,
+            per_sec: 200,
+        }
+    }
+}
+
+/// Counters of the copies one binary sends and receives (registered in its
+/// `metrics` module).
+#[derive(Clone, Default, Debug)]
+pub struct CopyCounters {
+    /// Copies sent.
+    pub sent: Counter,
+    /// Copies received that delivered bytes before their stream frame did.
+    pub used: Counter,
+    /// Copies received that were not needed or could not be applied (the
+    /// frame came first, an earlier frame was missing, no such stream here).
+    pub unused: Counter,
+}
+
+impl CopyCounters {
+    /// Registers the counters in a binary's (prefixed) registry.
+    pub fn register(&self, r: &mut prometheus_client::registry::Registry) {
+        r.register(
+            "interactive_copies_sent",
+            "Datagram copies of small interactive writes sent",
+            self.sent.clone(),
+        );
+        r.register(
+            "interactive_copies_used",
+            "Datagram copies received that delivered bytes before their stream frame (a loss or delay they bridged)",
+            self.used.clone(),
+        );
+        r.register(
+            "interactive_copies_unused",
+            "Datagram copies received that were not needed (the frame came first) or could not be applied",
+            self.unused.clone(),
+        );
+    }
+}
+
+/// What becomes of a received datagram.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Received {
+    /// The peer reads copies and asks to hear back.
+    Hello,
+    /// The peer heard our `hello` (and reads copies).
+    Heard,
+    /// A copy of `payload` at `offset` of `stream`.
+    Copy {
+        stream: StreamId,
+        offset: u64,
+        payload: Bytes,
+    },
+}
+
+/// Why a datagram is not a copy (logged at debug; never fatal).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CopyError {
+    #[error("empty datagram")]
+    Empty,
+    #[error("datagram of unknown kind {0}")]
+    UnknownKind(u8),
+    #[error("truncated copy")]
+    Truncated,
+    #[error("varint longer than 64 bits")]
+    BadVarint,
+}
+
+fn put_varint(out: &mut BytesMut, mut v: u64) {
+    while v >= 0x80 {
+        out.put_u8((v as u8 & 0x7f) | 0x80);
+        v >>= 7;
+    }
+    out.put_u8(v as u8);
+}
+
+fn get_varint(buf: &[u8], at: &mut usize) -> Result<u64, CopyError> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let b = *buf.get(*at).ok_or(CopyError::Truncated)?;
+        *at += 1;
+        let bits = u64::from(b & 0x7f);
+        if shift == 63 && bits > 1 {
+            return Err(CopyError::BadVarint);
+        }
+        v |= bits << shift;
+        if b & 0x80 == 0 {
+            return Ok(v);
+        }
+    }
+    Err(CopyError::BadVarint)
+}
+
+/// The `hello` datagram.
+pub fn hello() -> Bytes {
+    Bytes::from_static(&[HELLO])
+}
+
+/// The answer to a `hello`.
+pub fn heard() -> Bytes {
+    Bytes::from_static(&[HEARD])
+}
+
+/// A copy of `payload` at `offset` of `stream`, zero-padded to `pad_to` bytes
+/// (no padding if the copy is already that long).
+pub fn encode_copy(stream: StreamId, offset: u64, payload: &[u8], pad_to: usize) -> Bytes {
+    let mut out = BytesMut::with_capacity(pad_to.max(COPY_OVERHEAD + payload.len()));
+    out.put_u8(COPY);
+    put_varint(&mut out, stream);
+    put_varint(&mut out, offset);
+    put_varint(&mut out, payload.len() as u64);
+    out.put_slice(payload);
+    if out.len() < pad_to {
+        out.resize(pad_to, 0);
+    }
+    out.freeze()
+}
+
+/// Decodes a received datagram (padding after a copy's payload is ignored).
+pub fn decode(datagram: &Bytes) -> Result<Received, CopyError> {
+    match datagram.first() {
+        None => Err(CopyError::Empty),
+        Some(&HELLO) => Ok(Received::Hello),
+        Some(&HEARD) => Ok(Received::Heard),
+        Some(&COPY) => {
+            let mut at = 1;
+            let stream = get_varint(datagram, &mut at)?;
+            let offset = get_varint(datagram, &mut at)?;
+            let len = get_varint(datagram, &mut at)?;
+            let end = usize::try_from(len)
+                .ok()
+                .and_then(|l| at.checked_add(l))
+                .filter(|e| *e <= datagram.len())
+                .ok_or(CopyError::Truncated)?;
+            Ok(Received::Copy {
+                stream,
+                offset,
+                payload: datagram.slice(at..end),
+            })
+        }
+        Some(&k) => Err(CopyError::UnknownKind(k)),
+    }
+}
+
+/// Where the transmit loop sends copies: one connection's datagrams (a trait
+/// so tests can capture them).
+pub trait CopySink: Send + Sync {
+    /// The bounds copies are sent within.
+    fn settings(&self) -> CopySettings;
+    /// Sends a copy now if the connection can (the peer reads copies, the
+    /// datagram fits); returns whether it went.
+    fn send_copy(&self, stream: StreamId, offset: u64, payload: &[u8]) -> bool;
+}
+
+/// One QUIC connection's copies, both ways.
+pub struct CopyLink {
+    conn: quinn::Connection,
+    settings: CopySettings,
+    counters: CopyCounters,
+    /// The peer announced that it reads copies.
+    peer_reads: AtomicBool,
+}
+
+impl CopyLink {
+    /// The copy path of `conn`. No copy is sent until the peer's `hello`,
+    /// `heard` or first copy arrives ([`CopyLink::announce_and_serve`],
+    /// [`CopyLink::serve`]).
+    pub fn new(
+        conn: quinn::Connection,
+        settings: CopySettings,
+        counters: CopyCounters,
+    ) -> Arc<Self> {
+        Arc::new(CopyLink {
+            conn,
+            settings,
+            counters,
+            peer_reads: AtomicBool::new(false),
+        })
+    }
+
+    /// The edge's side: announces that this end reads copies (a `hello`,
+    /// resent until answered, a bounded number of times), then applies every
+    /// copy the peer sends to the stream `lookup` finds, until the connection
+    /// ends. `who` names the peer in log lines.
+    pub async fn announce_and_serve(
+        &self,
+        lookup: impl Fn(StreamId) -> Option<Arc<SharedStream>>,
+        who: &str,
+    ) {
+        // Not an error if a send fails: datagrams are then unsupported or
+        // disabled, and no copies go either way.
+        let _ = self.conn.send_datagram(hello());
+        let mut tries = 1;
+        let mut wait = HELLO_RESEND;
+        let mut resend_at = tokio::time::Instant::now() + wait;
+        // Whether the peer heard our hello (its `heard`, or a copy: it sends
+        // those only after hearing us).
+        let mut heard_back = false;
+        loop {
+            let waiting = !heard_back && tries < HELLO_TRIES;
+            tokio::select! {
+                d = self.conn.read_datagram() => match d {
+                    Ok(d) => heard_back |= self.on_datagram(&d, &lookup, who),
+                    Err(_) => return,
+                },
+                () = tokio::time::sleep_until(resend_at), if waiting => {
+                    let _ = self.conn.send_datagram(hello());
+                    tries += 1;
+                    wait *= 2;
+                    resend_at += wait;
+                }
+            }
+        }
+    }
+
+    /// The cloud's side: answers the peer's `hello` and applies its copies
+    /// (as [`CopyLink::announce_and_serve`] without announcing: one end
+    /// asking is enough, and the cloud holds no timer per edge for it).
+    pub async fn serve(&self, lookup: impl Fn(StreamId) -> Option<Arc<SharedStream>>, who: &str) {
+        while let Ok(d) = self.conn.read_datagram().await {
+            self.on_datagram(&d, &lookup, who);
+        }
+    }
+
+    /// Handles one received datagram; returns whether it shows that the
+    /// peer heard our `hello`.
+    fn on_datagram(
+        &self,
+        datagram: &Bytes,
+        lookup: &impl Fn(StreamId) -> Option<Arc<SharedStream>>,
+        who: &str,
+    ) -> bool {
+        match decode(datagram) {
+            Ok(Received::Hello) => {
+                self.peer_reads.store(true, Ordering::Relaxed);
+                let _ = self.conn.send_datagram(heard());
+                false
+            }
+            Ok(Received::Heard) => {
+                self.peer_reads.store(true, Ordering::Relaxed);
+                true
+            }
+            Ok(Received::Copy {
+                stream,
+                offset,
+                payload,
+            }) => {
+                self.peer_reads.store(true, Ordering::Relaxed);
+                let used = lookup(stream).is_some_and(|s| s.on_copy(offset, &payload) > 0);
+                if used {
+                    self.counters.used.inc();
+                } else {
+                    self.counters.unused.inc();
+                }
+                true
+            }
+            Err(e) => {
+                tracing::debug!(peer = who, error = %e, len = datagram.len(), "ignoring a datagram");
+                false
+            }
+        }
+    }
+}
+
+impl CopySink for CopyLink {
+    fn settings(&self) -> CopySettings {
+        self.settings
+    }
+
+    fn send_copy(&self, stream: StreamId, offset: u64, payload: &[u8]) -> bool {
+        if !self.peer_reads.load(Ordering::Relaxed) || payload.len() > self.settings.max_payload {
+            return false;
+        }
+        let Some(max) = self.conn.max_datagram_size() else {
+            return false;
+        };
+        if COPY_OVERHEAD + payload.len() > max {
+            return false;
+        }
+        match self
+            .conn
+            .send_datagram(encode_copy(stream, offset, payload, max))
+        {
+            Ok(()) => {
+                self.counters.sent.inc();
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// One stream's copy budget: at most [`CopySettings::per_sec`] copies in any
+/// one-second window.
+#[derive(Debug)]
+pub struct CopyBudget {
+    window: Option<std::time::Instant>,
+    used: u32,
+}
+
+impl CopyBudget {
+    pub fn new() -> Self {
+        CopyBudget {
+            window: None,
+            used: 0,
+        }
+    }
+
+    /// Takes one copy from the budget if `per_sec` allows it at `now`.
+    pub fn take(&mut self, per_sec: u32, now: std::time::Instant) -> bool {
+        match self.window {
+            Some(start) if now.duration_since(start) < Duration::from_secs(1) => {}
+            _ => {
+                self.window = Some(now);
+                self.used = 0;
+            }
+        }
+        if self.used < per_sec {
+            self.used += 1;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+impl Default for CopyBudget {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_round_trips_with_and_without_padding() {
+        for pad in [0, 40, 1200] {
+            let d = encode_copy(7, 300, b"hello", pad);
+            assert!(d.len() >= pad);
+            assert_eq!(
+                decode(&d),
+                Ok(Received::Copy {
+                    stream: 7,
+                    offset: 300,
+                    payload: Bytes::from_static(b"hello"),
+                })
+            );
+        }
+        let big = encode_copy(u64::MAX, u64::MAX - 1, &[9; 300], 0);
+        assert!(big.len() <= COPY_OVERHEAD + 300);
+        assert!(
+            matches!(decode(&big), Ok(Received::Copy { stream: u64::MAX, offset, payload, .. }) if offset == u64::MAX - 1 && payload.len() == 300)
+        );
+        assert_eq!(decode(&hello()), Ok(Received::Hello));
+        assert_eq!(decode(&heard()), Ok(Received::Heard));
+    }
+
+    #[test]
+    fn garbage_datagrams_are_errors_not_panics() {
+        assert_eq!(decode(&Bytes::new()), Err(CopyError::Empty));
+        assert_eq!(
+            decode(&Bytes::from_static(b"x")),
+            Err(CopyError::UnknownKind(b'x'))
+        );
+        // A length beyond the datagram.
+        let mut d = BytesMut::new();
+        d.put_u8(COPY);
+        put_varint(&mut d, 1);
+        put_varint(&mut d, 0);
+        put_varint(&mut d, 50);
+        d.put_slice(b"short");
+        assert_eq!(decode(&d.freeze()), Err(CopyError::Truncated));
+        // A length near u64::MAX must not overflow.
+        let mut d = BytesMut::new();
+        d.put_u8(COPY);
+        put_varint(&mut d, 1);
+        put_varint(&mut d, 0);
+        put_varint(&mut d, u64::MAX);
+        assert_eq!(decode(&d.freeze()), Err(CopyError::Truncated));
+        // Varints that never end or exceed 64 bits.
+        assert_eq!(
+            decode(&Bytes::from_static(&[COPY, 0xff, 0xff])),
+            Err(CopyError::Truncated)
+        );
+        let mut long = vec![COPY];
+        long.extend([0xff; 9]);
+        long.push(0x7f);
+        assert_eq!(decode(&Bytes::from(long)), Err(CopyError::BadVarint));
+        let mut long = vec![COPY];
+        long.extend([0x80; 12]);
+        assert_eq!(decode(&Bytes::from(long)), Err(CopyError::BadVarint));
+    }
+
+    /// A QUIC connection pair on loopback, kept alive by the endpoints.
+    async fn quic_pair() -> (quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>) {
+        use rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
+        let provider = crate::tls::provider();
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let der = CertificateDer::from(cert.cert.der().to_vec());
+        let key = PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der());
+        let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![der.clone()], key.into())
+            .unwrap();
+        server.alpn_protocols = vec![b"t".to_vec()];
+        let sc = quinn::ServerConfig::with_crypto(Arc::new(
+            quinn::crypto::rustls::QuicServerConfig::try_from(server).unwrap(),
+        ));
+        let listener = quinn::Endpoint::server(sc, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).unwrap();
+        let mut client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        client.alpn_protocols = vec![b"t".to_vec()];
+        let mut dialler = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
+            quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap(),
+        )));
+        let addr = listener.local_addr().unwrap();
+        let (a, b) = tokio::join!(
+            async { dialler.connect(addr, "localhost").unwrap().await.unwrap() },
+            async { listener.accept().await.unwrap().await.unwrap() }
+        );
+        (a, b, vec![dialler, listener])
+    }
+
+    /// Both ends run their copy path: after the hello and its answer, a copy goes and is
+    /// applied to the named stream once; a copy that cannot apply, or names
+    /// no stream, is counted as unused.
+    #[tokio::test]
+    async fn copies_flow_once_both_ends_said_hello() {
+        use crate::stream::{StreamLimits, StreamState};
+        let (a, b, _endpoints) = quic_pair().await;
+        let limits = StreamLimits {
+            replay_bytes: 1024,
+            recv_bytes: 1024,
+            max_payload: 1024,
+        };
+        let target = SharedStream::new(StreamState::new(9, limits));
+        target.with_state(|s| s.attach(0, false)).unwrap();
+        let la = CopyLink::new(a, CopySettings::default(), CopyCounters::default());
+        let counters = CopyCounters::default();
+        let lb = CopyLink::new(b, CopySettings::default(), counters.clone());
+        let (la2, lb2, t2) = (la.clone(), lb.clone(), target.clone());
+        tokio::spawn(async move { la2.announce_and_serve(|_| None, "b").await });
+        tokio::spawn(async move {
+            lb2.serve(move |id| (id == 9).then(|| t2.clone()), "a")
+                .await
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !la.send_copy(9, 0, b"hi") {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no hello from b within 5 s"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Too big for the settings: not sent.
+        assert!(!la.send_copy(9, 2, &[0; 300]));
+        assert!(la.send_copy(9, 5, b"gap"));
+        assert!(la.send_copy(77, 0, b"nobody"));
+        while counters.used.get() + counters.unused.get() < 3 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "copies not all received"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(counters.used.get(), 1);
+        assert_eq!(counters.unused.get(), 2);
+        assert_eq!(target.with_state(|s| s.offsets().2), 2);
+        assert!(lb.send_copy(3, 0, b"back"), "b heard a's hello too");
+    }
+
+    /// A peer that reads datagrams but never answers (no copy path) gets no
+    /// copies; the hello is sent again on its schedule, a bounded number of
+    /// times.
+    #[tokio::test]
+    async fn no_copies_to_a_peer_that_never_answers() {
+        let (a, b, _endpoints) = quic_pair().await;
+        let la = CopyLink::new(a, CopySettings::default(), CopyCounters::default());
+        let la2 = la.clone();
+        tokio::spawn(async move { la2.announce_and_serve(|_| None, "b").await });
+        let mut hellos = 0;
+        let until = tokio::time::Instant::now() + Duration::from_millis(3500);
+        while let Ok(Ok(d)) = tokio::time::timeout_at(until, b.read_datagram()).await {
+            assert_eq!(decode(&d), Ok(Received::Hello));
+            hellos += 1;
+        }
+        // Sent at 0, 1 and 3 s (the next at 7 s).
+        assert!((2..=3).contains(&hellos), "{hellos} hellos in 3.5 s");
+        assert!(!la.send_copy(1, 0, b"x"));
+    }
+
+    #[test]
+    fn a_stream_copies_at_most_per_sec_writes_a_second() {
+        let mut b = CopyBudget::new();
+        let t0 = std::time::Instant::now();
+        assert!((0..3).all(|_| b.take(3, t0)));
+        assert!(!b.take(3, t0 + Duration::from_millis(999)));
+        assert!(b.take(3, t0 + Duration::from_secs(1)));
+        let mut none = CopyBudget::new();
+        assert!(!none.take(0, t0));
+    }
+}
