@@ -119,50 +119,11 @@ impl Drop for Watch {
 mod tests {
     use super::*;
 
-    /// A loopback QUIC pair: (server endpoint, server's side, client endpoint, client's side).
-    async fn pair() -> (
-        quinn::Endpoint,
-        quinn::Connection,
-        quinn::Endpoint,
-        quinn::Connection,
-    ) {
-        let ck = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-        let cert = ck.cert.der().clone();
-        let key = rustls::pki_types::PrivateKeyDer::Pkcs8(ck.signing_key.serialize_der().into());
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let server_tls = rustls::ServerConfig::builder_with_provider(provider.clone())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![cert.clone()], key)
-            .unwrap();
-        let server_cfg = quinn::ServerConfig::with_crypto(Arc::new(
-            quinn::crypto::rustls::QuicServerConfig::try_from(server_tls).unwrap(),
-        ));
-        let server =
-            quinn::Endpoint::server(server_cfg, SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(cert).unwrap();
-        let client_tls = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        let mut client = quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
-        client.set_default_client_config(quinn::ClientConfig::new(Arc::new(
-            quinn::crypto::rustls::QuicClientConfig::try_from(client_tls).unwrap(),
-        )));
-        let addr = server.local_addr().unwrap();
-        let (c, s) = tokio::join!(
-            async { client.connect(addr, "localhost").unwrap().await.unwrap() },
-            async { server.accept().await.unwrap().await.unwrap() }
-        );
-        (server, s, client, c)
-    }
-
     #[tokio::test]
     async fn one_sweep_notices_a_migration_and_a_dropped_watch_is_forgotten() {
-        let (_server, s, client, c) = pair().await;
+        // (client's side, server's side; the client's endpoint first)
+        let (c, s, endpoints) = tether_proto::testing::quic_pair().await;
+        let client = &endpoints[0];
         let watcher = Watcher::new();
         let mut w = watcher.watch(&s);
         assert_eq!(watcher.len(), 1);

@@ -381,51 +381,6 @@ mod tests {
     }
 }
 
-/// A QUIC connection pair on loopback, for tests of what crosses the peer link.
-#[cfg(test)]
-pub(crate) mod testlink {
-    use std::sync::Arc;
-
-    use rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
-
-    /// (dialler's connection, listener's connection), kept alive by the endpoints.
-    pub async fn pair() -> (quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>) {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-        let der = CertificateDer::from(cert.cert.der().to_vec());
-        let key = PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der());
-        let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![der.clone()], key.into())
-            .unwrap();
-        server.alpn_protocols = vec![b"t".to_vec()];
-        let sc = quinn::ServerConfig::with_crypto(Arc::new(
-            quinn::crypto::rustls::QuicServerConfig::try_from(server).unwrap(),
-        ));
-        let listener = quinn::Endpoint::server(sc, "127.0.0.1:0".parse().unwrap()).unwrap();
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(der).unwrap();
-        let mut client = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        client.alpn_protocols = vec![b"t".to_vec()];
-        let mut dialler = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-        dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
-            quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap(),
-        )));
-        let addr = listener.local_addr().unwrap();
-        let (a, b) = tokio::join!(
-            async { dialler.connect(addr, "localhost").unwrap().await.unwrap() },
-            async { listener.accept().await.unwrap().await.unwrap() }
-        );
-        (a, b, vec![dialler, listener])
-    }
-}
-
 #[cfg(test)]
 mod link_tests {
     use std::sync::Arc;
@@ -433,7 +388,6 @@ mod link_tests {
 
     use tether_proto::Limits;
 
-    use super::*;
     use crate::admission::Claim;
     use crate::peer::{PeerLink, ReplicaId};
     use crate::registry::{Holder, Registry};
@@ -468,8 +422,8 @@ mod link_tests {
 
     #[tokio::test]
     async fn routes_learnt_from_peers_share_the_indices_and_prefer_a_live_holder() {
-        let (c1, _s1, _e1) = testlink::pair().await;
-        let (c2, _s2, _e2) = testlink::pair().await;
+        let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await;
+        let (c2, _s2, _e2) = tether_proto::testing::quic_pair().await;
         let peer = |name: &str, conn: quinn::Connection| PeerLink {
             addr: conn.remote_address(),
             replica: ReplicaId::new(name),
@@ -530,7 +484,7 @@ mod link_tests {
         ));
         // Both "live": the newer attach wins, here or there (an edge killed
         // without a word still looks attached to its old holder).
-        let (c3, _s3, _e3) = testlink::pair().await;
+        let (c3, _s3, _e3) = tether_proto::testing::quic_pair().await;
         let live = session("edge-4");
         let claim = Claim {
             token: tether_proto::token::ResumeToken([1; 16]),

@@ -379,45 +379,6 @@ mod tests {
         assert!(!owner_gone(&tether_proto::io::TransportError::Io(lost)));
     }
 
-    /// A QUIC connection pair on loopback: (the cloud's side, the edge's side), kept
-    /// alive by the returned endpoints.
-    async fn quic_pair() -> (quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>) {
-        use rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-        let der = CertificateDer::from(cert.cert.der().to_vec());
-        let key = PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der());
-        let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![der.clone()], key.into())
-            .unwrap();
-        server.alpn_protocols = vec![b"t".to_vec()];
-        let sc = quinn::ServerConfig::with_crypto(Arc::new(
-            quinn::crypto::rustls::QuicServerConfig::try_from(server).unwrap(),
-        ));
-        let listener = quinn::Endpoint::server(sc, "127.0.0.1:0".parse().unwrap()).unwrap();
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(der).unwrap();
-        let mut client = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        client.alpn_protocols = vec![b"t".to_vec()];
-        let mut dialler = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-        dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
-            quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap(),
-        )));
-        let addr = listener.local_addr().unwrap();
-        let (cloud, edge) = tokio::join!(
-            async { dialler.connect(addr, "localhost").unwrap().await.unwrap() },
-            async { listener.accept().await.unwrap().await.unwrap() }
-        );
-        (cloud, edge, vec![dialler, listener])
-    }
-
     /// Issue 14 item 5: a stream whose transport broke, and that no cloud replica
     /// re-attaches, is ended (reset) once the grace period has passed — not before,
     /// and not never (a leaked slot).
@@ -443,7 +404,8 @@ mod tests {
         let streams = EdgeStreams::new("edge-t".into(), limits, forward, metrics);
         streams.set_grace(GRACE);
 
-        let (cloud, edge, _endpoints) = quic_pair().await;
+        // (the cloud's side, the edge's side)
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await;
         // The cloud opens stream 5 and attaches it as new.
         let (mut send, _recv) = cloud.open_bi().await.unwrap();
         let attach = Frame::Attach {

@@ -462,51 +462,13 @@ mod tests {
         assert_eq!(decode(&Bytes::from(long)), Err(CopyError::BadVarint));
     }
 
-    /// A QUIC connection pair on loopback, kept alive by the endpoints.
-    async fn quic_pair() -> (quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>) {
-        use rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
-        let provider = crate::tls::provider();
-        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-        let der = CertificateDer::from(cert.cert.der().to_vec());
-        let key = PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der());
-        let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![der.clone()], key.into())
-            .unwrap();
-        server.alpn_protocols = vec![b"t".to_vec()];
-        let sc = quinn::ServerConfig::with_crypto(Arc::new(
-            quinn::crypto::rustls::QuicServerConfig::try_from(server).unwrap(),
-        ));
-        let listener = quinn::Endpoint::server(sc, "127.0.0.1:0".parse().unwrap()).unwrap();
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(der).unwrap();
-        let mut client = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        client.alpn_protocols = vec![b"t".to_vec()];
-        let mut dialler = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-        dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
-            quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap(),
-        )));
-        let addr = listener.local_addr().unwrap();
-        let (a, b) = tokio::join!(
-            async { dialler.connect(addr, "localhost").unwrap().await.unwrap() },
-            async { listener.accept().await.unwrap().await.unwrap() }
-        );
-        (a, b, vec![dialler, listener])
-    }
-
     /// Both ends run their copy path: after the hello and its answer, a copy goes and is
     /// applied to the named stream once; a copy that cannot apply, or names
     /// no stream, is counted as unused.
     #[tokio::test]
     async fn copies_flow_once_both_ends_said_hello() {
         use crate::stream::{StreamLimits, StreamState};
-        let (a, b, _endpoints) = quic_pair().await;
+        let (a, b, _endpoints) = crate::testing::quic_pair().await;
         let limits = StreamLimits {
             replay_bytes: 1024,
             recv_bytes: 1024,
@@ -553,7 +515,7 @@ mod tests {
     /// times.
     #[tokio::test]
     async fn no_copies_to_a_peer_that_never_answers() {
-        let (a, b, _endpoints) = quic_pair().await;
+        let (a, b, _endpoints) = crate::testing::quic_pair().await;
         let la = CopyLink::new(a, CopySettings::default(), CopyCounters::default());
         let la2 = la.clone();
         tokio::spawn(async move { la2.announce_and_serve(|_| None, "b").await });

@@ -858,6 +858,21 @@ mod tests {
 
     type Driver = tokio::task::JoinHandle<Result<(), TransportError>>;
 
+    /// A driver for `shared` on the transport halves `r`, `w` (1 MiB frames).
+    fn spawn_drive<R, W>(
+        shared: Arc<SharedStream>,
+        r: R,
+        w: W,
+        peer: PeerAttach,
+        copies: Option<Arc<dyn CopySink>>,
+    ) -> Driver
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: ChunkWrite + 'static,
+    {
+        tokio::spawn(drive(shared, r, w, peer, 1 << 20, copies))
+    }
+
     fn pair() -> (Arc<SharedStream>, Arc<SharedStream>) {
         (
             SharedStream::new(StreamState::new(5, L)),
@@ -871,58 +886,36 @@ mod tests {
         let (xr, xw) = split(x);
         let (yr, yw) = split(y);
         (
-            tokio::spawn(drive(
-                a.clone(),
-                xr,
-                Copying(xw),
-                PeerAttach::Read,
-                1 << 20,
-                None,
-            )),
-            tokio::spawn(drive(
-                b.clone(),
-                yr,
-                Copying(yw),
-                PeerAttach::Read,
-                1 << 20,
-                None,
-            )),
+            spawn_drive(a.clone(), xr, Copying(xw), PeerAttach::Read, None),
+            spawn_drive(b.clone(), yr, Copying(yw), PeerAttach::Read, None),
         )
     }
 
-    /// A writer whose writes wait while its gate is closed: a transport whose
-    /// packets are held up (lost and not yet resent).
-    struct Held<W> {
-        inner: W,
-        open: tokio::sync::watch::Receiver<bool>,
-    }
-
-    impl<W: AsyncWrite + Unpin + Send> ChunkWrite for Held<W> {
-        async fn write_chunks(&mut self, chunks: &mut [Bytes]) -> io::Result<()> {
-            if self.open.wait_for(|o| *o).await.is_err() {
-                return Err(io::ErrorKind::BrokenPipe.into());
+    /// A transport between two drivers whose one direction can be held up
+    /// (its packets lost and not yet resent): bytes from the first end wait
+    /// while `open` is false; the other direction flows. Returns both ends.
+    fn held_transport(
+        mut open: tokio::sync::watch::Receiver<bool>,
+    ) -> (tokio::io::DuplexStream, tokio::io::DuplexStream) {
+        let (a, a_far) = duplex(16 * 1024);
+        let (b, b_far) = duplex(16 * 1024);
+        let (mut from_a, mut to_a) = split(a_far);
+        let (mut from_b, mut to_b) = split(b_far);
+        tokio::spawn(async move {
+            let mut buf = vec![0; 16 * 1024];
+            loop {
+                let n = from_a.read(&mut buf).await?;
+                if n == 0 || open.wait_for(|o| *o).await.is_err() {
+                    return to_b.shutdown().await;
+                }
+                to_b.write_all(&buf[..n]).await?;
             }
-            for c in chunks.iter() {
-                self.inner.write_all(c).await?;
-            }
-            Ok(())
-        }
-    }
-
-    impl<W: AsyncWrite + Unpin> AsyncWrite for Held<W> {
-        fn poll_write(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            buf: &[u8],
-        ) -> Poll<io::Result<usize>> {
-            Pin::new(&mut self.inner).poll_write(cx, buf)
-        }
-        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Pin::new(&mut self.inner).poll_flush(cx)
-        }
-        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Pin::new(&mut self.inner).poll_shutdown(cx)
-        }
+        });
+        tokio::spawn(async move {
+            tokio::io::copy(&mut from_b, &mut to_a).await?;
+            to_a.shutdown().await
+        });
+        (a, b)
     }
 
     /// Copies go straight into the far end's state, and are counted.
@@ -960,10 +953,10 @@ mod tests {
     #[tokio::test]
     async fn a_held_up_small_write_arrives_through_its_copy_exactly_once() {
         let (a, b) = pair();
-        let (x, y) = duplex(16 * 1024);
+        let (gate, open) = tokio::sync::watch::channel(true);
+        let (x, y) = held_transport(open);
         let (xr, xw) = split(x);
         let (yr, yw) = split(y);
-        let (gate, open) = tokio::sync::watch::channel(true);
         let sink = Arc::new(Direct {
             to: b.clone(),
             settings: crate::copies::CopySettings {
@@ -973,22 +966,8 @@ mod tests {
             sent: Mutex::new(Vec::new()),
         });
         let copies: Arc<dyn CopySink> = sink.clone();
-        let da = tokio::spawn(drive(
-            a.clone(),
-            xr,
-            Held { inner: xw, open },
-            PeerAttach::Read,
-            1 << 20,
-            Some(copies),
-        ));
-        let db = tokio::spawn(drive(
-            b.clone(),
-            yr,
-            Copying(yw),
-            PeerAttach::Read,
-            1 << 20,
-            None,
-        ));
+        let da = spawn_drive(a.clone(), xr, Copying(xw), PeerAttach::Read, Some(copies));
+        let db = spawn_drive(b.clone(), yr, Copying(yw), PeerAttach::Read, None);
         let mut wa = ResumableIo::new(a.clone());
         let mut rb = ResumableIo::new(b.clone());
         // Not interactive yet: no copy.
@@ -1050,14 +1029,7 @@ mod tests {
         });
         let (x, mut y) = duplex(16 * 1024);
         let (xr, xw) = split(x);
-        let driver = tokio::spawn(drive(
-            a.clone(),
-            xr,
-            Copying(xw),
-            PeerAttach::Read,
-            1 << 20,
-            None,
-        ));
+        let driver = spawn_drive(a.clone(), xr, Copying(xw), PeerAttach::Read, None);
         let lost = Frame::Attach {
             stream: 5,
             delivered: 0,
@@ -1266,15 +1238,8 @@ mod tests {
             let (xr, xw) = split(x);
             let (yr, yw) = split(y);
             let attach = if round == 0 { first } else { PeerAttach::Read };
-            let da = tokio::spawn(drive(a.clone(), xr, Copying(xw), attach, 1 << 20, None));
-            let db = tokio::spawn(drive(
-                b.clone(),
-                yr,
-                Copying(yw),
-                PeerAttach::Read,
-                1 << 20,
-                None,
-            ));
+            let da = spawn_drive(a.clone(), xr, Copying(xw), attach, None);
+            let db = spawn_drive(b.clone(), yr, Copying(yw), PeerAttach::Read, None);
             if round < 2 {
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 da.abort();

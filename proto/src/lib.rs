@@ -24,6 +24,7 @@
 //!   `AsyncRead + AsyncWrite` and drives it over a QUIC stream.
 //! - [`quic`]: QUIC transport settings both binaries share.
 //! - [`tls`]: the TLS crypto provider every configuration uses (AES-128-GCM first).
+//! - `testing` (tests, feature `test-util`): a loopback QUIC pair.
 //! - [`cli`]: flag groups both binaries share (limits, QUIC tuning, logging).
 //! - [`ops`]: the operations listener both binaries serve (`/metrics`,
 //!   `/healthz`, `/readyz`, `/status`).
@@ -40,6 +41,8 @@ pub mod pump;
 pub mod quic;
 pub mod route;
 pub mod stream;
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
 pub mod ticket;
 pub mod tls;
 pub mod token;
