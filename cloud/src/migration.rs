@@ -122,7 +122,7 @@ mod tests {
     #[tokio::test]
     async fn one_sweep_notices_a_migration_and_a_dropped_watch_is_forgotten() {
         // (client's side, server's side; the client's endpoint first)
-        let (c, s, endpoints) = tether_proto::testing::quic_pair().await;
+        let (c, s, endpoints) = tether_proto::testing::quic_pair().await.unwrap();
         let client = &endpoints[0];
         let watcher = Watcher::new();
         let mut w = watcher.watch(&s);

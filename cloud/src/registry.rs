@@ -1393,7 +1393,7 @@ mod tests {
     /// generation of the edge is known; then it is refused and nothing is touched.
     #[tokio::test]
     async fn tickets_resume_anywhere_but_never_over_a_newer_generation() {
-        let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await;
+        let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await.unwrap();
         let peer = crate::peer::PeerLink {
             addr: c1.remote_address(),
             replica: crate::peer::ReplicaId::new("b"),
@@ -1448,14 +1448,14 @@ mod tests {
         };
         assert!(Arc::ptr_eq(&session, &owned) && replaced.is_empty());
         // The edge commits here: generation 150, held here.
-        let (edge_conn, _far, _e2) = tether_proto::testing::quic_pair().await;
+        let (edge_conn, _far, _e2) = tether_proto::testing::quic_pair().await.unwrap();
         session
             .attach_connection(edge_conn.clone(), None, &claim(1, 1), 150)
             .unwrap();
         r.hold(&session);
         assert!(session.is_held() && Arc::ptr_eq(&r.get("n").unwrap(), &session));
         // A commit of an older generation is refused.
-        let (old_conn, _far2, _e3) = tether_proto::testing::quic_pair().await;
+        let (old_conn, _far2, _e3) = tether_proto::testing::quic_pair().await.unwrap();
         assert!(session
             .attach_connection(old_conn, None, &claim(1, 2), 120)
             .is_err());

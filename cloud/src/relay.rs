@@ -422,8 +422,8 @@ mod link_tests {
 
     #[tokio::test]
     async fn routes_learnt_from_peers_share_the_indices_and_prefer_a_live_holder() {
-        let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await;
-        let (c2, _s2, _e2) = tether_proto::testing::quic_pair().await;
+        let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await.unwrap();
+        let (c2, _s2, _e2) = tether_proto::testing::quic_pair().await.unwrap();
         let peer = |name: &str, conn: quinn::Connection| PeerLink {
             addr: conn.remote_address(),
             replica: ReplicaId::new(name),
@@ -484,7 +484,7 @@ mod link_tests {
         ));
         // Both "live": the newer attach wins, here or there (an edge killed
         // without a word still looks attached to its old holder).
-        let (c3, _s3, _e3) = tether_proto::testing::quic_pair().await;
+        let (c3, _s3, _e3) = tether_proto::testing::quic_pair().await.unwrap();
         let live = session("edge-4");
         let claim = Claim {
             token: tether_proto::token::ResumeToken([1; 16]),

@@ -405,7 +405,7 @@ mod tests {
         streams.set_grace(GRACE);
 
         // (the cloud's side, the edge's side)
-        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await;
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
         // The cloud opens stream 5 and attaches it as new.
         let (mut send, _recv) = cloud.open_bi().await.unwrap();
         let attach = Frame::Attach {

@@ -361,20 +361,13 @@ impl CopySink for CopyLink {
 
 /// One stream's copy budget: at most [`CopySettings::per_sec`] copies in any
 /// one-second window.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct CopyBudget {
     window: Option<std::time::Instant>,
     used: u32,
 }
 
 impl CopyBudget {
-    pub fn new() -> Self {
-        CopyBudget {
-            window: None,
-            used: 0,
-        }
-    }
-
     /// Takes one copy from the budget if `per_sec` allows it at `now`.
     pub fn take(&mut self, per_sec: u32, now: std::time::Instant) -> bool {
         match self.window {
@@ -390,12 +383,6 @@ impl CopyBudget {
         } else {
             false
         }
-    }
-}
-
-impl Default for CopyBudget {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
@@ -468,7 +455,7 @@ mod tests {
     #[tokio::test]
     async fn copies_flow_once_both_ends_said_hello() {
         use crate::stream::{StreamLimits, StreamState};
-        let (a, b, _endpoints) = crate::testing::quic_pair().await;
+        let (a, b, _endpoints) = crate::testing::quic_pair().await.unwrap();
         let limits = StreamLimits {
             replay_bytes: 1024,
             recv_bytes: 1024,
@@ -515,7 +502,7 @@ mod tests {
     /// times.
     #[tokio::test]
     async fn no_copies_to_a_peer_that_never_answers() {
-        let (a, b, _endpoints) = crate::testing::quic_pair().await;
+        let (a, b, _endpoints) = crate::testing::quic_pair().await.unwrap();
         let la = CopyLink::new(a, CopySettings::default(), CopyCounters::default());
         let la2 = la.clone();
         tokio::spawn(async move { la2.announce_and_serve(|_| None, "b").await });
@@ -532,12 +519,12 @@ mod tests {
 
     #[test]
     fn a_stream_copies_at_most_per_sec_writes_a_second() {
-        let mut b = CopyBudget::new();
+        let mut b = CopyBudget::default();
         let t0 = std::time::Instant::now();
         assert!((0..3).all(|_| b.take(3, t0)));
         assert!(!b.take(3, t0 + Duration::from_millis(999)));
         assert!(b.take(3, t0 + Duration::from_secs(1)));
-        let mut none = CopyBudget::new();
+        let mut none = CopyBudget::default();
         assert!(!none.take(0, t0));
     }
 }

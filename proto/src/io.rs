@@ -762,7 +762,7 @@ async fn transmit_loop<W: ChunkWrite>(
     // payload joins `chunks` as it is, after the header before it.
     let mut head = BytesMut::new();
     let mut chunks: Vec<Bytes> = Vec::new();
-    let mut budget = CopyBudget::new();
+    let mut budget = CopyBudget::default();
     loop {
         let wake = shared.tx.notified();
         tokio::pin!(wake);
@@ -948,8 +948,7 @@ mod tests {
     /// A small write of an interactive stream arrives through its copy while
     /// the stream's own transport is held up; when the frame comes it is a
     /// duplicate, and every byte is read exactly once. A write over the size
-    /// bound, a batch of several frames and a stream not marked interactive
-    /// send no copy.
+    /// bound and a stream not marked interactive send no copy.
     #[tokio::test]
     async fn a_held_up_small_write_arrives_through_its_copy_exactly_once() {
         let (a, b) = pair();

@@ -1,45 +1,51 @@
 //! Test support shared by the workspace's crates (feature `test-util`, and
 //! this crate's own tests): a QUIC connection pair on loopback.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
 
+/// Why a loopback pair could not be made.
+pub type PairError = Box<dyn std::error::Error + Send + Sync>;
+
 /// (dialler's connection, listener's connection) over loopback with a
-/// self-signed certificate, kept alive by the returned endpoints. Panics on
-/// failure: for tests only.
-pub async fn quic_pair() -> (quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>) {
+/// self-signed certificate, kept alive by the returned endpoints (the
+/// dialler's first).
+pub async fn quic_pair(
+) -> Result<(quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>), PairError> {
     let provider = crate::tls::provider();
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()])?;
     let der = CertificateDer::from(cert.cert.der().to_vec());
     let key = PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der());
     let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
+        .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_no_client_auth()
-        .with_single_cert(vec![der.clone()], key.into())
-        .unwrap();
+        .with_single_cert(vec![der.clone()], key.into())?;
     server.alpn_protocols = vec![b"t".to_vec()];
     let sc = quinn::ServerConfig::with_crypto(Arc::new(
-        quinn::crypto::rustls::QuicServerConfig::try_from(server).unwrap(),
+        quinn::crypto::rustls::QuicServerConfig::try_from(server)?,
     ));
-    let listener = quinn::Endpoint::server(sc, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let listener = quinn::Endpoint::server(sc, loopback)?;
     let mut roots = rustls::RootCertStore::empty();
-    roots.add(der).unwrap();
+    roots.add(der)?;
     let mut client = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
+        .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_root_certificates(roots)
         .with_no_client_auth();
     client.alpn_protocols = vec![b"t".to_vec()];
-    let mut dialler = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    let mut dialler = quinn::Endpoint::client(loopback)?;
     dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
-        quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap(),
+        quinn::crypto::rustls::QuicClientConfig::try_from(client)?,
     )));
-    let addr = listener.local_addr().unwrap();
-    let (a, b) = tokio::join!(
-        async { dialler.connect(addr, "localhost").unwrap().await.unwrap() },
-        async { listener.accept().await.unwrap().await.unwrap() }
-    );
-    (a, b, vec![dialler, listener])
+    let addr = listener.local_addr()?;
+    let connecting = dialler.connect(addr, "localhost")?;
+    let (a, b) = tokio::join!(connecting, async {
+        match listener.accept().await {
+            Some(incoming) => incoming.await,
+            None => Err(quinn::ConnectionError::LocallyClosed),
+        }
+    });
+    Ok((a?, b?, vec![dialler, listener]))
 }
