@@ -53,6 +53,7 @@ pub mod front;
 pub mod gate;
 pub mod identity;
 pub mod join;
+pub mod latest;
 pub mod members;
 pub mod metrics;
 pub mod migration;

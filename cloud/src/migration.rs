@@ -13,14 +13,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 /// How often the sweep looks at every connection's address.
 pub const SWEEP: Duration = Duration::from_millis(500);
 
 struct Entry {
     conn: quinn::Connection,
-    addr: watch::Sender<SocketAddr>,
+    /// The address the last sweep saw.
+    last: SocketAddr,
+    moved: Arc<Moved>,
+}
+
+/// What a sweep tells one [`Watch`]: a `Notify` and the new address, not a
+/// `tokio::sync::watch` channel (one per connected edge: 354 bytes each,
+/// where this is about 100).
+struct Moved {
+    wake: Notify,
+    to: Mutex<SocketAddr>,
 }
 
 /// The connections watched, swept by [`Watcher::run`].
@@ -34,7 +44,7 @@ pub struct Watcher {
 pub struct Watch {
     id: u64,
     watcher: Weak<Watcher>,
-    addr: watch::Receiver<SocketAddr>,
+    moved: Arc<Moved>,
 }
 
 impl Watcher {
@@ -45,18 +55,23 @@ impl Watcher {
     /// Starts watching `conn`'s remote address.
     pub fn watch(self: &Arc<Self>, conn: &quinn::Connection) -> Watch {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = watch::channel(conn.remote_address());
+        let last = conn.remote_address();
+        let moved = Arc::new(Moved {
+            wake: Notify::new(),
+            to: Mutex::new(last),
+        });
         self.lock().insert(
             id,
             Entry {
                 conn: conn.clone(),
-                addr: tx,
+                last,
+                moved: moved.clone(),
             },
         );
         Watch {
             id,
             watcher: Arc::downgrade(self),
-            addr: rx,
+            moved,
         }
     }
 
@@ -71,13 +86,14 @@ impl Watcher {
 
     /// Looks at every watched connection once; wakes those that moved.
     pub fn sweep(&self) {
-        for e in self.lock().values() {
+        for e in self.lock().values_mut() {
             let now = e.conn.remote_address();
-            e.addr.send_if_modified(|a| {
-                let moved = *a != now;
-                *a = now;
-                moved
-            });
+            if now != e.last {
+                e.last = now;
+                *e.moved.to.lock().unwrap_or_else(|p| p.into_inner()) = now;
+                // Kept as a permit if the watch is not waiting right now.
+                e.moved.wake.notify_one();
+            }
         }
     }
 
@@ -99,11 +115,9 @@ impl Watcher {
 impl Watch {
     /// The connection's next new remote address (pending forever if it never moves).
     pub async fn moved(&mut self) -> SocketAddr {
-        if self.addr.changed().await.is_err() {
-            // The watcher is gone: nothing will ever be noticed again.
-            std::future::pending::<()>().await;
-        }
-        *self.addr.borrow_and_update()
+        // (If the watcher is gone, nothing wakes this again: pending forever.)
+        self.moved.wake.notified().await;
+        *self.moved.to.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 

@@ -32,10 +32,10 @@ use tether_proto::route::StreamKind;
 use tether_proto::stream::{StreamLimits, StreamState};
 use tether_proto::token::SessionId;
 use tether_proto::{Limits, StreamId};
-use tokio::sync::watch;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::admission::{Claim, Gate, Superseded, Verdict};
+use crate::latest::Latest;
 use crate::peer::ReplicaId;
 
 /// This process's owner tag: the high 32 bits of every stream id it assigns,
@@ -127,7 +127,8 @@ pub struct Session {
     pub id: SessionId,
     /// The cloud's limits (what this session's streams use).
     limits: Limits,
-    link: watch::Sender<Link>,
+    /// (A [`Latest`], not a `watch` channel: one session per edge.)
+    link: Latest<Link>,
     book: Mutex<Book>,
     streams: Mutex<HashMap<StreamId, Arc<SharedStream>>>,
     next_stream: AtomicU64,
@@ -223,7 +224,7 @@ impl Session {
         limits: Limits,
         claim: &Claim,
     ) -> Arc<Session> {
-        let (link, _) = watch::channel(Link::Disconnected {
+        let link = Latest::new(Link::Disconnected {
             epoch: 0,
             gen,
             since: Instant::now(),
@@ -560,7 +561,7 @@ impl Session {
     /// Attaches a stream to each link in turn until it is done, reset, or
     /// the session ends.
     async fn run_stream(self: Arc<Self>, id: StreamId, shared: Arc<SharedStream>) {
-        let mut rx = self.link.subscribe();
+        let mut seen = self.link.version();
         let mut last_epoch = 0u64;
         // The first transport of a new stream needs no round trip: the request
         // head follows our Attach at once (see `PeerAttach::Fresh`).
@@ -583,7 +584,7 @@ impl Session {
             }
             // Wait for a link newer than the one that failed us.
             let link = loop {
-                let link = rx.borrow_and_update().clone();
+                let link = self.link.borrow_and_update(&mut seen).clone();
                 match link {
                     Link::Ended(_) => break None,
                     l @ (Link::Connected { .. } | Link::Relayed { .. })
@@ -598,7 +599,7 @@ impl Session {
                 }
                 let fresh = matches!(peer, PeerAttach::Fresh);
                 tokio::select! {
-                    r = rx.changed() => if r.is_err() { break None },
+                    () = self.link.changed(seen) => {}
                     _ = shared.wait_done() => break None,
                     _ = tokio::time::sleep_until(first_deadline), if fresh => break Some(Link::Disconnected {
                         epoch: last_epoch,
@@ -672,8 +673,14 @@ impl Session {
             }
         }
         self.streams().remove(&id);
-        if let Link::Ended(reason) = &*self.link.borrow() {
-            shared.reset(ResetCode::SessionLost, reason.clone());
+        // (The reason is copied out: the link's lock is not held while the
+        // stream is reset.)
+        let ended = match &*self.link.borrow() {
+            Link::Ended(reason) => Some(reason.clone()),
+            _ => None,
+        };
+        if let Some(reason) = ended {
+            shared.reset(ResetCode::SessionLost, reason);
         }
         debug!("stream closed");
     }
