@@ -433,12 +433,24 @@ pub async fn serve(
                     incoming.refuse();
                     return;
                 };
-                if let Err(e) = handle(
-                    incoming, pending, &cfg, &registry, &metrics, join, &draining, &tickets, &moves,
-                )
+                // Two phases, each in a box of its own: this task (one per
+                // edge, for as long as it stays connected) holds only the box
+                // of the phase it is in, so the handshake's state (the hello,
+                // the refusal paths) is freed once the edge is attached, and
+                // the attached phase is only as large as its own state. (One
+                // future for both: 2,633 bytes per connected edge, most of it
+                // layout room for states the edge had left behind.)
+                match Box::pin(attach(
+                    incoming, pending, &cfg, &registry, &metrics, join, &draining, &tickets,
+                ))
                 .await
                 {
-                    warn!(error = format!("{e:#}"), "edge connection failed");
+                    Ok(Some(a)) => {
+                        Box::pin(serve_attached(a, &cfg, &registry, &metrics, &tickets, &moves))
+                            .await
+                    }
+                    Ok(None) => {}
+                    Err(e) => warn!(error = format!("{e:#}"), "edge connection failed"),
                 }
                 drop(permit);
             }
@@ -478,9 +490,8 @@ fn node_of(conn: &quinn::Connection) -> anyhow::Result<String> {
         .context("reading the node name from the edge certificate")
 }
 
-/// Refuses an edge on its control stream. Boxed inside: `handle`'s task
-/// future stays the size of its long-lived state (one per edge), not of
-/// this rare one's.
+/// Refuses an edge on its control stream. Boxed inside: [`attach`]'s
+/// future stays the size of its common path, not of this rare one's.
 async fn refuse(
     send: &mut quinn::SendStream,
     conn: &quinn::Connection,
@@ -607,37 +618,6 @@ fn alpn_of(conn: &quinn::Connection) -> Option<Vec<u8>> {
         .protocol
 }
 
-/// One edge connection. `pending` counts it among the handshakes in progress
-/// until its QUIC/TLS handshake is done.
-///
-/// Two phases, each in a box of its own: the task (one per edge, for as long
-/// as it stays connected) holds only the box of the phase it is in, so the
-/// handshake's state (the hello, the refusal paths) is freed once the edge
-/// is attached, and the attached phase is only as large as its own state.
-/// (One future for both: 2,633 bytes per connected edge, most of it layout
-/// room for states the edge had left behind.)
-#[allow(clippy::too_many_arguments)]
-async fn handle(
-    incoming: Box<quinn::Incoming>,
-    pending: tokio::sync::OwnedSemaphorePermit,
-    cfg: &CloudConfig,
-    registry: &Arc<Registry>,
-    metrics: &CloudMetrics,
-    join: Option<Arc<JoinCtx>>,
-    draining: &std::sync::atomic::AtomicBool,
-    tickets: &Arc<TicketKey>,
-    moves: &Arc<crate::migration::Watcher>,
-) -> anyhow::Result<()> {
-    let attached = Box::pin(attach(
-        incoming, pending, cfg, registry, metrics, join, draining, tickets,
-    ))
-    .await?;
-    if let Some(a) = attached {
-        Box::pin(serve_attached(a, cfg, registry, metrics, tickets, moves)).await;
-    }
-    Ok(())
-}
-
 /// An edge connection attached to its session: what [`serve_attached`] needs
 /// from the handshake.
 struct Attached {
@@ -653,8 +633,10 @@ struct Attached {
     join: Option<Arc<JoinCtx>>,
 }
 
-/// The handshake, the hello, the welcome and the commit, up to the attach:
-/// `None` when the connection was refused or abandoned (said and logged here).
+/// One edge connection's handshake, hello, welcome and commit, up to the
+/// attach (then [`serve_attached`]): `None` when the connection was refused
+/// or abandoned (said and logged here). `pending` counts it among the
+/// handshakes in progress until its QUIC/TLS handshake is done.
 #[allow(clippy::too_many_arguments)]
 async fn attach(
     incoming: Box<quinn::Incoming>,
@@ -894,7 +876,7 @@ async fn attach(
         metrics.sessions.set(registry.len() as i64);
         // Peers learn the edge is attached here (and requests waiting for it go on).
         registry.touch_node(&session.node);
-        // Boxed: moved as a pointer, and no room for it in `handle`'s task.
+        // Boxed: moved as a pointer, and no room for it in the edge's task.
         Ok(Some(Box::new(Attached {
             conn,
             node,
