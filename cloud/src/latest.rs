@@ -1,12 +1,13 @@
 //! The latest value of something, and a wake-up for the tasks waiting for it
 //! to change: what `tokio::sync::watch` does, at a third of its size.
 //!
-//! One lives in every session (its link), and there is a session per
-//! connected edge: a `watch` channel is a separate allocation of about 350
-//! bytes (eight `Notify`s, spread to cut contention among many receivers),
-//! where a session's link has a few waiters (its open streams) and changes
-//! only when the edge connects, moves or goes. This keeps the value, a
-//! version and one `Notify` inline in the owner.
+//! Two live per connected edge: its session's link and its address as the
+//! migration sweep sees it. A `watch` channel is a separate allocation of
+//! about 350 bytes (eight `Notify`s, spread to cut contention among many
+//! receivers), where these have a few waiters (a session's open streams, the
+//! edge's migration watch) and change only when the edge connects, moves or
+//! goes. This keeps the value, a version and one `Notify` inline in the
+//! owner.
 
 use std::ops::Deref;
 use std::sync::{Mutex, MutexGuard};

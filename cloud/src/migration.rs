@@ -13,24 +13,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use crate::latest::Latest;
 
 /// How often the sweep looks at every connection's address.
 pub const SWEEP: Duration = Duration::from_millis(500);
 
 struct Entry {
     conn: quinn::Connection,
-    /// The address the last sweep saw.
-    last: SocketAddr,
-    moved: Arc<Moved>,
-}
-
-/// What a sweep tells one [`Watch`]: a `Notify` and the new address, not a
-/// `tokio::sync::watch` channel (one per connected edge: 354 bytes each,
-/// where this is about 100).
-struct Moved {
-    wake: Notify,
-    to: Mutex<SocketAddr>,
+    /// The address the last sweep saw (a [`Latest`], not a `watch` channel:
+    /// one per connected edge).
+    addr: Arc<Latest<SocketAddr>>,
 }
 
 /// The connections watched, swept by [`Watcher::run`].
@@ -44,7 +36,9 @@ pub struct Watcher {
 pub struct Watch {
     id: u64,
     watcher: Weak<Watcher>,
-    moved: Arc<Moved>,
+    addr: Arc<Latest<SocketAddr>>,
+    /// The version of `addr` this watch has seen.
+    seen: u64,
 }
 
 impl Watcher {
@@ -55,23 +49,19 @@ impl Watcher {
     /// Starts watching `conn`'s remote address.
     pub fn watch(self: &Arc<Self>, conn: &quinn::Connection) -> Watch {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let last = conn.remote_address();
-        let moved = Arc::new(Moved {
-            wake: Notify::new(),
-            to: Mutex::new(last),
-        });
+        let addr = Arc::new(Latest::new(conn.remote_address()));
         self.lock().insert(
             id,
             Entry {
                 conn: conn.clone(),
-                last,
-                moved: moved.clone(),
+                addr: addr.clone(),
             },
         );
         Watch {
             id,
             watcher: Arc::downgrade(self),
-            moved,
+            seen: addr.version(),
+            addr,
         }
     }
 
@@ -86,14 +76,13 @@ impl Watcher {
 
     /// Looks at every watched connection once; wakes those that moved.
     pub fn sweep(&self) {
-        for e in self.lock().values_mut() {
+        for e in self.lock().values() {
             let now = e.conn.remote_address();
-            if now != e.last {
-                e.last = now;
-                *e.moved.to.lock().unwrap_or_else(|p| p.into_inner()) = now;
-                // Kept as a permit if the watch is not waiting right now.
-                e.moved.wake.notify_one();
-            }
+            e.addr.send_if_modified(|a| {
+                let moved = *a != now;
+                *a = now;
+                moved
+            });
         }
     }
 
@@ -115,9 +104,9 @@ impl Watcher {
 impl Watch {
     /// The connection's next new remote address (pending forever if it never moves).
     pub async fn moved(&mut self) -> SocketAddr {
-        // (If the watcher is gone, nothing wakes this again: pending forever.)
-        self.moved.wake.notified().await;
-        *self.moved.to.lock().unwrap_or_else(|p| p.into_inner())
+        // (If the watcher is gone, nothing changes it again: pending forever.)
+        self.addr.changed(self.seen).await;
+        *self.addr.borrow_and_update(&mut self.seen)
     }
 }
 

@@ -777,12 +777,12 @@ async fn attach(
             }
         };
         // A new session expires by itself if this attempt never attaches.
-        let mut unattached = (!resumed).then(|| Unattached {
+        let mut unattached = Unattached {
             registry: registry.clone(),
             session: session.clone(),
             grace: cfg.grace,
-            armed: true,
-        });
+            armed: !resumed,
+        };
         let gen = next_generation(session.gen().max(ticket.map_or(0, |t| t.gen)), unix_ms());
         let welcome = Welcome {
             version,
@@ -836,9 +836,7 @@ async fn attach(
         let copies = CopyLink::new(conn.clone(), cfg.quic.copies, metrics.copies.clone());
         match session.attach_connection(conn.clone(), Some(copies.clone()), &claim, gen) {
             Ok(()) => {
-                if let Some(u) = unattached.take() {
-                    u.disarm();
-                }
+                unattached.disarm();
                 registry.hold(&session)
             }
             Err(e) => {
@@ -1039,11 +1037,7 @@ async fn watch_migration(
             last = now;
             if edge_keeps_alive.load(std::sync::atomic::Ordering::Relaxed) {
                 // Boxed: only the wait for a migration stays in every edge's task.
-                let nudged = Box::pin(async {
-                    let mut send = send.lock().await;
-                    write_frame(&mut *send, &Frame::KeepAlive, max).await
-                })
-                .await;
+                let nudged = Box::pin(send_control(send, Frame::KeepAlive, max)).await;
                 if let Err(e) = nudged {
                     debug!(node, error = %e, "cannot nudge the edge after its migration");
                 }
@@ -1196,10 +1190,10 @@ impl TicketIssuer {
     }
 }
 
-/// A new session no connection is attached to yet: when dropped (the attempt
-/// was refused, abandoned or failed before its attach) the session expires
-/// after `grace` unless a connection attached meanwhile (epoch 0: never
-/// attached). Not a timer per new session: with 10,000 edges coming back
+/// A new session no connection is attached to yet (`armed`; a resumed one
+/// is not): when dropped armed (the attempt was refused, abandoned or failed
+/// before its attach) the session expires after `grace` unless a connection
+/// attached meanwhile (epoch 0: never attached). Not a timer per new session: with 10,000 edges coming back
 /// after a restart, that was 10,000 tasks of 356 bytes sleeping for the
 /// whole grace period (5 minutes by default) for nothing.
 struct Unattached {
@@ -1211,7 +1205,7 @@ struct Unattached {
 
 impl Unattached {
     /// The session is attached: nothing to expire.
-    fn disarm(mut self) {
+    fn disarm(&mut self) {
         self.armed = false;
     }
 }
@@ -1295,10 +1289,11 @@ fn control_loop<'a>(
             match then {
                 Then::Nothing => {}
                 Then::Ticket => {
-                    Box::pin(async {
-                        let mut send = send.lock().await;
-                        write_frame(&mut *send, &Frame::Ticket(tickets.next(&session)), max).await
-                    })
+                    Box::pin(send_control(
+                        &send,
+                        Frame::Ticket(tickets.next(&session)),
+                        max,
+                    ))
                     .await?
                 }
                 Then::Renew(csr_pem) => {
@@ -1429,9 +1424,20 @@ async fn renew(
             e.to_string()
         }),
     };
-    let mut send = send.lock().await;
-    write_frame(&mut *send, &Frame::RenewedCert { result }, max).await?;
+    send_control(send, Frame::RenewedCert { result }, max).await?;
     Ok(false)
+}
+
+/// Writes `frame` on the control stream's sending side, which the control
+/// loop and the migration watch share. The frame is taken by value: a caller
+/// that boxes this holds it in the box, not across its own await.
+async fn send_control(
+    send: &tokio::sync::Mutex<quinn::SendStream>,
+    frame: Frame,
+    max: usize,
+) -> Result<(), tether_proto::io::TransportError> {
+    let mut send = send.lock().await;
+    write_frame(&mut *send, &frame, max).await
 }
 
 /// Why the certificate `conn` presented is revoked, if it is.
