@@ -1193,9 +1193,10 @@ impl TicketIssuer {
 /// A new session no connection is attached to yet (`armed`; a resumed one
 /// is not): when dropped armed (the attempt was refused, abandoned or failed
 /// before its attach) the session expires after `grace` unless a connection
-/// attached meanwhile (epoch 0: never attached). Not a timer per new session: with 10,000 edges coming back
-/// after a restart, that was 10,000 tasks of 356 bytes sleeping for the
-/// whole grace period (5 minutes by default) for nothing.
+/// attached meanwhile (epoch 0: never attached). Not a timer per new
+/// session: with 10,000 edges coming back after a restart, that was 10,000
+/// tasks of 356 bytes sleeping for the whole grace period (5 minutes by
+/// default) for nothing.
 struct Unattached {
     registry: Arc<Registry>,
     session: Arc<Session>,
