@@ -97,6 +97,15 @@ pub struct QuicArgs {
     /// QUIC datagrams buffered per connection each way (at least 2KiB).
     #[arg(long, env = "TETHER_DATAGRAM_BUFFER", default_value = "64KiB", value_parser = parse_bytes)]
     pub datagram_buffer: u64,
+    /// Path-MTU search step in bytes (at most 252): after each handshake the
+    /// packet size is searched from 1,200 up to 1,452 bytes by bisection,
+    /// probing 1,452 last once a bisection would move less than this. 64
+    /// takes two probes on a 1,500-byte path (20, quinn's own, four); a
+    /// smaller step takes more probes (each a padded packet and its
+    /// acknowledgement) and ends closer to an odd path's size. 0: no
+    /// search, 1,200-byte packets.
+    #[arg(long, env = "TETHER_MTU_PROBE_STEP", default_value_t = crate::quic::DEFAULT_MTU_PROBE_STEP)]
+    pub mtu_probe_step: u16,
 }
 
 /// Which end of the tunnel a QUIC configuration is for: it decides how many
@@ -147,6 +156,7 @@ impl QuicArgs {
             },
             datagram_buffer: usize::try_from(self.datagram_buffer)
                 .map_err(|_| "datagram-buffer too large".to_string())?,
+            mtu_probe_step: self.mtu_probe_step,
             copies: crate::copies::CopySettings {
                 max_payload: usize::try_from(self.interactive_copy_bytes)
                     .map_err(|_| "interactive-copy-bytes too large".to_string())?,
@@ -399,6 +409,22 @@ mod tests {
         assert!(quic(&["t", "--datagram-buffer", "1KiB"])
             .settings(&limits, Role::Edge)
             .is_err());
+    }
+
+    #[test]
+    fn mtu_probe_step_reaches_the_settings_and_is_bounded() {
+        let limits = crate::limits::Limits::default();
+        let quic = |argv: &[&str]| QuicOnly::try_parse_from(argv).unwrap().quic;
+        let d = quic(&["t"]).settings(&limits, Role::Edge).unwrap();
+        assert_eq!(d.mtu_probe_step, crate::quic::DEFAULT_MTU_PROBE_STEP);
+        let s = quic(&["t", "--mtu-probe-step", "0"])
+            .settings(&limits, Role::Cloud)
+            .unwrap();
+        assert_eq!(s.mtu_probe_step, 0);
+        let e = quic(&["t", "--mtu-probe-step", "253"])
+            .settings(&limits, Role::Edge)
+            .unwrap_err();
+        assert!(e.contains("MTU probe step"), "{e}");
     }
 
     #[test]

@@ -14,6 +14,13 @@ pub type PairError = Box<dyn std::error::Error + Send + Sync>;
 /// dialler's first).
 pub async fn quic_pair(
 ) -> Result<(quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>), PairError> {
+    quic_pair_with(Arc::new(quinn::TransportConfig::default())).await
+}
+
+/// [`quic_pair`] with `transport` on both ends.
+pub async fn quic_pair_with(
+    transport: Arc<quinn::TransportConfig>,
+) -> Result<(quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>), PairError> {
     let provider = crate::tls::provider();
     let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()])?;
     let der = CertificateDer::from(cert.cert.der().to_vec());
@@ -23,9 +30,10 @@ pub async fn quic_pair(
         .with_no_client_auth()
         .with_single_cert(vec![der.clone()], key.into())?;
     server.alpn_protocols = vec![b"t".to_vec()];
-    let sc = quinn::ServerConfig::with_crypto(Arc::new(
+    let mut sc = quinn::ServerConfig::with_crypto(Arc::new(
         quinn::crypto::rustls::QuicServerConfig::try_from(server)?,
     ));
+    sc.transport_config(transport.clone());
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
     let listener = quinn::Endpoint::server(sc, loopback)?;
     let mut roots = rustls::RootCertStore::empty();
@@ -36,9 +44,11 @@ pub async fn quic_pair(
         .with_no_client_auth();
     client.alpn_protocols = vec![b"t".to_vec()];
     let mut dialler = quinn::Endpoint::client(loopback)?;
-    dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
+    let mut cc = quinn::ClientConfig::new(Arc::new(
         quinn::crypto::rustls::QuicClientConfig::try_from(client)?,
-    )));
+    ));
+    cc.transport_config(transport);
+    dialler.set_default_client_config(cc);
     let addr = listener.local_addr()?;
     let connecting = dialler.connect(addr, "localhost")?;
     let (a, b) = tokio::join!(connecting, async {
