@@ -906,8 +906,9 @@ impl Traffic {
 /// every interval, a keep-alive frame on the control stream, and its
 /// verdict: did the cloud see a new address (the NAT had dropped the binding
 /// during the gap; the cloud's path challenge follows by one RTT), and was
-/// the gap idle. While probing, the verdict is read a few RTTs after the
-/// keep-alive (one more wake-up, so a failed probe is not repeated); once
+/// the gap idle. While probing, the verdict is read a few RTTs and the
+/// cloud's ACK delay after the keep-alive ([`crate::keepalive::verdict_wait`];
+/// one more wake-up, so a failed probe is not repeated); once
 /// settled, at the next keep-alive (a NAT that got stricter is still
 /// noticed, without the extra wake-up). The same wake-ups refresh the RTT
 /// gauge and feed the dead-link detector ([`crate::keepalive::Silence`]),
@@ -1024,7 +1025,7 @@ async fn keep_alive(
         if learner.phase() == Phase::Probing {
             // Short, so the timer is exact (no coarser wheel level, no
             // extra wake-up); a challenge that comes later is seen next time.
-            tokio::time::sleep((rtt * 4 + Duration::from_millis(20)).min(gap / 2)).await;
+            tokio::time::sleep(crate::keepalive::verdict_wait(rtt, gap)).await;
             since = Traffic::of(conn, metrics);
             let _ = watch.observe(start.elapsed(), since.rx, since.tx);
             expected = 0;
@@ -1097,5 +1098,74 @@ async fn report_pods(
                 },
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keepalive::{Bounds, Learner, Phase};
+
+    /// On a link with a sub-millisecond RTT (loopback) the cloud's delayed
+    /// ACK of a probing keep-alive (quinn's 25 ms) came after the verdict was
+    /// read, so it fell into the next gap, no gap was ever quiet and the
+    /// learning never left its starting interval (seen in the cellular
+    /// benchmark: stuck at 20 s for over 20 minutes). The glue runs here
+    /// against a real quinn peer that only acknowledges: the interval must
+    /// grow.
+    #[tokio::test]
+    async fn the_learning_moves_on_across_a_loopback_link() {
+        let mut t = quinn::TransportConfig::default();
+        // No path-MTU probes: nothing but the keep-alives and their ACKs.
+        t.mtu_discovery_config(None);
+        let (edge, cloud, _endpoints) =
+            tether_proto::testing::quic_pair_with(std::sync::Arc::new(t))
+                .await
+                .expect("a loopback QUIC pair");
+        let (out, mut frames) = tokio::sync::mpsc::channel::<Frame>(8);
+        let (mut send, _recv) = edge.open_bi().await.expect("a control stream");
+        tokio::spawn(async move {
+            while let Some(f) = frames.recv().await {
+                if write_frame(&mut send, &f, 1024).await.is_err() {
+                    return;
+                }
+            }
+        });
+        // Let the handshake's last packets (HANDSHAKE_DONE, new connection
+        // IDs and their ACKs) cross before the first gap.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let start = Duration::from_millis(300);
+        let bounds = Bounds::new(Duration::from_millis(100), Duration::from_secs(10), start)
+            .expect("bounds");
+        let mut learner = Learner::new(bounds);
+        let metrics = EdgeMetrics::default();
+        // 1.8 s of gaps reach 1.2 s; the rest is room for a loaded machine.
+        let ran = tokio::time::timeout(
+            Duration::from_secs(5),
+            keep_alive(
+                &edge,
+                tokio::time::Instant::now(),
+                &mut learner,
+                Duration::from_secs(10),
+                out,
+                &metrics,
+                "edge-test",
+            ),
+        )
+        .await;
+        assert!(
+            ran.is_err(),
+            "the glue returned: the link was taken for dead"
+        );
+        assert_eq!(learner.phase(), Phase::Probing);
+        assert_eq!(learner.rebindings(), 0);
+        // 300 ms twice, 600 ms twice, then 1.2 s: quiet gaps confirmed.
+        assert!(
+            learner.interval() >= Duration::from_millis(1200),
+            "the interval did not grow from {start:?}: {:?} (longest gap that held: {:?})",
+            learner.interval(),
+            learner.known().0
+        );
+        drop(cloud);
     }
 }

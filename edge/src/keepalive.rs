@@ -39,6 +39,21 @@ pub const CONFIRM: u32 = 2;
 /// (about an hour at 30 s, four at 110 s).
 pub const REPROBE_AFTER: u32 = 120;
 
+/// How long the cloud may hold back the acknowledgement of a lone packet:
+/// QUIC's default `max_ack_delay` (RFC 9000 §18.2), which neither end
+/// changes. A keep-alive is one packet, so its ACK comes this late.
+pub const PEER_ACK_DELAY: Duration = Duration::from_millis(25);
+
+/// How long after a probing keep-alive its verdict is read: four RTTs for
+/// the cloud's path challenge after a rebinding, plus [`PEER_ACK_DELAY`] for
+/// the keep-alive's own acknowledgement, plus 20 ms of timer slack; at most
+/// half the gap. Read before that acknowledgement arrived, the verdict counts
+/// it in the next gap, which then is never quiet: on a link with an RTT under
+/// about 2 ms (four RTTs shorter than the delay) the learning stopped moving.
+pub fn verdict_wait(rtt: Duration, gap: Duration) -> Duration {
+    (rtt * 4 + PEER_ACK_DELAY + Duration::from_millis(20)).min(gap / 2)
+}
+
 /// The operator's bounds and starting point.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bounds {
@@ -328,6 +343,20 @@ mod tests {
             );
         }
         used
+    }
+
+    #[test]
+    fn the_verdict_waits_for_the_clouds_delayed_ack() {
+        // On a LAN-like link (RTT 1.4 ms) four RTTs alone are 5.6 ms: the
+        // ACK, held back 25 ms, came after the verdict and spoiled the next gap.
+        let rtt = Duration::from_micros(1_400);
+        let wait = verdict_wait(rtt, s(20.0));
+        assert!(wait > rtt + PEER_ACK_DELAY, "{wait:?}");
+        assert_eq!(wait, Duration::from_micros(50_600));
+        // Far links: the RTTs dominate.
+        assert_eq!(verdict_wait(s(0.3), s(60.0)), s(1.245));
+        // Never more than half the gap.
+        assert_eq!(verdict_wait(s(2.0), s(4.0)), s(2.0));
     }
 
     fn default_bounds() -> Bounds {
