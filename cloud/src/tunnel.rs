@@ -789,7 +789,13 @@ async fn attach(
             session: session.id,
             resumed,
             gen,
-            ticket: issue_ticket(tickets, &session, gen, &hello, cfg.grace),
+            ticket: issue_ticket(
+                tickets,
+                &session,
+                gen,
+                &hello,
+                ticket_validity(cfg.grace, cfg.quic.idle_timeout),
+            ),
             grace_ms: cfg.grace.as_millis() as u64,
             limits: cfg.limits,
         };
@@ -928,13 +934,12 @@ async fn serve_attached(
             .and_then(|leaf| cert_lifetime(&leaf))
             .map_or(j.validity, |l| l.min(j.validity))
     });
-    let refresh = ticket_refresh(cfg.grace);
     let tickets_for_control = TicketIssuer {
         key: tickets.clone(),
         gen,
         state: resume,
-        grace: cfg.grace,
-        every: refresh,
+        valid: ticket_validity(cfg.grace, cfg.quic.idle_timeout),
+        every: ticket_refresh(cfg.grace),
     };
     // The control stream's sending side, shared with the migration watcher
     // (which answers a NAT rebinding with a frame, see `watch_migration`).
@@ -1142,23 +1147,40 @@ fn admit(
     }
 }
 
-/// How often a connected edge's ticket is refreshed: half the grace period
-/// (so a ticket always outlives the connection by at least the grace
-/// period), between 1 s and 60 s.
+/// How long a connected edge's ticket lives before it is refreshed: half the
+/// grace period, between 1 s and 60 s. An edge that sends keep-alive frames
+/// gets the fresh ticket in answer to its first keep-alive after that, in the
+/// packet that acknowledges it: an idle edge on a metered link pays no packet
+/// and no wake-up of its own for tickets (a timer every 60 s cost it about
+/// 290 KiB a day, as much as its keep-alives). Other edges get one every
+/// refresh period.
 fn ticket_refresh(grace: Duration) -> Duration {
     (grace / 2).clamp(Duration::from_secs(1), Duration::from_secs(60))
 }
 
-/// A ticket for `session` at generation `gen`, valid for the grace period
-/// after the next refresh would have come.
+/// How long a ticket is valid from its issue: the grace period after the
+/// next refresh would have come at the latest — the refresh period, then the
+/// edge's next keep-alive, which comes within QUIC's idle timeout or the
+/// connection is dead. So a ticket always outlives its connection by at
+/// least the grace period.
+fn ticket_validity(grace: Duration, idle_timeout: Duration) -> Duration {
+    grace + ticket_refresh(grace) + idle_timeout
+}
+
+/// Whether a ticket issued at `issued` is due for a refresh at `now`.
+fn ticket_due(issued: std::time::Instant, now: std::time::Instant, every: Duration) -> bool {
+    now.saturating_duration_since(issued) >= every
+}
+
+/// A ticket for `session` at generation `gen`, valid for `valid` from now
+/// ([`ticket_validity`]).
 fn issue_ticket(
     key: &TicketKey,
     session: &Session,
     gen: u64,
     hello: &Hello,
-    grace: Duration,
+    valid: Duration,
 ) -> Ticket {
-    let valid = grace + ticket_refresh(grace);
     key.issue(
         &session.node,
         session.id,
@@ -1173,18 +1195,19 @@ struct TicketIssuer {
     key: Arc<TicketKey>,
     gen: u64,
     state: tether_proto::token::ResumeToken,
-    grace: Duration,
+    /// [`ticket_validity`].
+    valid: Duration,
+    /// [`ticket_refresh`].
     every: Duration,
 }
 
 impl TicketIssuer {
     fn next(&self, session: &Session) -> Ticket {
-        let valid = self.grace + self.every;
         self.key.issue(
             &session.node,
             session.id,
             self.gen,
-            unix_ms() + valid.as_millis() as u64,
+            unix_ms() + self.valid.as_millis() as u64,
             &self.state,
         )
     }
@@ -1272,6 +1295,9 @@ fn control_loop<'a>(
 ) -> impl std::future::Future<Output = anyhow::Result<()>> + 'a {
     async move {
         let mut reports = ReportRate::new(std::time::Instant::now());
+        // The welcome's ticket was issued just before.
+        let mut issued = std::time::Instant::now();
+        // Only for edges that send no keep-alive frames (see `ticket_refresh`).
         let mut refresh =
             tokio::time::interval_at(tokio::time::Instant::now() + tickets.every, tickets.every);
         refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1279,17 +1305,26 @@ fn control_loop<'a>(
             // What the frame or the tick asks for, decided without waiting:
             // the frame is gone before anything below waits (held across an
             // await, it would be room in every connected edge's task).
+            let keeps_alive = edge_keeps_alive.load(std::sync::atomic::Ordering::Relaxed);
             let then = tokio::select! {
                 f = reader.next(&mut recv) => match f? {
                     Some(frame) => on_control_frame(frame, &registry, &session, &mut reports, &edge_keeps_alive)?,
                     None => return Ok(()),
                 },
-                _ = refresh.tick() => Then::Ticket,
+                _ = refresh.tick(), if !keeps_alive => Then::Ticket,
+            };
+            let then = match then {
+                Then::KeptAlive if ticket_due(issued, std::time::Instant::now(), tickets.every) => {
+                    Then::Ticket
+                }
+                Then::KeptAlive => Then::Nothing,
+                other => other,
             };
             // Boxed: rare, and only the wait above stays in the loop.
             match then {
-                Then::Nothing => {}
+                Then::Nothing | Then::KeptAlive => {}
                 Then::Ticket => {
+                    issued = std::time::Instant::now();
                     Box::pin(send_control(
                         &send,
                         Frame::Ticket(tickets.next(&session)),
@@ -1310,6 +1345,8 @@ fn control_loop<'a>(
 /// What the control loop does after a frame or a tick.
 enum Then {
     Nothing,
+    /// The edge sent a keep-alive: a due ticket goes with its acknowledgement.
+    KeptAlive,
     /// Send a fresh resume ticket.
     Ticket,
     /// Answer a certificate renewal (the CSR in PEM).
@@ -1346,8 +1383,12 @@ fn on_control_frame(
             info!(node = %session.node, ?reason, "edge is going away")
         }
         // The edge's adaptive keep-alive: QUIC acknowledges it; the edge
-        // knows the frame, so it may get one after a migration.
-        Frame::KeepAlive => edge_keeps_alive.store(true, std::sync::atomic::Ordering::Relaxed),
+        // knows the frame, so it may get one after a migration, and its
+        // tickets are refreshed in answer to it.
+        Frame::KeepAlive => {
+            edge_keeps_alive.store(true, std::sync::atomic::Ordering::Relaxed);
+            return Ok(Then::KeptAlive);
+        }
         other => anyhow::bail!("unexpected {} frame on the control stream", other.kind()),
     }
     Ok(Then::Nothing)
@@ -1446,6 +1487,38 @@ fn revoked(join: &JoinCtx, conn: &quinn::Connection, node: &str) -> Option<Strin
     match leaf_of(conn) {
         Ok(leaf) => join.revocations.check(&leaf, node).err(),
         Err(e) => Some(format!("{e:#}")),
+    }
+}
+
+#[cfg(test)]
+mod ticket_tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn a_ticket_outlives_its_connection_by_the_grace_period() {
+        // The defaults: grace 5 min, QUIC idle timeout 150 s.
+        let (grace, idle) = (Duration::from_secs(300), Duration::from_secs(150));
+        let every = ticket_refresh(grace);
+        assert_eq!(every, Duration::from_secs(60));
+        // Issued at 0 and due at 60 s; the edge's next keep-alive, which
+        // takes the fresh one, comes within the idle timeout (say at
+        // 60 + 149 s) or the connection is dead. Should the link die just
+        // before it, the edge still holds this ticket, which must last the
+        // grace period beyond that.
+        let valid = ticket_validity(grace, idle);
+        assert!(valid >= every + idle + grace, "{valid:?}");
+        let t0 = Instant::now();
+        assert!(!ticket_due(t0, t0 + Duration::from_secs(59), every));
+        assert!(ticket_due(t0, t0 + every, every));
+        // A clock that went backwards is no refresh.
+        assert!(!ticket_due(t0 + every, t0, every));
+        // Short grace periods refresh at least every second.
+        assert_eq!(
+            ticket_refresh(Duration::from_millis(500)),
+            Duration::from_secs(1)
+        );
+        assert_eq!(ticket_refresh(Duration::from_secs(3600)), every);
     }
 }
 
