@@ -742,53 +742,61 @@ async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
     let want = |what: &str| a.only.is_empty() || a.only.iter().any(|o| what.contains(o.as_str()));
     for (name, imp, s) in &plan.links {
         if want(&format!("interactive bulk {name}")) {
-            link_runs(r, name, *imp, *s).await?;
+            let res = link_runs(r, name, *imp, *s).await;
+            scenario(r, &format!("link {name}"), res);
         }
     }
     if want("outage") {
-        event_run(r, plan, true).await.context("outage scenario")?;
+        let res = event_run(r, plan, true).await;
+        scenario(r, "outage scenario", res);
     }
     if want("outage cycles slow return") {
-        outage_cycles_run(r, plan)
-            .await
-            .context("outage cycles scenario")?;
+        let res = outage_cycles_run(r, plan).await;
+        scenario(r, "outage cycles scenario", res);
     }
     if want("migration address") {
-        event_run(r, plan, false)
-            .await
-            .context("address change scenario")?;
+        let res = event_run(r, plan, false).await;
+        scenario(r, "address change scenario", res);
     }
     if want("cellular data") {
-        cellular::run(r, plan.cellular_window, plan.quick)
-            .await
-            .context("cellular data")?;
+        let res = cellular::run(r, plan.cellular_window, plan.quick).await;
+        scenario(r, "cellular data", res);
     }
     if want("footprint") {
-        footprint::run(r, plan.idle_window)
-            .await
-            .context("footprint")?;
+        let res = footprint::run(r, plan.idle_window).await;
+        scenario(r, "footprint", res);
     }
     if want("scale sessions concurrent") {
-        concurrent::run(r, plan.sessions)
-            .await
-            .with_context(|| format!("{} concurrent sessions", plan.sessions))?;
+        let res = concurrent::run(r, plan.sessions).await;
+        scenario(r, &format!("{} concurrent sessions", plan.sessions), res);
     }
     if want("replicas") {
-        replicas::run(r, plan.replica_edges, plan.replica_bulk_mib)
-            .await
-            .context("replicas scenario")?;
+        let res = replicas::run(r, plan.replica_edges, plan.replica_bulk_mib).await;
+        scenario(r, "replicas scenario", res);
     }
     if want("roll replicas") {
-        roll::run(r).await.context("roll scenario")?;
+        let res = roll::run(r).await;
+        scenario(r, "roll scenario", res);
     }
     if want("scale edges") {
         for n in &plan.scale_edges {
-            scale::run(r, *n, plan.idle_window.min(Duration::from_secs(30)))
-                .await
-                .with_context(|| format!("scale {n}"))?;
+            let res = scale::run(r, *n, plan.idle_window.min(Duration::from_secs(30))).await;
+            scenario(r, &format!("scale {n}"), res);
         }
     }
     Ok(())
+}
+
+/// A scenario that failed is said in the report and counted as a failed
+/// measurement (the run's exit status is non-zero), and the next scenario
+/// runs: one scenario's failure (a keep-alive that did not settle within
+/// its limit) used to lose every table after it.
+fn scenario(r: &mut Report, what: &str, res: Result<()>) {
+    if let Err(e) = res {
+        let msg = format!("{what} failed: {e:#}");
+        r.push(&format!("\n_{msg}_\n"));
+        r.error(msg);
+    }
 }
 
 fn main() -> Result<()> {
@@ -868,4 +876,33 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_scenario_is_reported_and_counted_and_the_run_goes_on() {
+        let mut r = Report {
+            out: String::new(),
+            errors: Vec::new(),
+            notes: Vec::new(),
+            require_peers: true,
+        };
+        let failed: Result<()> =
+            Err(anyhow::anyhow!("the keep-alive did not settle")).context("NAT binding 120 s");
+        scenario(&mut r, "cellular data", failed);
+        scenario(&mut r, "footprint", Ok(()));
+        assert_eq!(
+            r.errors,
+            vec!["cellular data failed: NAT binding 120 s: the keep-alive did not settle"]
+        );
+        assert!(
+            r.out.contains("_cellular data failed: NAT binding 120 s"),
+            "{}",
+            r.out
+        );
+        assert!(!r.out.contains("footprint"), "{}", r.out);
+    }
 }
