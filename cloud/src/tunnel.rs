@@ -1313,17 +1313,12 @@ fn control_loop<'a>(
                 },
                 _ = refresh.tick(), if !keeps_alive => Then::Ticket,
             };
-            let then = match then {
-                Then::KeptAlive if ticket_due(issued, std::time::Instant::now(), tickets.every) => {
-                    Then::Ticket
-                }
-                Then::KeptAlive => Then::Nothing,
-                other => other,
-            };
             // Boxed: rare, and only the wait above stays in the loop.
             match then {
-                Then::Nothing | Then::KeptAlive => {}
-                Then::Ticket => {
+                Then::Nothing => {}
+                Then::KeptAlive
+                    if !ticket_due(issued, std::time::Instant::now(), tickets.every) => {}
+                Then::Ticket | Then::KeptAlive => {
                     issued = std::time::Instant::now();
                     Box::pin(send_control(
                         &send,
