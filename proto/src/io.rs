@@ -475,8 +475,24 @@ impl AsyncRead for ResumableIo {
         match g.state.read(buf.remaining()) {
             ReadOutcome::Data(b) => {
                 buf.put_slice(&b);
+                let mut n = b.len();
+                // Every queued payload that fits, not just the first: the
+                // peer's writes arrive as payloads of their own (a piece of
+                // a chunked body can be a few bytes), and handing them up one
+                // at a time made one body frame, TLS record and system call
+                // of each on the way out.
+                while buf.remaining() > 0 {
+                    match g.state.read(buf.remaining()) {
+                        ReadOutcome::Data(b) => {
+                            buf.put_slice(&b);
+                            n += b.len();
+                        }
+                        // The end or a reset: the next read reports it.
+                        _ => break,
+                    }
+                }
                 if let Some(c) = &self.counters {
-                    c.received.inc_by(b.len() as u64);
+                    c.received.inc_by(n as u64);
                 }
                 shared.tx.notify_one();
                 shared.rx_room.notify_one();
@@ -1279,6 +1295,70 @@ mod tests {
             StreamReset::from_io(&err).unwrap().code,
             ResetCode::KubeletUnreachable
         );
+    }
+
+    /// Payloads that arrived one by one (each write sent as a frame of its
+    /// own) come up in one read when they fit, and the end after them in the
+    /// next. A chunked body forwarded through the tunnel arrives as large
+    /// payloads with a few bytes between them (the rest of a chunk, its
+    /// framing), and a read that stopped at each payload made one body frame,
+    /// TLS record and system call of every few-byte piece on the way out.
+    #[tokio::test]
+    async fn one_read_takes_every_queued_payload_that_fits() {
+        let big = vec![b'x'; 6000];
+        let pieces: [&[u8]; 4] = [&big, b"\r\n10000\r\n", &big, b"tail"];
+        let want = pieces.concat();
+        let (a, b) = pair();
+        let (_da, _db) = connect(&a, &b);
+        let mut wa = ResumableIo::new(a.clone());
+        let mut rb = ResumableIo::new(b.clone());
+        let mut total = 0u64;
+        for p in pieces {
+            wa.write_all(p).await.unwrap();
+            total += p.len() as u64;
+            // Received before the next write: a payload of its own.
+            tokio::time::timeout(Duration::from_secs(5), async {
+                while b.with_state(|s| s.offsets().2) < total {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+            .await
+            .expect("each piece arrives within 5 s");
+        }
+        wa.shutdown().await.unwrap();
+        let mut buf = vec![0u8; 64 * 1024];
+        let n = tokio::time::timeout(Duration::from_secs(5), rb.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, want.len(), "one read, every queued byte");
+        assert_eq!(&buf[..n], want.as_slice());
+        // The end comes after the data, by itself.
+        let n = tokio::time::timeout(Duration::from_secs(5), rb.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, 0);
+
+        // A buffer smaller than what is queued takes what fits, in order.
+        let (c, d) = pair();
+        let (_dc, _dd) = connect(&c, &d);
+        let mut wc = ResumableIo::new(c.clone());
+        let mut rd = ResumableIo::new(d.clone());
+        for p in pieces {
+            wc.write_all(p).await.unwrap();
+        }
+        let mut got = Vec::new();
+        let mut small = vec![0u8; 5000];
+        while got.len() < want.len() {
+            let n = tokio::time::timeout(Duration::from_secs(5), rd.read(&mut small))
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(n > 0 && n <= small.len());
+            got.extend_from_slice(&small[..n]);
+        }
+        assert_eq!(got, want);
     }
 
     #[tokio::test]
