@@ -5,7 +5,7 @@
 # scale and edge footprint. Installs the peers, builds release binaries, writes
 # target/bench/results.md and prints it. Needs root (network namespaces).
 #
-#   scripts/bench.sh            the full run (about 90 minutes on 2 cores: 57 to the cellular scenario, which takes ~25)
+#   scripts/bench.sh            the full run (about 60 minutes on 2 cores; the cellular scenario is ~20 of them)
 #   scripts/bench.sh --quick    clean link, small sizes, 5 s outage, 100 sessions, no idle-edge scale (< 3 min)
 #   scripts/bench.sh --only outage   (any tether-bench arguments pass through; --help lists them)
 #   scripts/bench.sh --only edges --scale 10000   one scale figure
