@@ -56,6 +56,8 @@ pub struct Bed {
     /// sshd, ssh -R, rathole server and client (by [`Proc::name`]).
     pub others: Vec<Proc>,
     pub peers: Vec<Peer>,
+    /// With [`BedOptions::path_mtu`]: what it drops.
+    pub black_hole: Option<tether_tests::netns::BlackHole>,
 }
 
 /// What a bed runs.
@@ -63,6 +65,8 @@ pub struct Bed {
 pub struct BedOptions {
     /// Extra `tether-edge` flags.
     pub edge_args: Vec<String>,
+    /// Extra `tether-cloud` flags.
+    pub cloud_args: Vec<String>,
     /// Start only Tether (and direct), not ssh -R and rathole (the soak).
     pub tether_only: bool,
     /// Put the edge behind a NAT whose idle bindings (UDP and TCP) expire
@@ -71,6 +75,11 @@ pub struct BedOptions {
     /// tether-edge learns it by itself (its adaptive keep-alive, default
     /// bounds) unless `edge_args` say otherwise (the cellular-data scenario).
     pub nat_binding: Option<Duration>,
+    /// A smaller MTU inside the network that sends no ICMP (a black hole, as
+    /// on some carriers' tunnels): IP packets over this many bytes crossing
+    /// the edge's link are dropped; TCP's MSS is clamped to fit, as carriers
+    /// do ([`tether_tests::netns::BlackHole`]).
+    pub path_mtu: Option<u32>,
 }
 
 /// A TCP connection made inside the cloud namespace.
@@ -261,6 +270,10 @@ impl Bed {
             link_opts = link_opts.with_nat_binding(b);
         }
         let link = Arc::new(Link::create(link_opts)?);
+        let black_hole = opts
+            .path_mtu
+            .map(|mtu| tether_tests::netns::BlackHole::install(&link, mtu))
+            .transpose()?;
         let dir = tempfile::tempdir()?;
         let d = dir.path().to_path_buf();
         let pki = pki::mint(&d, &["edge-1"])?;
@@ -270,7 +283,7 @@ impl Bed {
         let cloud_ip = link.cloud_ip();
 
         // Tether.
-        let cmd = tether_tests::netns::cloud_cmd(&link, &pki, &[], "info")?;
+        let cmd = tether_tests::netns::cloud_cmd(&link, &pki, &opts.cloud_args, "info")?;
         let mut cloud = Proc::spawn("tether-cloud", cmd, &d, SpawnOptions::default())?;
         cloud
             .wait_line("tether-cloud ready", Duration::from_secs(20), |l| {
@@ -375,6 +388,7 @@ impl Bed {
             edge,
             others,
             peers,
+            black_hole,
         })
     }
 

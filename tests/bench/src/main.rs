@@ -15,7 +15,8 @@
 //! 5. scale: many idle edges held by one cloud (see [`scale`]), and many concurrent
 //!    sessions through one edge (see [`concurrent`]);
 //! 6. the edge's footprint (see [`footprint`]);
-//! 7. cellular data: bytes on the wire per idle edge per day (see [`cellular`]).
+//! 7. cellular data: bytes on the wire per idle edge per day, and what path-MTU
+//!    searches add on a path that silently drops larger packets (see [`cellular`]).
 //!
 //! `tether-bench` runs everything (release build: `scripts/bench.sh`); `--quick` runs a
 //! short variant (clean link, small sizes, 5 s outage, 100 sessions, no idle edges) for CI. Results go to
@@ -727,7 +728,7 @@ fn args() -> Result<Args> {
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "-h" | "--help" => {
                 println!(
-                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|scale|sessions|replicas|roll|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]\n\
+                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|mtu|scale|sessions|replicas|roll|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]\n\
                      tether-bench --soak MINUTES [--sessions N] [--out DIR]   (exits non-zero unless 0 sessions lost, 0 bytes lost, RSS within 10 %)"
                 );
                 std::process::exit(0);
@@ -761,6 +762,10 @@ async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
     if want("cellular data") {
         let res = cellular::run(r, plan.cellular_window, plan.quick).await;
         scenario(r, "cellular data", res);
+    }
+    if want("cellular data mtu") {
+        let res = cellular::mtu_searches(r, plan.quick).await;
+        scenario(r, "path-MTU searches", res);
     }
     if want("footprint") {
         let res = footprint::run(r, plan.idle_window).await;

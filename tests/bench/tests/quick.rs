@@ -32,6 +32,7 @@ fn quick_benchmark_runs() {
         "### Address change",
         "### Edge footprint",
         "### Cellular data",
+        "### Cellular data: path-MTU searches",
         "### Concurrent sessions",
     ] {
         assert!(md.contains(section), "no {section:?} in the results:\n{md}");
