@@ -12,6 +12,10 @@
 //! interval (it is not searching all the time). The default (6 h) is checked
 //! where the flags are parsed (`tether_proto::cli`).
 //!
+//! And the hard case: the path shrinks under a bulk stream, silently. Only
+//! quinn's black-hole detection can bring the packets down to fit; the
+//! stream must finish byte-exact on the same connection.
+//!
 //! Needs root, `ip`, `nft` and the workspace binaries (`cargo build --workspace --bins`).
 
 mod support;
@@ -25,6 +29,7 @@ use linkemu::{Link, LinkOptions};
 use support::{client_in_cloud, echo, kubelet_in_edge, spawn_cloud, spawn_edge, Client};
 use tether_tests::netns::{BlackHole, Dropped};
 use tether_tests::pki;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const PATH_MTU: u32 = 1400;
 const INTERVAL: Duration = Duration::from_secs(4);
@@ -167,4 +172,89 @@ async fn a_black_holed_path_is_searched_again_at_the_interval_and_the_tunnel_wor
     get_ok(&client, Duration::from_secs(10))
         .await
         .expect("still routable after the searches");
+}
+
+/// The hard case: the path shrinks under a bulk stream (a route change into a
+/// carrier's tunnel, say), silently. Full-size packets (1,452 bytes, found on
+/// the 1,500-byte path) vanish while small ones (acknowledgements,
+/// keep-alives) still pass, so the connection stays up and only quinn's
+/// black-hole detection (a run of lost full-size packets) can bring the
+/// packets down to a size that fits. The stream must finish byte-exact in
+/// both directions, on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_that_shrinks_under_a_bulk_stream_is_caught_and_the_stream_finishes() {
+    let link = Arc::new(
+        Link::create(LinkOptions::new())
+            .expect("creating the emulated link (needs root, `ip` and `nft`)"),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let pki = pki::mint(dir.path(), &["edge-1"]).unwrap();
+    let (_cloud, _) = spawn_cloud("tether-cloud", &link, &pki, dir.path(), &[]).await;
+    let (_kubelet, kubelet_port) = kubelet_in_edge(&link);
+    let edge = spawn_edge(&link, &pki, dir.path(), kubelet_port, &[]).await;
+    let client = client_in_cloud(&link, &pki);
+    get_ok(&client, Duration::from_secs(30))
+        .await
+        .expect("the pod is routable");
+    // Let the first search reach 1,452 bytes.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let data: Vec<u8> = (0..32 * 1024 * 1024u32).map(|i| (i % 253) as u8).collect();
+    let (_, up) = client
+        .upgrade(
+            "/exec/default/p1/c?command=cat&input=1&output=1",
+            "10.96.0.1:6443",
+        )
+        .await
+        .expect("an exec session");
+    // The first quarter crosses the full path; the rest is written only
+    // once the path has shrunk.
+    let (mut r, mut w) = tokio::io::split(TokioIo::new(up));
+    let (shrunk_tx, shrunk) = tokio::sync::oneshot::channel::<()>();
+    let want = data.clone();
+    let writer = tokio::spawn(async move {
+        let (first, rest) = data.split_at(data.len() / 4);
+        w.write_all(first).await?;
+        w.flush().await?;
+        let _ = shrunk.await;
+        w.write_all(rest).await?;
+        w.shutdown().await?;
+        Ok::<_, std::io::Error>(w)
+    });
+    let reader = tokio::spawn(async move {
+        let mut back = Vec::new();
+        let res = tokio::time::timeout(Duration::from_secs(120), r.read_to_end(&mut back)).await;
+        (res, back)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let hole = BlackHole::install(&link, PATH_MTU).expect("the black hole (nft)");
+    let shrank = Instant::now();
+    shrunk_tx.send(()).expect("the writer is waiting");
+    let (res, back) = reader.await.unwrap();
+    res.expect("32 MiB echoed within 120 s although the path shrank to 1,400 bytes under it")
+        .expect("the echo");
+    let _w = writer.await.unwrap().expect("the writer");
+    assert!(
+        back == want,
+        "the echo came back different ({} bytes)",
+        back.len()
+    );
+    let dropped = hole.dropped().unwrap();
+    assert!(
+        dropped.up.0 > 0 && dropped.down.0 > 0,
+        "full-size packets must have met the hole both ways (else this proved nothing): {dropped:?}"
+    );
+    let connects = edge
+        .lines()
+        .iter()
+        .filter(|l| l.starts_with("tether-edge connected"))
+        .count();
+    assert_eq!(connects, 1, "the edge had to reconnect");
+    eprintln!(
+        "dropped while the path shrank: {dropped:?}; the last 24 MiB took {:?}",
+        shrank.elapsed()
+    );
+    get_ok(&client, Duration::from_secs(10))
+        .await
+        .expect("still routable");
 }
