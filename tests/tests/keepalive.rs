@@ -18,31 +18,14 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hyper::StatusCode;
 use linkemu::{Link, LinkOptions};
-use support::{client_in_cloud, kubelet_in_edge, spawn_cloud, spawn_edge, Client};
+use support::{client_in_cloud, get_ok, kubelet_in_edge, spawn_cloud, spawn_edge};
 use tether_tests::pki;
 use tether_tests::process::Proc;
 
 const BINDING: Duration = Duration::from_secs(6);
 const MIN: Duration = Duration::from_secs(1);
 const MAX: Duration = Duration::from_secs(20);
-
-async fn get_ok(client: &Client, limit: Duration) -> Result<(), String> {
-    let deadline = Instant::now() + limit;
-    loop {
-        let r = client
-            .get("/containerLogs/default/p1/c", "10.96.0.1:6443", None, &[])
-            .await;
-        match &r {
-            Ok(r) if r.status == StatusCode::OK => return Ok(()),
-            _ if Instant::now() > deadline => {
-                return Err(format!("{:?}", r.map(|r| (r.status, r.body))))
-            }
-            _ => tokio::time::sleep(Duration::from_millis(200)).await,
-        }
-    }
-}
 
 fn connects(edge: &Proc) -> usize {
     edge.lines()

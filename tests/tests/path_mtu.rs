@@ -23,32 +23,15 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hyper::StatusCode;
 use hyper_util::rt::TokioIo;
 use linkemu::{Link, LinkOptions};
-use support::{client_in_cloud, echo, kubelet_in_edge, spawn_cloud, spawn_edge, Client};
+use support::{client_in_cloud, echo, get_ok, kubelet_in_edge, spawn_cloud, spawn_edge};
 use tether_tests::netns::{BlackHole, Dropped};
 use tether_tests::pki;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const PATH_MTU: u32 = 1400;
 const INTERVAL: Duration = Duration::from_secs(4);
-
-async fn get_ok(client: &Client, limit: Duration) -> Result<(), String> {
-    let deadline = Instant::now() + limit;
-    loop {
-        let r = client
-            .get("/containerLogs/default/p1/c", "10.96.0.1:6443", None, &[])
-            .await;
-        match &r {
-            Ok(r) if r.status == StatusCode::OK => return Ok(()),
-            _ if Instant::now() > deadline => {
-                return Err(format!("{:?}", r.map(|r| (r.status, r.body))))
-            }
-            _ => tokio::time::sleep(Duration::from_millis(200)).await,
-        }
-    }
-}
 
 /// The drops once they have stopped growing for `quiet` (bounded by `limit`).
 async fn drops_settled(hole: &BlackHole, quiet: Duration, limit: Duration) -> Dropped {

@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
@@ -755,6 +755,25 @@ pub fn client_in_cloud(link: &Arc<linkemu::Link>, pki: &tether_tests::pki::Pki) 
             l2.in_cloud(|| std::net::TcpStream::connect(a))
                 .map_err(std::io::Error::other)?
         }))
+}
+
+/// GETs a log of `default/p1` through the tunnel until it answers 200
+/// (bounded by `limit`); the last answer or error otherwise.
+#[allow(dead_code)]
+pub async fn get_ok(client: &Client, limit: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let r = client
+            .get("/containerLogs/default/p1/c", "10.96.0.1:6443", None, &[])
+            .await;
+        match &r {
+            Ok(r) if r.status == StatusCode::OK => return Ok(()),
+            _ if Instant::now() > deadline => {
+                return Err(format!("{:?}", r.map(|r| (r.status, r.body))))
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
 }
 
 /// `tether-edge` in the edge namespace of `link`, waited for until connected.
