@@ -295,6 +295,11 @@ pub struct PeerConfig {
     pub replica_name: String,
     /// Largest route update on the peer link.
     pub max_message_bytes: usize,
+    /// Bounds of the relayed copies this replica sends on its peer links
+    /// (`--interactive-copy-bytes`, `--interactive-copies-per-sec`).
+    pub copies: tether_proto::copies::CopySettings,
+    /// QUIC datagrams buffered per peer link each way (`--datagram-buffer`).
+    pub datagram_buffer: usize,
 }
 
 /// Webhook authentication and authorisation of callers other than the apiserver.
@@ -381,7 +386,10 @@ impl tether_proto::cli::BinaryArgs for CloudArgs {
 }
 
 impl CloudArgs {
-    fn peer_config(&self) -> Result<Option<PeerConfig>, String> {
+    fn peer_config(
+        &self,
+        quic: &tether_proto::quic::QuicSettings,
+    ) -> Result<Option<PeerConfig>, String> {
         let Some(listen) = self.peer_listen else {
             if !self.peers.is_empty() || self.peer_dns.is_some() {
                 return Err("--peers and --peer-dns need --peer-listen".into());
@@ -424,6 +432,8 @@ impl CloudArgs {
             timeout: self.peer_timeout,
             replica_name,
             max_message_bytes: self.peer_max_message_bytes as usize,
+            copies: quic.copies,
+            datagram_buffer: quic.datagram_buffer,
         }))
     }
 
@@ -464,7 +474,7 @@ impl CloudArgs {
         if self.max_http_header_bytes < 8192 {
             return Err("--max-http-header-bytes must be at least 8KiB".into());
         }
-        let peer = self.peer_config()?;
+        let peer = self.peer_config(&quic)?;
         let apiserver_client_ca = if self.insecure_skip_client_auth {
             None
         } else {

@@ -253,6 +253,7 @@ impl Members {
             addr,
             &self.me,
             self.cfg.timeout,
+            self.cfg.copies,
             &self.metrics,
         )
         .await;
@@ -303,6 +304,12 @@ impl Members {
             self.metrics.clone(),
             self.cfg.max_message_bytes,
         ));
+        // Relayed copies the peer sends back for the streams this replica
+        // owns through it, until the link closes.
+        let registry = self.registry.clone();
+        link.copies
+            .announce_and_serve(move |c| registry.copy_from_holder(c), &link.replica.name)
+            .await;
         let why = link.conn.closed().await;
         let mut table = self.table();
         if let Some(Candidate::Up { link: cur, .. }) = table.get(&addr) {

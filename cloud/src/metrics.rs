@@ -114,6 +114,7 @@ impl CloudMetrics {
         };
         let r = registry.sub_registry_with_prefix("tether_cloud");
         m.copies.register(r);
+        m.copies.register_relayed(r);
         r.register(
             "edges_connected",
             "Edges with a live QUIC connection",

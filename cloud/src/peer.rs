@@ -24,7 +24,11 @@
 //! opens on the link, each starting with a magic: a route subscription
 //! ([`crate::routes`]) or a relayed request ([`crate::relay`]). So each
 //! replica learns a peer's edges and relays to it over the link it dialled
-//! itself, and a link's loss drops exactly what was learnt over it.
+//! itself, and a link's loss drops exactly what was learnt over it. The
+//! link's datagrams carry the relayed copies of the interactive writes of
+//! relayed streams ([`tether_proto::copies`]): the dialler asks for them
+//! with a `hello`, the dialled side answers, and each side then sends them
+//! for its part of a relay (the owner towards the edge, the holder back).
 //!
 //! Which peers to dial and what is known about them is [`crate::members`]'s job.
 
@@ -37,6 +41,7 @@ use rustls::pki_types::CertificateDer;
 use rustls::server::WebPkiClientVerifier;
 use tether_certs::mint::PEER_SERVER_NAME;
 use tether_certs::pem::{load_certs, load_key, load_roots};
+use tether_proto::copies::{CopyCounters, CopyLink, CopySettings};
 use tokio::io::AsyncReadExt;
 use tracing::{debug, info, warn};
 
@@ -147,6 +152,9 @@ fn transport(cfg: &PeerConfig) -> anyhow::Result<Arc<quinn::TransportConfig>> {
         quinn::IdleTimeout::try_from(cfg.timeout).context("--peer-timeout too large")?,
     ));
     t.keep_alive_interval(Some(cfg.timeout / 3));
+    // Relayed copies of interactive writes ([`tether_proto::copies`]).
+    t.datagram_receive_buffer_size(Some(cfg.datagram_buffer));
+    t.datagram_send_buffer_size(cfg.datagram_buffer);
     Ok(Arc::new(t))
 }
 
@@ -207,14 +215,37 @@ pub struct PeerLink {
     pub addr: SocketAddr,
     pub replica: ReplicaId,
     pub conn: quinn::Connection,
+    /// `conn`'s copy path: relayed copies of interactive writes.
+    pub copies: Arc<CopyLink>,
 }
 
-/// Dials the replica at `addr`: handshake, identity check, hello; all within `timeout`.
+impl PeerLink {
+    /// The link over `conn` to `replica` at `addr`, its relayed copies sent
+    /// within `copies` and counted in `counters`.
+    pub fn new(
+        addr: SocketAddr,
+        replica: ReplicaId,
+        conn: quinn::Connection,
+        copies: CopySettings,
+        counters: CopyCounters,
+    ) -> PeerLink {
+        PeerLink {
+            addr,
+            replica,
+            copies: CopyLink::new(conn.clone(), copies, counters),
+            conn,
+        }
+    }
+}
+
+/// Dials the replica at `addr`: handshake, identity check, hello; all within
+/// `timeout`. The link's relayed copies are sent within `copies`.
 pub async fn dial(
     endpoint: &quinn::Endpoint,
     addr: SocketAddr,
     me: &ReplicaId,
     timeout: Duration,
+    copies: CopySettings,
     metrics: &CloudMetrics,
 ) -> Result<PeerLink, PeerError> {
     let attempt = async {
@@ -248,11 +279,13 @@ pub async fn dial(
             conn.close(close_code::SELF.into(), b"self");
             return Err(PeerError::IsSelf);
         }
-        Ok(PeerLink {
+        Ok(PeerLink::new(
             addr,
             replica,
             conn,
-        })
+            copies,
+            metrics.copies.clone(),
+        ))
     };
     tokio::time::timeout(timeout, attempt)
         .await
@@ -281,6 +314,7 @@ pub async fn serve(
         let registry = registry.clone();
         let on_hello = on_hello.clone();
         let max = cfg.max_message_bytes;
+        let copy_settings = cfg.copies;
         tokio::spawn(async move {
             let remote = incoming.remote_address();
             match tokio::time::timeout(timeout, accept(incoming, &me, &metrics)).await {
@@ -289,7 +323,20 @@ pub async fn serve(
                         info!(%remote, peer = %replica.name, "peer connected");
                         on_hello(remote, &replica);
                     }
-                    serve_streams(&conn, &replica.name, registry, metrics, max, timeout).await;
+                    let copies = CopyLink::new(conn.clone(), copy_settings, metrics.copies.clone());
+                    let reg = registry.clone();
+                    let copies_in = copies.serve(move |c| reg.copy_to_edge(c), &replica.name);
+                    let streams = serve_streams(
+                        &conn,
+                        &replica.name,
+                        &copies,
+                        registry,
+                        metrics,
+                        max,
+                        timeout,
+                    );
+                    // Both end with the connection.
+                    tokio::join!(copies_in, streams);
                     let why = conn.closed().await;
                     debug!(%remote, peer = %replica.name, reason = %why, "peer connection closed");
                 }
@@ -309,6 +356,7 @@ pub async fn serve(
 async fn serve_streams(
     conn: &quinn::Connection,
     peer: &str,
+    copies: &Arc<CopyLink>,
     registry: Arc<Registry>,
     metrics: CloudMetrics,
     max: usize,
@@ -318,6 +366,7 @@ async fn serve_streams(
         let registry = registry.clone();
         let metrics = metrics.clone();
         let peer = peer.to_string();
+        let copies = copies.clone();
         tokio::spawn(async move {
             let mut magic = [0u8; 4];
             match tokio::time::timeout(timeout, recv.read_exact(&mut magic)).await {
@@ -332,7 +381,7 @@ async fn serve_streams(
                     info!(%peer, error = %e, "route subscription of a peer ended");
                 }
             } else if &magic == RELAY_MAGIC {
-                relay::serve(send, recv, registry, metrics, peer, timeout).await;
+                relay::serve(send, recv, registry, metrics, copies, peer, timeout).await;
             } else {
                 warn!(%peer, magic = ?magic, "refusing a peer stream of unknown kind");
                 let mut send = send;

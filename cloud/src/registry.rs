@@ -38,6 +38,7 @@ use tokio::sync::watch;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use tether_proto::copies::{self, CopyLink, CopySink, Fate, ReceivedCopy};
 use tether_proto::handshake::PodRef;
 use tether_proto::ticket::Ticket;
 use tether_proto::token::SessionId;
@@ -85,6 +86,8 @@ impl Target {
 struct RemoteEdge {
     replica: ReplicaId,
     conn: quinn::Connection,
+    /// The copy path of `conn` (relayed copies of interactive writes).
+    copies: Arc<CopyLink>,
     record: EdgeRecord,
 }
 
@@ -715,6 +718,7 @@ impl Registry {
             best.record.gen,
             best.replica.clone(),
             best.conn.clone(),
+            best.copies.clone(),
         );
         s.set_timeouts(self.timeouts());
         t.owned.insert(node.to_string(), s.clone());
@@ -743,7 +747,12 @@ impl Registry {
                 let lost_relay = !s.is_held() && s.relayed_via().is_none();
                 if r.record.gen > s.gen() || (lost_relay && r.record.gen == s.gen()) {
                     if r.record.sid == s.id.0 {
-                        s.relay_to(r.replica.clone(), r.conn.clone(), r.record.gen);
+                        s.relay_to(
+                            r.replica.clone(),
+                            r.conn.clone(),
+                            r.copies.clone(),
+                            r.record.gen,
+                        );
                     } else {
                         to_end.push((
                             s.clone(),
@@ -993,6 +1002,43 @@ impl Registry {
         self.any_changes.subscribe()
     }
 
+    /// A relayed copy an owner sent on its peer link to this replica: sent on
+    /// to the edge if this replica holds the connection of the session it
+    /// names (never on to a third replica).
+    pub fn copy_to_edge(&self, copy: ReceivedCopy) -> Fate {
+        let Some(via) = &copy.via else {
+            return Fate::Unused;
+        };
+        let edge = self
+            .local_session(&via.node)
+            .filter(|s| s.id.0 == via.session)
+            .and_then(|s| s.edge_copies());
+        match edge {
+            Some(e) if e.send_copy(copy.stream, copy.offset, &copy.payload) => Fate::Relayed,
+            _ => Fate::Unused,
+        }
+    }
+
+    /// A relayed copy the holder of an edge's connection sent back on the
+    /// peer link this replica dialled: applied to the stream it names in
+    /// this replica's session (held or owned) of that edge.
+    pub fn copy_from_holder(&self, copy: ReceivedCopy) -> Fate {
+        let Some(via) = &copy.via else {
+            return Fate::Unused;
+        };
+        let session = {
+            let t = self.tables();
+            let found = [t.sessions.get(&via.node), t.owned.get(&via.node)]
+                .into_iter()
+                .flatten()
+                .find(|s| s.id.0 == via.session)
+                .cloned();
+            found
+        };
+        let stream = session.and_then(|s| s.stream(copy.stream));
+        copies::apply(stream, &copy)
+    }
+
     /// The session of `node` on this replica — never a peer's edge. A relayed
     /// request is served from this only, so it never takes a second hop.
     pub fn local_session(&self, node: &str) -> Option<Arc<Session>> {
@@ -1051,6 +1097,7 @@ impl Registry {
                     t.remote.entry(node.clone()).or_default().push(RemoteEdge {
                         replica: link.replica.clone(),
                         conn: link.conn.clone(),
+                        copies: link.copies.clone(),
                         record,
                     });
                     t.remote_by_replica
@@ -1394,11 +1441,13 @@ mod tests {
     #[tokio::test]
     async fn tickets_resume_anywhere_but_never_over_a_newer_generation() {
         let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await.unwrap();
-        let peer = crate::peer::PeerLink {
-            addr: c1.remote_address(),
-            replica: crate::peer::ReplicaId::new("b"),
-            conn: c1,
-        };
+        let peer = crate::peer::PeerLink::new(
+            c1.remote_address(),
+            crate::peer::ReplicaId::new("b"),
+            c1,
+            Default::default(),
+            Default::default(),
+        );
         let r = Registry::new(Duration::from_secs(60));
         let record = |gen: u64, sid: u64, attached: bool| EdgeRecord {
             node: "n".into(),

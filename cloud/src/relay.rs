@@ -11,6 +11,14 @@
 //! copies bytes both ways untouched, QUIC flow control on both links giving
 //! backpressure end to end — or `NotHere` / `Ended` with a message.
 //!
+//! **Datagram copies.** The holder cannot apply a copy of an interactive
+//! write (it keeps no stream state), so a relayed stream's copies cross the
+//! peer link as relayed copies ([`tether_proto::copies`]): the owner's go
+//! to the holder, which sends them on to the edge on the edge's connection
+//! ([`Registry::copy_to_edge`]); while it splices a stream the holder sends
+//! the edge's copies of it back to the owner on the link the owner opened
+//! the splice on ([`crate::session::Session::splicing`]).
+//!
 //! **Never relayed twice, by construction.** The holder splices only to edges
 //! connected to *itself* ([`crate::registry::Registry::local_session`]),
 //! never to what it learnt about other replicas.
@@ -27,6 +35,7 @@
 use std::io;
 use std::time::Duration;
 
+use tether_proto::copies::CopyLink;
 use tether_proto::handshake::stream_code;
 use tether_proto::ops::ByteCounters;
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -197,6 +206,7 @@ pub async fn serve(
     mut recv: quinn::RecvStream,
     registry: std::sync::Arc<Registry>,
     metrics: CloudMetrics,
+    owner_copies: std::sync::Arc<CopyLink>,
     peer: String,
     timeout: Duration,
 ) {
@@ -269,6 +279,8 @@ pub async fn serve(
             .relayed_streams
             .get_or_create(&crate::metrics::RoleLabel { role: "holder" })
             .inc();
+        // The edge's copies of this stream go to its owner while it is spliced.
+        let _copies = session.map(|s| s.splicing(header.stream, owner_copies));
         splice(
             (recv, send),
             (edge_recv, edge_send),
@@ -424,10 +436,14 @@ mod link_tests {
     async fn routes_learnt_from_peers_share_the_indices_and_prefer_a_live_holder() {
         let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await.unwrap();
         let (c2, _s2, _e2) = tether_proto::testing::quic_pair().await.unwrap();
-        let peer = |name: &str, conn: quinn::Connection| PeerLink {
-            addr: conn.remote_address(),
-            replica: ReplicaId::new(name),
-            conn,
+        let peer = |name: &str, conn: quinn::Connection| {
+            PeerLink::new(
+                conn.remote_address(),
+                ReplicaId::new(name),
+                conn,
+                Default::default(),
+                Default::default(),
+            )
         };
         let (a, b) = (peer("a", c1), peer("b", c2));
         let r = Registry::new(Duration::from_secs(60));

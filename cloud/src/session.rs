@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
-use tether_proto::copies::{CopyLink, CopySink};
+use tether_proto::copies::{self, CopyLink, CopySink, Fate, ReceivedCopy, Via};
 use tether_proto::frame::ResetCode;
 use tether_proto::io::{drive, PeerAttach, ResumableIo, SharedStream};
 use tether_proto::route::StreamKind;
@@ -65,12 +65,14 @@ pub enum Link {
         copies: Option<Arc<CopyLink>>,
     },
     /// Through `replica`, which holds the edge's connection of generation
-    /// `gen`; `conn` is the peer link this replica dialled to it.
+    /// `gen`; `conn` is the peer link this replica dialled to it, `copies`
+    /// that link's copy path (relayed copies of interactive writes).
     Relayed {
         epoch: u64,
         gen: u64,
         replica: ReplicaId,
         conn: quinn::Connection,
+        copies: Arc<CopyLink>,
     },
     /// Not reachable now: streams wait for a resume (here or anywhere)
     /// until the grace period ends. `held`: the edge's last connection was
@@ -92,6 +94,29 @@ impl Link {
             | Link::Relayed { epoch, .. }
             | Link::Disconnected { epoch, .. } => *epoch,
             Link::Ended(_) => u64::MAX,
+        }
+    }
+}
+
+/// [`Session::splicing`]: while it lives, the edge's copies of one spliced
+/// stream go to its owner.
+pub struct Splicing {
+    session: Arc<Session>,
+    id: StreamId,
+    owner: Arc<CopyLink>,
+}
+
+impl Drop for Splicing {
+    fn drop(&mut self) {
+        let mut book = self.session.book();
+        // A newer splice of the same stream (its owner re-attached it here
+        // before this one noticed its end) keeps its entry.
+        if book
+            .splices
+            .get(&self.id)
+            .is_some_and(|o| Arc::ptr_eq(o, &self.owner))
+        {
+            book.splices.remove(&self.id);
         }
     }
 }
@@ -119,6 +144,10 @@ struct Book {
     gate: Gate,
     addresses: Vec<String>,
     connected_since: SystemTime,
+    /// Streams of other replicas this one splices to the edge (it holds
+    /// the edge's connection), by id: the peer link to each one's owner,
+    /// where the edge's copies of its writes go ([`Session::splicing`]).
+    splices: HashMap<StreamId, Arc<CopyLink>>,
 }
 
 /// One edge node's session.
@@ -202,6 +231,7 @@ impl Session {
         gen: u64,
         replica: ReplicaId,
         conn: quinn::Connection,
+        copies: Arc<CopyLink>,
     ) -> Arc<Session> {
         // Nobody joins a relayed session by token (its gate is set when the
         // edge resumes here with a ticket): an all-zero token never matches
@@ -212,7 +242,7 @@ impl Session {
             attempt: 0,
         };
         let s = Self::build(node, id, 0, Vec::new(), limits, &claim);
-        s.relay_to(replica, conn, gen);
+        s.relay_to(replica, conn, copies, gen);
         s
     }
 
@@ -239,6 +269,7 @@ impl Session {
                 gate: Gate::new(claim),
                 addresses,
                 connected_since: SystemTime::now(),
+                splices: HashMap::new(),
             }),
             streams: Mutex::new(HashMap::new()),
             next_stream: AtomicU64::new(1),
@@ -255,6 +286,52 @@ impl Session {
     /// The open stream `id`, for a datagram copy of its bytes.
     pub fn stream(&self, id: StreamId) -> Option<Arc<SharedStream>> {
         self.streams().get(&id).cloned()
+    }
+
+    /// A copy the edge sent on its connection to this replica: applied to
+    /// the stream here, or, for a stream this replica splices for another
+    /// one, passed to its owner as a relayed copy.
+    pub fn copy_from_edge(&self, copy: ReceivedCopy) -> Fate {
+        if copy.via.is_some() {
+            // Relayed copies travel between replicas only.
+            return Fate::Unused;
+        }
+        if let Some(s) = self.stream(copy.stream) {
+            return copies::apply(Some(s), &copy);
+        }
+        let Some(owner) = self.book().splices.get(&copy.stream).cloned() else {
+            return Fate::Unused;
+        };
+        let via = Via {
+            node: self.node.clone(),
+            session: self.id.0,
+        };
+        if owner.send_relayed(&via, copy.stream, copy.offset, &copy.payload) {
+            Fate::Relayed
+        } else {
+            Fate::Unused
+        }
+    }
+
+    /// The copy path of the edge's connection to this replica, if it is
+    /// connected here (where a holder sends the copies owners relay to it).
+    pub fn edge_copies(&self) -> Option<Arc<CopyLink>> {
+        match &*self.link.borrow() {
+            Link::Connected { copies, .. } => copies.clone(),
+            _ => None,
+        }
+    }
+
+    /// This replica splices stream `id` of another replica's to the edge,
+    /// `owner` being the peer link that replica opened it on: the edge's
+    /// copies of the stream go there until the returned guard drops.
+    pub fn splicing(self: &Arc<Self>, id: StreamId, owner: Arc<CopyLink>) -> Splicing {
+        self.book().splices.insert(id, owner.clone());
+        Splicing {
+            session: self.clone(),
+            id,
+            owner,
+        }
     }
 
     fn streams(&self) -> std::sync::MutexGuard<'_, HashMap<StreamId, Arc<SharedStream>>> {
@@ -419,7 +496,13 @@ impl Session {
     /// `gen` is newer than what is known here (or the same, when the relay to
     /// it had been lost); a live connection of this replica's (older) is
     /// closed. Returns true if the link changed.
-    pub fn relay_to(&self, replica: ReplicaId, conn: quinn::Connection, gen: u64) -> bool {
+    pub fn relay_to(
+        &self,
+        replica: ReplicaId,
+        conn: quinn::Connection,
+        copies: Arc<CopyLink>,
+        gen: u64,
+    ) -> bool {
         let mut old = None;
         let changed = self.link.send_if_modified(|l| {
             if matches!(l, Link::Ended(_)) {
@@ -441,6 +524,7 @@ impl Session {
                     gen,
                     replica: replica.clone(),
                     conn,
+                    copies,
                 },
             ));
             true
@@ -652,12 +736,17 @@ impl Session {
                 }
             };
             let attach = std::mem::replace(&mut peer, PeerAttach::Read);
-            // Copies only on the edge's own connection: a relay carries the
-            // stream's bytes, not the holder's datagrams.
+            // On the edge's own connection copies go as datagrams there;
+            // through a holder as relayed copies on the peer link, which the
+            // holder sends on to the edge.
             let copies = match &link {
                 Link::Connected {
                     copies: Some(c), ..
                 } => Some(c.clone() as Arc<dyn CopySink>),
+                Link::Relayed { copies, .. } => Some(copies.relayed(Via {
+                    node: self.node.clone(),
+                    session: self.id.0,
+                })),
                 _ => None,
             };
             match drive(shared.clone(), recv, send, attach, max_frame, copies).await {
@@ -683,5 +772,120 @@ impl Session {
             shared.reset(ResetCode::SessionLost, reason);
         }
         debug!("stream closed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_proto::copies::{CopyCounters, CopySettings};
+
+    fn session(node: &str) -> Arc<Session> {
+        let claim = Claim {
+            token: tether_proto::token::ResumeToken([1; 16]),
+            instance: 1,
+            attempt: 1,
+        };
+        Session::new(node.into(), vec![], Limits::default(), &claim).unwrap()
+    }
+
+    /// A peer link's copy path at this end (`owner`), answered by a copy path at
+    /// the other end that reports every copy it receives; returns once the
+    /// other end heard the hello (copies can go).
+    async fn owner_link() -> (
+        Arc<CopyLink>,
+        tokio::sync::mpsc::UnboundedReceiver<ReceivedCopy>,
+        Vec<quinn::Endpoint>,
+    ) {
+        let (a, b, endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let here = CopyLink::new(a, CopySettings::default(), CopyCounters::default());
+        let there = CopyLink::new(b, CopySettings::default(), CopyCounters::default());
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let h = here.clone();
+        tokio::spawn(async move { h.serve(|_| Fate::Unused, "owner").await });
+        tokio::spawn(async move {
+            there
+                .announce_and_serve(
+                    move |c| {
+                        let _ = tx.send(c);
+                        Fate::Used
+                    },
+                    "holder",
+                )
+                .await
+        });
+        let via = Via {
+            node: "probe".into(),
+            session: 0,
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let mut rx = rx;
+        // The hello is in once a probe copy goes; drain it.
+        while !here.send_relayed(&via, 0, 0, b"?") {
+            assert!(tokio::time::Instant::now() < deadline, "no hello in 5 s");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        rx.recv().await.unwrap();
+        (here, rx, endpoints)
+    }
+
+    fn copy(stream: StreamId, via: Option<Via>) -> ReceivedCopy {
+        ReceivedCopy {
+            stream,
+            offset: 0,
+            payload: bytes::Bytes::from_static(b"k"),
+            via,
+        }
+    }
+
+    /// The edge's copy of a stream this replica splices for another goes to that
+    /// stream's owner as a relayed copy naming the node and session, while the
+    /// splice lasts; a newer splice of the same stream keeps its owner when the
+    /// older one ends; copies of unknown streams, or already relayed ones, are
+    /// unused.
+    #[tokio::test]
+    async fn the_edges_copies_of_a_spliced_stream_go_to_its_owner_while_spliced() {
+        let s = session("edge-1");
+        let (first, mut first_rx, _e1) = owner_link().await;
+        let (second, mut second_rx, _e2) = owner_link().await;
+        let wait = Duration::from_secs(5);
+        assert_eq!(s.copy_from_edge(copy(7, None)), Fate::Unused);
+
+        let older = s.splicing(7, first);
+        assert_eq!(s.copy_from_edge(copy(7, None)), Fate::Relayed);
+        let c = tokio::time::timeout(wait, first_rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.stream, 7);
+        assert_eq!(
+            c.via,
+            Some(Via {
+                node: "edge-1".into(),
+                session: s.id.0
+            })
+        );
+        assert_eq!(s.copy_from_edge(copy(8, None)), Fate::Unused);
+        let relayed = Some(Via {
+            node: "edge-1".into(),
+            session: s.id.0,
+        });
+        assert_eq!(s.copy_from_edge(copy(7, relayed)), Fate::Unused);
+
+        // The owner re-attached the stream here before the old splice ended.
+        let newer = s.splicing(7, second);
+        drop(older);
+        assert_eq!(s.copy_from_edge(copy(7, None)), Fate::Relayed);
+        let c = tokio::time::timeout(wait, second_rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.stream, 7);
+        drop(newer);
+        assert_eq!(s.copy_from_edge(copy(7, None)), Fate::Unused);
+        assert!(
+            first_rx.try_recv().is_err(),
+            "nothing more to the first owner"
+        );
     }
 }

@@ -971,7 +971,7 @@ async fn serve_attached(
     // Copies the edge sends, for this connection's life (a clone of the
     // session, so the session itself is free once the connection ends).
     let copy_session = session.clone();
-    let copies_in = std::pin::pin!(copies.serve(move |id| copy_session.stream(id), &node));
+    let copies_in = std::pin::pin!(copies.serve(move |c| copy_session.copy_from_edge(c), &node));
     tokio::select! {
         () = migrations => {}
         // Ends only when the connection does.

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rand::Rng;
-use tether_proto::copies::{CopyLink, CopySink};
+use tether_proto::copies::{self, CopyLink, CopySink};
 use tether_proto::handshake::{
     close_code, Hello, RefusalCode, Welcome, ALPN_TUNNEL, PROTOCOL_VERSION,
 };
@@ -483,7 +483,14 @@ impl Dialer {
             self.cfg.quic.copies,
             self.metrics.copies.clone(),
         );
-        let copies_in = copy_link.announce_and_serve(|id| self.streams.stream(id), "cloud");
+        // Relayed copies are for the cloud's peer links, never sent here.
+        let copies_in = copy_link.announce_and_serve(
+            |c| match c.via {
+                None => copies::apply(self.streams.stream(c.stream), &c),
+                Some(_) => copies::Fate::Unused,
+            },
+            "cloud",
+        );
         let acceptor = async {
             loop {
                 match conn.accept_bi().await {

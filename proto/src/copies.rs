@@ -29,9 +29,25 @@
 //! 15 s after the first, then no more (a cloud that never answers does not
 //! read copies).
 //!
-//! Format: a kind byte (`0` hello, `1` copy, `2` heard), then for a copy the stream id,
-//! the offset and the payload length as LEB128 varints, the payload, and zero
-//! padding. Datagrams of other kinds are ignored.
+//! **Relayed streams.** A stream whose apiserver connection reached another
+//! cloud replica than the one holding the edge's connection (the owner and
+//! the holder: the cloud's `relay` module) is spliced through the holder, which
+//! keeps no stream state and so cannot apply a copy itself. Its copies cross
+//! the peer link between the two replicas as *relayed* copies, which name
+//! the edge's node and session besides the stream ([`Via`]): the owner sends
+//! them to the holder, which sends each on as an ordinary copy on the edge's
+//! connection; the edge's copies of such a stream go the other way. The peer
+//! link runs the same `hello` / `heard` exchange (the dialling owner asks),
+//! so a replica of an older version gets no datagrams it would leave queued.
+//! Relayed copies are not padded: the peer link is a data centre's, and what
+//! padding is for is the edge's link, where the holder pads them.
+//!
+//! Format: a kind byte (`0` hello, `1` copy, `2` heard, `3` relayed copy);
+//! for a copy the stream id, the offset and the payload length as LEB128
+//! varints, the payload, and zero padding; a relayed copy puts the session
+//! (a varint) and the node name (its length as a varint, then its UTF-8
+//! bytes, at most [`MAX_NODE`]) before the same fields. Datagrams of other
+//! kinds are ignored.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -46,6 +62,9 @@ use crate::io::SharedStream;
 const HELLO: u8 = 0;
 const COPY: u8 = 1;
 const HEARD: u8 = 2;
+const RELAYED: u8 = 3;
+/// Longest node name in a relayed copy (a DNS subdomain name).
+pub const MAX_NODE: usize = 253;
 /// Sends of an unanswered `hello`, the first one included.
 const HELLO_TRIES: u32 = 5;
 /// Wait before the first resend of an unanswered `hello`; doubled after each.
@@ -84,6 +103,10 @@ pub struct CopyCounters {
     /// Copies received that were not needed or could not be applied (the
     /// frame came first, an earlier frame was missing, no such stream here).
     pub unused: Counter,
+    /// Copies received for a relayed stream and passed on (the cloud replica
+    /// holding the edge's connection, between the edge and the stream's
+    /// owner); registered by [`CopyCounters::register_relayed`].
+    pub relayed: Counter,
 }
 
 impl CopyCounters {
@@ -105,6 +128,33 @@ impl CopyCounters {
             self.unused.clone(),
         );
     }
+
+    /// Registers [`CopyCounters::relayed`] (the cloud's: only a replica
+    /// passes copies on).
+    pub fn register_relayed(&self, r: &mut prometheus_client::registry::Registry) {
+        r.register(
+            "interactive_copies_relayed",
+            "Datagram copies of a relayed stream passed on between the edge and the replica owning the stream",
+            self.relayed.clone(),
+        );
+    }
+}
+
+/// Whose stream a relayed copy belongs to: the edge's node and its session
+/// (a stream id is unique only within a session).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Via {
+    pub node: String,
+    pub session: u64,
+}
+
+/// A copy of `payload` at `offset` of `stream`; `via` for a relayed copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceivedCopy {
+    pub stream: StreamId,
+    pub offset: u64,
+    pub payload: Bytes,
+    pub via: Option<Via>,
 }
 
 /// What becomes of a received datagram.
@@ -114,12 +164,28 @@ pub enum Received {
     Hello,
     /// The peer heard our `hello` (and reads copies).
     Heard,
-    /// A copy of `payload` at `offset` of `stream`.
-    Copy {
-        stream: StreamId,
-        offset: u64,
-        payload: Bytes,
-    },
+    /// A copy (or a relayed copy).
+    Copy(ReceivedCopy),
+}
+
+/// What the receiver made of a copy (counted in [`CopyCounters`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fate {
+    /// It delivered bytes before their stream frame did.
+    Used,
+    /// Not needed, or not applicable (no such stream here).
+    Unused,
+    /// Passed on for a relayed stream.
+    Relayed,
+}
+
+/// Applies `copy` to `stream` (the receiver's stream of that id, if any).
+pub fn apply(stream: Option<Arc<SharedStream>>, copy: &ReceivedCopy) -> Fate {
+    if stream.is_some_and(|s| s.on_copy(copy.offset, &copy.payload) > 0) {
+        Fate::Used
+    } else {
+        Fate::Unused
+    }
 }
 
 /// Why a datagram is not a copy (logged at debug; never fatal).
@@ -133,6 +199,8 @@ pub enum CopyError {
     Truncated,
     #[error("varint longer than 64 bits")]
     BadVarint,
+    #[error("relayed copy with a node name that is too long or not UTF-8")]
+    BadNode,
 }
 
 fn put_varint(out: &mut BytesMut, mut v: u64) {
@@ -185,30 +253,70 @@ pub fn encode_copy(stream: StreamId, offset: u64, payload: &[u8], pad_to: usize)
     out.freeze()
 }
 
+/// Bytes of a relayed copy besides its payload, for `via`.
+fn relayed_overhead(via: &Via) -> usize {
+    COPY_OVERHEAD + 2 * VARINT_MAX + via.node.len()
+}
+
+/// A relayed copy of `payload` at `offset` of `stream` of `via` (not padded).
+pub fn encode_relayed(via: &Via, stream: StreamId, offset: u64, payload: &[u8]) -> Bytes {
+    let mut out = BytesMut::with_capacity(relayed_overhead(via) + payload.len());
+    out.put_u8(RELAYED);
+    put_varint(&mut out, via.session);
+    put_varint(&mut out, via.node.len() as u64);
+    out.put_slice(via.node.as_bytes());
+    put_varint(&mut out, stream);
+    put_varint(&mut out, offset);
+    put_varint(&mut out, payload.len() as u64);
+    out.put_slice(payload);
+    out.freeze()
+}
+
+/// `len` bytes at `at` of `datagram`, or why not; moves `at` past them.
+fn take(datagram: &Bytes, at: &mut usize, len: u64) -> Result<Bytes, CopyError> {
+    let end = usize::try_from(len)
+        .ok()
+        .and_then(|l| at.checked_add(l))
+        .filter(|e| *e <= datagram.len())
+        .ok_or(CopyError::Truncated)?;
+    let b = datagram.slice(*at..end);
+    *at = end;
+    Ok(b)
+}
+
 /// Decodes a received datagram (padding after a copy's payload is ignored).
 pub fn decode(datagram: &Bytes) -> Result<Received, CopyError> {
-    match datagram.first() {
-        None => Err(CopyError::Empty),
-        Some(&HELLO) => Ok(Received::Hello),
-        Some(&HEARD) => Ok(Received::Heard),
-        Some(&COPY) => {
-            let mut at = 1;
-            let stream = get_varint(datagram, &mut at)?;
-            let offset = get_varint(datagram, &mut at)?;
+    let mut at = 1;
+    let via = match datagram.first() {
+        None => return Err(CopyError::Empty),
+        Some(&HELLO) => return Ok(Received::Hello),
+        Some(&HEARD) => return Ok(Received::Heard),
+        Some(&COPY) => None,
+        Some(&RELAYED) => {
+            let session = get_varint(datagram, &mut at)?;
             let len = get_varint(datagram, &mut at)?;
-            let end = usize::try_from(len)
-                .ok()
-                .and_then(|l| at.checked_add(l))
-                .filter(|e| *e <= datagram.len())
-                .ok_or(CopyError::Truncated)?;
-            Ok(Received::Copy {
-                stream,
-                offset,
-                payload: datagram.slice(at..end),
+            if len > MAX_NODE as u64 {
+                return Err(CopyError::BadNode);
+            }
+            let node = take(datagram, &mut at, len)?;
+            let node = std::str::from_utf8(&node).map_err(|_| CopyError::BadNode)?;
+            Some(Via {
+                node: node.to_string(),
+                session,
             })
         }
-        Some(&k) => Err(CopyError::UnknownKind(k)),
-    }
+        Some(&k) => return Err(CopyError::UnknownKind(k)),
+    };
+    let stream = get_varint(datagram, &mut at)?;
+    let offset = get_varint(datagram, &mut at)?;
+    let len = get_varint(datagram, &mut at)?;
+    let payload = take(datagram, &mut at, len)?;
+    Ok(Received::Copy(ReceivedCopy {
+        stream,
+        offset,
+        payload,
+        via,
+    }))
 }
 
 /// Where the transmit loop sends copies: one connection's datagrams (a trait
@@ -222,6 +330,7 @@ pub trait CopySink: Send + Sync {
 }
 
 /// One QUIC connection's copies, both ways.
+#[derive(Debug)]
 pub struct CopyLink {
     conn: quinn::Connection,
     settings: CopySettings,
@@ -247,15 +356,12 @@ impl CopyLink {
         })
     }
 
-    /// The edge's side: announces that this end reads copies (a `hello`,
-    /// resent until answered, a bounded number of times), then applies every
-    /// copy the peer sends to the stream `lookup` finds, until the connection
-    /// ends. `who` names the peer in log lines.
-    pub async fn announce_and_serve(
-        &self,
-        lookup: impl Fn(StreamId) -> Option<Arc<SharedStream>>,
-        who: &str,
-    ) {
+    /// The asking side (the edge; a cloud replica on the peer links it
+    /// dialled): announces that this end reads copies (a `hello`, resent
+    /// until answered, a bounded number of times), then hands every copy the
+    /// peer sends to `apply`, until the connection ends. `who` names the peer
+    /// in log lines.
+    pub async fn announce_and_serve(&self, apply: impl Fn(ReceivedCopy) -> Fate, who: &str) {
         // Not an error if a send fails: datagrams are then unsupported or
         // disabled, and no copies go either way.
         let _ = self.conn.send_datagram(hello());
@@ -269,7 +375,7 @@ impl CopyLink {
             let waiting = !heard_back && tries < HELLO_TRIES;
             tokio::select! {
                 d = self.conn.read_datagram() => match d {
-                    Ok(d) => heard_back |= self.on_datagram(&d, &lookup, who),
+                    Ok(d) => heard_back |= self.on_datagram(&d, &apply, who),
                     Err(_) => return,
                 },
                 () = tokio::time::sleep_until(resend_at), if waiting => {
@@ -282,12 +388,13 @@ impl CopyLink {
         }
     }
 
-    /// The cloud's side: answers the peer's `hello` and applies its copies
+    /// The answering side (the cloud; a replica on the peer links dialled
+    /// to it): answers the peer's `hello` and hands its copies to `apply`
     /// (as [`CopyLink::announce_and_serve`] without announcing: one end
     /// asking is enough, and the cloud holds no timer per edge for it).
-    pub async fn serve(&self, lookup: impl Fn(StreamId) -> Option<Arc<SharedStream>>, who: &str) {
+    pub async fn serve(&self, apply: impl Fn(ReceivedCopy) -> Fate, who: &str) {
         while let Ok(d) = self.conn.read_datagram().await {
-            self.on_datagram(&d, &lookup, who);
+            self.on_datagram(&d, &apply, who);
         }
     }
 
@@ -296,7 +403,7 @@ impl CopyLink {
     fn on_datagram(
         &self,
         datagram: &Bytes,
-        lookup: &impl Fn(StreamId) -> Option<Arc<SharedStream>>,
+        apply: &impl Fn(ReceivedCopy) -> Fate,
         who: &str,
     ) -> bool {
         match decode(datagram) {
@@ -309,18 +416,13 @@ impl CopyLink {
                 self.peer_reads.store(true, Ordering::Relaxed);
                 true
             }
-            Ok(Received::Copy {
-                stream,
-                offset,
-                payload,
-            }) => {
+            Ok(Received::Copy(copy)) => {
                 self.peer_reads.store(true, Ordering::Relaxed);
-                let used = lookup(stream).is_some_and(|s| s.on_copy(offset, &payload) > 0);
-                if used {
-                    self.counters.used.inc();
-                } else {
-                    self.counters.unused.inc();
-                }
+                match apply(copy) {
+                    Fate::Used => self.counters.used.inc(),
+                    Fate::Unused => self.counters.unused.inc(),
+                    Fate::Relayed => self.counters.relayed.inc(),
+                };
                 true
             }
             Err(e) => {
@@ -328,6 +430,61 @@ impl CopyLink {
                 false
             }
         }
+    }
+
+    /// Sends a datagram of `overhead + len` bytes at most, made by `make`
+    /// from the largest datagram the connection takes now, if the peer reads
+    /// copies and it fits; returns whether it went.
+    fn send(&self, len: usize, overhead: usize, make: impl FnOnce(usize) -> Bytes) -> bool {
+        if !self.peer_reads.load(Ordering::Relaxed) || len > self.settings.max_payload {
+            return false;
+        }
+        let Some(max) = self.conn.max_datagram_size() else {
+            return false;
+        };
+        if overhead + len > max {
+            return false;
+        }
+        match self.conn.send_datagram(make(max)) {
+            Ok(()) => {
+                self.counters.sent.inc();
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Sends a relayed copy (on a peer link between cloud replicas) if the
+    /// peer reads copies and it fits; returns whether it went.
+    pub fn send_relayed(&self, via: &Via, stream: StreamId, offset: u64, payload: &[u8]) -> bool {
+        self.send(payload.len(), relayed_overhead(via), |_| {
+            encode_relayed(via, stream, offset, payload)
+        })
+    }
+
+    /// A sink for one relayed stream's copies: each goes as a relayed copy
+    /// of `via` on this (peer) link.
+    pub fn relayed(self: &Arc<Self>, via: Via) -> Arc<dyn CopySink> {
+        Arc::new(RelayedSink {
+            link: self.clone(),
+            via,
+        })
+    }
+}
+
+/// [`CopyLink::relayed`].
+struct RelayedSink {
+    link: Arc<CopyLink>,
+    via: Via,
+}
+
+impl CopySink for RelayedSink {
+    fn settings(&self) -> CopySettings {
+        self.link.settings
+    }
+
+    fn send_copy(&self, stream: StreamId, offset: u64, payload: &[u8]) -> bool {
+        self.link.send_relayed(&self.via, stream, offset, payload)
     }
 }
 
@@ -337,25 +494,9 @@ impl CopySink for CopyLink {
     }
 
     fn send_copy(&self, stream: StreamId, offset: u64, payload: &[u8]) -> bool {
-        if !self.peer_reads.load(Ordering::Relaxed) || payload.len() > self.settings.max_payload {
-            return false;
-        }
-        let Some(max) = self.conn.max_datagram_size() else {
-            return false;
-        };
-        if COPY_OVERHEAD + payload.len() > max {
-            return false;
-        }
-        match self
-            .conn
-            .send_datagram(encode_copy(stream, offset, payload, max))
-        {
-            Ok(()) => {
-                self.counters.sent.inc();
-                true
-            }
-            Err(_) => false,
-        }
+        self.send(payload.len(), COPY_OVERHEAD, |max| {
+            encode_copy(stream, offset, payload, max)
+        })
     }
 }
 
@@ -397,20 +538,57 @@ mod tests {
             assert!(d.len() >= pad);
             assert_eq!(
                 decode(&d),
-                Ok(Received::Copy {
+                Ok(Received::Copy(ReceivedCopy {
                     stream: 7,
                     offset: 300,
                     payload: Bytes::from_static(b"hello"),
-                })
+                    via: None,
+                }))
             );
         }
         let big = encode_copy(u64::MAX, u64::MAX - 1, &[9; 300], 0);
         assert!(big.len() <= COPY_OVERHEAD + 300);
         assert!(
-            matches!(decode(&big), Ok(Received::Copy { stream: u64::MAX, offset, payload, .. }) if offset == u64::MAX - 1 && payload.len() == 300)
+            matches!(decode(&big), Ok(Received::Copy(ReceivedCopy { stream: u64::MAX, offset, payload, via: None })) if offset == u64::MAX - 1 && payload.len() == 300)
         );
         assert_eq!(decode(&hello()), Ok(Received::Hello));
         assert_eq!(decode(&heard()), Ok(Received::Heard));
+    }
+
+    #[test]
+    fn a_relayed_copy_round_trips_with_its_node_and_session() {
+        let via = Via {
+            node: "edge-7.example".into(),
+            session: u64::MAX,
+        };
+        let d = encode_relayed(&via, 0x1234_0000_0009, 42, b"keys");
+        assert!(d.len() <= relayed_overhead(&via) + 4);
+        assert_eq!(
+            decode(&d),
+            Ok(Received::Copy(ReceivedCopy {
+                stream: 0x1234_0000_0009,
+                offset: 42,
+                payload: Bytes::from_static(b"keys"),
+                via: Some(via.clone()),
+            }))
+        );
+        // The longest node name a relayed copy carries, and one byte more.
+        let longest = Via {
+            node: "n".repeat(MAX_NODE),
+            session: 1,
+        };
+        assert!(matches!(
+            decode(&encode_relayed(&longest, 1, 0, b"x")),
+            Ok(Received::Copy(ReceivedCopy { via: Some(v), .. })) if v == longest
+        ));
+        let too_long = Via {
+            node: "n".repeat(MAX_NODE + 1),
+            session: 1,
+        };
+        assert_eq!(
+            decode(&encode_relayed(&too_long, 1, 0, b"x")),
+            Err(CopyError::BadNode)
+        );
     }
 
     #[test]
@@ -447,6 +625,24 @@ mod tests {
         let mut long = vec![COPY];
         long.extend([0x80; 12]);
         assert_eq!(decode(&Bytes::from(long)), Err(CopyError::BadVarint));
+        // Relayed copies: a node name beyond the datagram, one that is not
+        // UTF-8, a copy cut short after the node.
+        assert_eq!(
+            decode(&Bytes::from_static(&[RELAYED, 1, 9, b'a'])),
+            Err(CopyError::Truncated)
+        );
+        assert_eq!(
+            decode(&Bytes::from_static(&[RELAYED, 1, 2, 0xff, 0xfe, 1, 0, 0])),
+            Err(CopyError::BadNode)
+        );
+        assert_eq!(
+            decode(&Bytes::from_static(&[RELAYED, 1, 1, b'a', 1, 0, 5, b'x'])),
+            Err(CopyError::Truncated)
+        );
+        assert_eq!(
+            decode(&Bytes::from_static(&[RELAYED, 1])),
+            Err(CopyError::Truncated)
+        );
     }
 
     /// Both ends run their copy path: after the hello and its answer, a copy goes and is
@@ -467,9 +663,9 @@ mod tests {
         let counters = CopyCounters::default();
         let lb = CopyLink::new(b, CopySettings::default(), counters.clone());
         let (la2, lb2, t2) = (la.clone(), lb.clone(), target.clone());
-        tokio::spawn(async move { la2.announce_and_serve(|_| None, "b").await });
+        tokio::spawn(async move { la2.announce_and_serve(|_| Fate::Unused, "b").await });
         tokio::spawn(async move {
-            lb2.serve(move |id| (id == 9).then(|| t2.clone()), "a")
+            lb2.serve(move |c| apply((c.stream == 9).then(|| t2.clone()), &c), "a")
                 .await
         });
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -505,7 +701,7 @@ mod tests {
         let (a, b, _endpoints) = crate::testing::quic_pair().await.unwrap();
         let la = CopyLink::new(a, CopySettings::default(), CopyCounters::default());
         let la2 = la.clone();
-        tokio::spawn(async move { la2.announce_and_serve(|_| None, "b").await });
+        tokio::spawn(async move { la2.announce_and_serve(|_| Fate::Unused, "b").await });
         let mut hellos = 0;
         let until = tokio::time::Instant::now() + Duration::from_millis(3500);
         while let Ok(Ok(d)) = tokio::time::timeout_at(until, b.read_datagram()).await {
@@ -515,6 +711,91 @@ mod tests {
         // Sent at 0, 1 and 3 s (the next at 7 s).
         assert!((2..=3).contains(&hellos), "{hellos} hellos in 3.5 s");
         assert!(!la.send_copy(1, 0, b"x"));
+    }
+
+    /// A peer link's relayed copies: the sink of one relayed stream sends
+    /// relayed copies of its node and session once the link's hello was
+    /// answered (within the settings' size bound), the receiver
+    /// hands them to its `apply` with where they belong and counts what it
+    /// made of them; copies the other way go too.
+    #[tokio::test]
+    async fn relayed_copies_carry_their_node_and_session_both_ways() {
+        let (a, b, _endpoints) = crate::testing::quic_pair().await.unwrap();
+        let owner = CopyLink::new(a, CopySettings::default(), CopyCounters::default());
+        let counters = CopyCounters::default();
+        let holder = CopyLink::new(b, CopySettings::default(), counters.clone());
+        let (got_tx, mut got_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (back_tx, mut back_rx) = tokio::sync::mpsc::unbounded_channel();
+        let owner2 = owner.clone();
+        tokio::spawn(async move {
+            owner2
+                .announce_and_serve(
+                    move |c| {
+                        let _ = back_tx.send(c);
+                        Fate::Used
+                    },
+                    "holder",
+                )
+                .await
+        });
+        let holder2 = holder.clone();
+        tokio::spawn(async move {
+            holder2
+                .serve(
+                    move |c| {
+                        let fate = if c.stream == 5 {
+                            Fate::Relayed
+                        } else {
+                            Fate::Unused
+                        };
+                        let _ = got_tx.send((c, fate));
+                        fate
+                    },
+                    "owner",
+                )
+                .await
+        });
+        let via = Via {
+            node: "edge-1".into(),
+            session: 77,
+        };
+        let sink = owner.relayed(via.clone());
+        assert_eq!(sink.settings(), CopySettings::default());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !sink.send_copy(5, 10, b"ls\n") {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the holder never answered the hello"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!sink.send_copy(5, 13, &[0; 300]), "beyond max_payload");
+        assert!(sink.send_copy(6, 0, b"other"));
+        let mut seen = Vec::new();
+        while seen.len() < 2 {
+            let (c, fate) = tokio::time::timeout_at(deadline, got_rx.recv())
+                .await
+                .expect("relayed copies within 5 s")
+                .unwrap();
+            assert_eq!(c.via.as_ref(), Some(&via));
+            seen.push((c.stream, c.offset, c.payload, fate));
+        }
+        assert_eq!(
+            seen,
+            vec![
+                (5, 10, Bytes::from_static(b"ls\n"), Fate::Relayed),
+                (6, 0, Bytes::from_static(b"other"), Fate::Unused),
+            ]
+        );
+        assert_eq!((counters.relayed.get(), counters.unused.get()), (1, 1));
+        // The other way: the holder passes the edge's copy to the owner.
+        assert!(holder.send_relayed(&via, 5, 3, b"echo"));
+        let c = tokio::time::timeout_at(deadline, back_rx.recv())
+            .await
+            .expect("a relayed copy back within 5 s")
+            .unwrap();
+        assert_eq!((c.stream, c.offset, &c.payload[..]), (5, 3, &b"echo"[..]));
+        assert_eq!(c.via, Some(via));
     }
 
     #[test]

@@ -96,39 +96,12 @@ impl KubeletClient {
         host: &str,
         path: &str,
     ) -> Result<Reply> {
-        let name = match server_name.parse::<IpAddr>() {
-            Ok(ip) => ServerName::IpAddress(ip.into()),
-            Err(_) => ServerName::try_from(server_name.to_string())
-                .map_err(|e| anyhow!("bad server name {server_name:?}: {e}"))?,
-        };
         let request = Request::get(path)
             .header(http::header::HOST, host)
             .body(Empty::<Bytes>::new())
             .with_context(|| format!("building GET {path}"))?;
         let fut = async {
-            let tcp = match netns {
-                None => TcpStream::connect(addr).await,
-                Some(ns) => {
-                    let ns = ns.to_string();
-                    tokio::task::spawn_blocking(move || {
-                        linkemu::netns::run_in(&ns, || std::net::TcpStream::connect(addr))
-                            .map_err(std::io::Error::other)?
-                    })
-                    .await
-                    .map_err(std::io::Error::other)
-                    .and_then(|r| r)
-                    .and_then(|t| {
-                        t.set_nonblocking(true)?;
-                        TcpStream::from_std(t)
-                    })
-                }
-            }
-            .with_context(|| format!("connecting to {addr}"))?;
-            let tls = self
-                .connector
-                .connect(name, tcp)
-                .await
-                .with_context(|| format!("TLS handshake with {addr} as {server_name}"))?;
+            let tls = self.connect_from(netns, addr, server_name).await?;
             let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
                 .await
                 .context("HTTP/1.1 handshake")?;
@@ -152,5 +125,43 @@ impl KubeletClient {
         tokio::time::timeout(PROBE_TIMEOUT, fut)
             .await
             .map_err(|_| anyhow!("GET {path} on {addr}: no full answer in {PROBE_TIMEOUT:?}"))?
+    }
+
+    /// A TLS connection to `addr` with TLS server name `server_name` (as
+    /// [`KubeletClient::get`]), the TCP connection made from inside network namespace
+    /// `netns` (`None`: this process's). Not bounded in time: the caller bounds it.
+    pub async fn connect_from(
+        &self,
+        netns: Option<&str>,
+        addr: SocketAddr,
+        server_name: &str,
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let name = match server_name.parse::<IpAddr>() {
+            Ok(ip) => ServerName::IpAddress(ip.into()),
+            Err(_) => ServerName::try_from(server_name.to_string())
+                .map_err(|e| anyhow!("bad server name {server_name:?}: {e}"))?,
+        };
+        let tcp = match netns {
+            None => TcpStream::connect(addr).await,
+            Some(ns) => {
+                let ns = ns.to_string();
+                tokio::task::spawn_blocking(move || {
+                    linkemu::netns::run_in(&ns, || std::net::TcpStream::connect(addr))
+                        .map_err(std::io::Error::other)?
+                })
+                .await
+                .map_err(std::io::Error::other)
+                .and_then(|r| r)
+                .and_then(|t| {
+                    t.set_nonblocking(true)?;
+                    TcpStream::from_std(t)
+                })
+            }
+        }
+        .with_context(|| format!("connecting to {addr}"))?;
+        self.connector
+            .connect(name, tcp)
+            .await
+            .with_context(|| format!("TLS handshake with {addr} as {server_name}"))
     }
 }

@@ -110,6 +110,22 @@ pub struct Prober {
 }
 
 impl Prober {
+    /// A TLS connection for `node` (SNI names it) to the kubelet API at `addr`, as
+    /// the apiserver makes one (from its namespace, with its client certificate);
+    /// bounded by 5 s.
+    pub async fn connect(
+        &self,
+        addr: SocketAddr,
+        node: &str,
+    ) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            self.client.connect_from(Some(&self.api_ns), addr, node),
+        )
+        .await
+        .with_context(|| format!("connecting to {addr} for {node}: no TLS connection in 5 s"))?
+    }
+
     /// `GET path` for `node` (SNI and `Host` name it) on the kubelet API at `addr`;
     /// bounded by 5 s.
     pub async fn kubelet_get(&self, addr: SocketAddr, node: &str, path: &str) -> Result<Reply> {
@@ -166,6 +182,8 @@ pub struct Bed {
     cuts: Vec<(usize, usize)>,
     /// The edge site's link is down (every packet to or from it dropped).
     edge_site_cut: bool,
+    /// Percent of the edge site's packets dropped each way ([`Bed::set_edge_site_loss`]).
+    edge_site_loss: u32,
     prefix: String,
     _ns: Namespaces,
 }
@@ -332,6 +350,7 @@ impl Bed {
             tcp: (0..REPLICAS).collect(),
             cuts: Vec::new(),
             edge_site_cut: false,
+            edge_site_loss: 0,
             prefix,
             spec,
             _ns: created,
@@ -406,6 +425,13 @@ impl Bed {
                  \x20   ip daddr {EDGE_NET} drop\n"
             ));
         }
+        if self.edge_site_loss > 0 {
+            let p = self.edge_site_loss;
+            fwd.push_str(&format!(
+                "    ip saddr {EDGE_NET} numgen random mod 100 < {p} drop\n\
+                 \x20   ip daddr {EDGE_NET} numgen random mod 100 < {p} drop\n"
+            ));
+        }
         for (a, b) in &self.cuts {
             for (x, y) in [(a, b), (b, a)] {
                 let (x, y) = (replica_ip(*x), replica_ip(*y));
@@ -459,6 +485,29 @@ impl Bed {
     /// from the edges dropped at the router) or brings it back.
     pub fn cut_edge_site(&mut self, cut: bool) -> Result<()> {
         self.edge_site_cut = cut;
+        self.program()
+    }
+
+    /// Drops `percent` % of the packets to and from the edge site at the router, at
+    /// random and each way on its own (nftables `numgen random`: a lossy link
+    /// without netem); 0 lifts it.
+    ///
+    /// While it is on, the edges' and the replicas' interfaces send no segmentation
+    /// offload batches (`gso_max_segs 1`): the router forwards a GSO batch as one
+    /// packet, so one drop would take every datagram of a `sendmsg` at once, where a
+    /// wire loses packets one by one.
+    pub fn set_edge_site_loss(&mut self, percent: u32) -> Result<()> {
+        if percent > 100 {
+            bail!("a loss of {percent} %");
+        }
+        let segs = if percent > 0 { "1" } else { "65535" };
+        let namespaces = [self.edges_ns()]
+            .into_iter()
+            .chain((0..REPLICAS).map(|i| self.replica_ns(i)));
+        for ns in namespaces {
+            netns::ip(&["-n", &ns, "link", "set", "eth0", "gso_max_segs", segs])?;
+        }
+        self.edge_site_loss = percent;
         self.program()
     }
 
@@ -812,33 +861,34 @@ impl Bed {
 
     /// `GET path` on replica `i`'s operations listener: status code and body.
     pub async fn ops_get(&self, i: usize, path: &str) -> Result<(u16, String)> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let ns = self.replica_ns(i);
-        let addr: SocketAddr = OPS.parse()?;
-        let fetch = async {
-            let tcp = tokio::task::spawn_blocking(move || {
-                netns::run_in(&ns, || std::net::TcpStream::connect(addr))
+        plain_get(
+            self.replica_ns(i),
+            OPS.parse()?,
+            path,
+            &format!("replica {i}"),
+        )
+        .await
+    }
+
+    /// A Prometheus sample of edge `j`'s `tether-edge` (0 when absent).
+    pub async fn edge_metric(&self, j: usize, series: &str) -> Result<f64> {
+        let e = &self.edges[j];
+        let edge = e
+            .edge
+            .as_ref()
+            .with_context(|| format!("edge {} is not running", e.name))?;
+        let addr: SocketAddr = edge
+            .lines()
+            .iter()
+            .find_map(|l| {
+                l.strip_prefix("tether-edge started ")
+                    .and_then(|r| r.split("metrics=").nth(1))
+                    .map(|a| a.trim().to_string())
             })
-            .await???;
-            tcp.set_nonblocking(true)?;
-            let mut tcp = tokio::net::TcpStream::from_std(tcp)?;
-            tcp.write_all(format!("GET {path} HTTP/1.0\r\nHost: ops\r\n\r\n").as_bytes())
-                .await?;
-            let mut text = String::new();
-            tcp.read_to_string(&mut text).await?;
-            Ok::<_, anyhow::Error>(text)
-        };
-        let text = tokio::time::timeout(Duration::from_secs(5), fetch)
-            .await
-            .with_context(|| format!("GET {path} of replica {i}: no answer in 5 s"))?
-            .with_context(|| format!("GET {path} of replica {i}"))?;
-        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        let code = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .with_context(|| format!("no status in {head:?}"))?;
-        Ok((code, body.to_string()))
+            .with_context(|| format!("edge {} printed no metrics address", e.name))?
+            .parse()?;
+        let (_, text) = plain_get(self.edges_ns(), addr, "/metrics", &e.name).await?;
+        Ok(crate::cluster::sample(&text, series).unwrap_or(0.0))
     }
 
     /// A Prometheus sample of replica `i` (0 when absent).
@@ -966,4 +1016,34 @@ impl Bed {
         }
         s
     }
+}
+
+/// `GET path` (HTTP/1.0) on `addr` from inside network namespace `ns`: status code
+/// and body; bounded by 5 s. `what` names the listener in errors.
+async fn plain_get(ns: String, addr: SocketAddr, path: &str, what: &str) -> Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fetch = async {
+        let tcp = tokio::task::spawn_blocking(move || {
+            netns::run_in(&ns, || std::net::TcpStream::connect(addr))
+        })
+        .await???;
+        tcp.set_nonblocking(true)?;
+        let mut tcp = tokio::net::TcpStream::from_std(tcp)?;
+        tcp.write_all(format!("GET {path} HTTP/1.0\r\nHost: ops\r\n\r\n").as_bytes())
+            .await?;
+        let mut text = String::new();
+        tcp.read_to_string(&mut text).await?;
+        Ok::<_, anyhow::Error>(text)
+    };
+    let text = tokio::time::timeout(Duration::from_secs(5), fetch)
+        .await
+        .with_context(|| format!("GET {path} of {what}: no answer in 5 s"))?
+        .with_context(|| format!("GET {path} of {what}"))?;
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("no status in {head:?}"))?;
+    Ok((code, body.to_string()))
 }

@@ -406,7 +406,7 @@ pub(crate) async fn edge(
             );
             let closed = tokio::select! {
                 closed = conn.closed() => closed,
-                () = copies.announce_and_serve(|_| None, "cloud") => conn.closed().await,
+                () = copies.announce_and_serve(|_| tether_proto::copies::Fate::Unused, "cloud") => conn.closed().await,
             };
             drop((send, recv));
             // The edge's --reconnect-spread after a cloud shutdown.
