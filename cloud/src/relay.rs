@@ -395,16 +395,14 @@ mod tests {
 
 #[cfg(test)]
 mod link_tests {
-    use std::sync::Arc;
     use std::time::Duration;
 
     use tether_proto::Limits;
 
-    use crate::admission::Claim;
     use crate::peer::{PeerLink, ReplicaId};
     use crate::registry::{Holder, Registry};
     use crate::routes::{EdgeRecord, Update};
-    use crate::session::Session;
+    use crate::session::testing::session;
 
     fn record(node: &str, pods: &[&str], attached: bool, since_ms: u64) -> EdgeRecord {
         EdgeRecord {
@@ -421,15 +419,6 @@ mod link_tests {
                 .collect(),
             addresses: vec![],
         }
-    }
-
-    fn session(node: &str) -> Arc<Session> {
-        let claim = Claim {
-            token: tether_proto::token::ResumeToken([1; 16]),
-            instance: 1,
-            attempt: 1,
-        };
-        Session::new(node.into(), vec![], Limits::default(), &claim).unwrap()
     }
 
     #[tokio::test]
@@ -502,11 +491,7 @@ mod link_tests {
         // without a word still looks attached to its old holder).
         let (c3, _s3, _e3) = tether_proto::testing::quic_pair().await.unwrap();
         let live = session("edge-4");
-        let claim = Claim {
-            token: tether_proto::token::ResumeToken([1; 16]),
-            instance: 1,
-            attempt: 1,
-        };
+        let claim = crate::session::testing::claim();
         let attached_ms = tether_proto::ticket::unix_ms();
         live.attach_connection(c3, None, &claim, attached_ms)
             .unwrap();

@@ -775,19 +775,32 @@ impl Session {
     }
 }
 
+/// Sessions for the crate's tests.
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     use super::*;
-    use tether_proto::copies::{CopyCounters, CopySettings};
 
-    fn session(node: &str) -> Arc<Session> {
-        let claim = Claim {
+    /// The claim of the tests' edges.
+    pub fn claim() -> Claim {
+        Claim {
             token: tether_proto::token::ResumeToken([1; 16]),
             instance: 1,
             attempt: 1,
-        };
-        Session::new(node.into(), vec![], Limits::default(), &claim).unwrap()
+        }
     }
+
+    /// A new session of `node`, held here, with no connection yet.
+    pub fn session(node: &str) -> Arc<Session> {
+        Session::new(node.into(), vec![], Limits::default(), &claim())
+            .expect("a session of the tests' claim")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::session;
+    use super::*;
+    use tether_proto::copies::{CopyCounters, CopySettings};
 
     /// A peer link's copy path at this end (`owner`), answered by a copy path at
     /// the other end that reports every copy it receives; returns once the

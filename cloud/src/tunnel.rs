@@ -1624,11 +1624,7 @@ mod renewal_tests {
     /// (the guard disarmed) does not.
     #[tokio::test]
     async fn a_new_session_expires_only_if_its_attempt_never_attaches() {
-        let claim = crate::admission::Claim {
-            token: tether_proto::token::ResumeToken([1; 16]),
-            instance: 1,
-            attempt: 1,
-        };
+        let claim = crate::session::testing::claim();
         let registry = Arc::new(Registry::new(Duration::from_secs(60)));
         let admit = |node: &str| match registry
             .admit(node, &claim, None, |_| {
