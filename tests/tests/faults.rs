@@ -754,9 +754,18 @@ async fn slow_return_cycles(
         "FIGURE {label}: resumes counted by the cloud {cloud_resumes}, by the edge {edge_resumes}"
     );
     if lost == 0 {
-        assert_eq!(
-            cloud_resumes, edge_resumes,
-            "the cloud counts only resumes the edge completed"
+        // Each cycle outlasts the idle timeout, so each kept session took a
+        // resume the cloud attached. The cloud counts a resume when the
+        // edge's commit arrives, the edge when it sent it: a connection that
+        // dies between the two (the link is slow and lossy here) is counted
+        // by the edge alone, which then resumes once more.
+        assert!(
+            cloud_resumes <= edge_resumes,
+            "the cloud counts only resumes the edge committed to: cloud {cloud_resumes}, edge {edge_resumes}"
+        );
+        assert!(
+            cloud_resumes >= kept as f64,
+            "every kept session was resumed at the cloud: {cloud_resumes} resumes for {kept} cycles"
         );
     }
     (kept, lost)
