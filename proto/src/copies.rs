@@ -20,6 +20,10 @@
 //! travel in different packets and one loss cannot take both. That makes a
 //! copied write cost one full packet more on the wire; the size and rate
 //! bounds ([`CopySettings`]) keep bulk transfers and chatty streams out.
+//! The two packets do leave in one segmentation-offload batch (one
+//! `sendmsg`): a Linux host on the way that drops a whole batch before it is
+//! segmented (a queue discipline, a forwarding rule) takes both, as a loss
+//! on the wire does not.
 //!
 //! The edge says that it reads copies with a one-byte `hello` datagram when
 //! its connection starts; the cloud answers `heard`. Each end sends copies
