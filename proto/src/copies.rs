@@ -20,10 +20,11 @@
 //! travel in different packets and one loss cannot take both. That makes a
 //! copied write cost one full packet more on the wire; the size and rate
 //! bounds ([`CopySettings`]) keep bulk transfers and chatty streams out.
-//! The two packets do leave in one segmentation-offload batch (one
-//! `sendmsg`): a Linux host on the way that drops a whole batch before it is
-//! segmented (a queue discipline, a forwarding rule) takes both, as a loss
-//! on the wire does not.
+//! The copy is queued only after its frame was written and the connection's
+//! driver had its turn ([`crate::io`]'s transmit loop), so the two do not
+//! leave in one segmentation-offload batch (one `sendmsg`) either: a Linux
+//! host on the way that drops a whole batch before segmenting it (a queue
+//! discipline, a forwarding rule) would take both at once.
 //!
 //! The edge says that it reads copies with a one-byte `hello` datagram when
 //! its connection starts; the cloud answers `heard`. Each end sends copies

@@ -780,6 +780,8 @@ async fn transmit_loop<W: ChunkWrite>(
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut budget = CopyBudget::default();
     loop {
+        // The copy of this batch's lone small write, sent after the batch.
+        let mut copy = None;
         let wake = shared.tx.notified();
         tokio::pin!(wake);
         wake.as_mut().enable();
@@ -824,9 +826,8 @@ async fn transmit_loop<W: ChunkWrite>(
                 chunks.push(head.split().freeze());
             }
             // A lone small write of an interactive stream (a keystroke, its
-            // echo) goes once more as a datagram, before the frame is queued
-            // (see `crate::copies`); a batch of several is a transfer, not
-            // typing.
+            // echo) goes once more as a datagram (see `crate::copies`); a
+            // batch of several is a transfer, not typing.
             if let (Some(sink), 1, Some((stream, offset, at))) = (&copies, data_frames, first_data)
             {
                 let settings = sink.settings();
@@ -834,7 +835,7 @@ async fn transmit_loop<W: ChunkWrite>(
                     && chunks[at].len() <= settings.max_payload
                     && budget.take(settings.per_sec, std::time::Instant::now())
                 {
-                    sink.send_copy(stream, offset, &chunks[at]);
+                    copy = Some((sink.clone(), stream, offset, chunks[at].clone()));
                 }
             }
             if !chunks.is_empty() {
@@ -849,6 +850,14 @@ async fn transmit_loop<W: ChunkWrite>(
         if !chunks.is_empty() {
             send.write_chunks(&mut chunks).await?;
             chunks.clear();
+            if let Some((sink, stream, offset, payload)) = copy {
+                // Queued only once the connection's driver, woken by the
+                // write, has had its turn: queued together, the frame and
+                // its copy would leave in one segmentation-offload batch,
+                // which a host that drops whole batches loses at once.
+                tokio::task::yield_now().await;
+                sink.send_copy(stream, offset, &payload);
+            }
             continue;
         }
         if done {
