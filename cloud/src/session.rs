@@ -302,14 +302,18 @@ impl Session {
         let Some(owner) = self.book().splices.get(&copy.stream).cloned() else {
             return Fate::Unused;
         };
-        let via = Via {
-            node: self.node.clone(),
-            session: self.id.0,
-        };
-        if owner.send_relayed(&via, copy.stream, copy.offset, &copy.payload) {
+        if owner.send_relayed(&self.via(), copy.stream, copy.offset, &copy.payload) {
             Fate::Relayed
         } else {
             Fate::Unused
+        }
+    }
+
+    /// What this session's relayed copies name.
+    fn via(&self) -> Via {
+        Via {
+            node: self.node.clone(),
+            session: self.id.0,
         }
     }
 
@@ -743,10 +747,7 @@ impl Session {
                 Link::Connected {
                     copies: Some(c), ..
                 } => Some(c.clone() as Arc<dyn CopySink>),
-                Link::Relayed { copies, .. } => Some(copies.relayed(Via {
-                    node: self.node.clone(),
-                    session: self.id.0,
-                })),
+                Link::Relayed { copies, .. } => Some(copies.relayed(self.via())),
                 _ => None,
             };
             match drive(shared.clone(), recv, send, attach, max_frame, copies).await {

@@ -835,7 +835,7 @@ async fn transmit_loop<W: ChunkWrite>(
                     && chunks[at].len() <= settings.max_payload
                     && budget.take(settings.per_sec, std::time::Instant::now())
                 {
-                    copy = Some((sink.clone(), stream, offset, chunks[at].clone()));
+                    copy = Some((stream, offset, chunks[at].clone()));
                 }
             }
             if !chunks.is_empty() {
@@ -850,7 +850,7 @@ async fn transmit_loop<W: ChunkWrite>(
         if !chunks.is_empty() {
             send.write_chunks(&mut chunks).await?;
             chunks.clear();
-            if let Some((sink, stream, offset, payload)) = copy {
+            if let (Some(sink), Some((stream, offset, payload))) = (&copies, copy) {
                 // Queued only once the connection's driver, woken by the
                 // write, has had its turn: queued together, the frame and
                 // its copy would leave in one segmentation-offload batch,
