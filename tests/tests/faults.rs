@@ -631,13 +631,14 @@ impl Traffic {
         Ok(())
     }
 
-    /// Waits until both streams move after `since`, or one of them ends.
+    /// Waits until both streams moved past `(bytes, lines)`, counted at
+    /// `since`, or one of them ends.
     async fn wait_flowing_or_ended(
         &self,
         since: Instant,
+        (bytes, lines): (u64, usize),
         limit: Duration,
     ) -> Result<Duration, String> {
-        let (bytes, lines) = (self.received(), self.log_lines());
         loop {
             self.check_so_far()?;
             if self.received() > bytes && self.log_lines() > lines {
@@ -678,13 +679,30 @@ async fn slow_return_cycles(
     let mut traffic = Traffic::start(&env.client).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (mut kept, mut lost) = (0, 0);
+    let edge_metrics = edge_metrics_addr(&env.edge);
     for (n, c) in cycles.iter().enumerate() {
         env.link.outage(true).unwrap();
+        let down = Instant::now();
         tokio::time::sleep(c.outage).await;
+        // QUIC keeps a connection for at least three probe timeouts (RFC 9000
+        // §10.1), longer than --idle-timeout while the RTT estimate still
+        // holds the previous cycle's slow link. The link stays down until the
+        // edge gave the connection up, so every cycle tests a resume.
+        let noticed = Duration::from_secs(60);
+        while ns_metric(&env.link, false, edge_metrics, "tether_edge_connected").await != 0.0 {
+            assert!(
+                down.elapsed() < c.outage + noticed,
+                "{label} cycle {n}: the edge still holds its connection {:?} into the outage",
+                down.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let outage = down.elapsed();
         env.link
             .set(Impairment::clean().with_delay(c.one_way).with_loss(c.loss))
             .unwrap();
         let from = env.cloud_log().len();
+        let moved = (traffic.received(), traffic.log_lines());
         env.link.outage(false).unwrap();
         let restored = Instant::now();
         let mut welcome_dropped = false;
@@ -706,20 +724,24 @@ async fn slow_return_cycles(
             }
         }
         let outcome = traffic
-            .wait_flowing_or_ended(restored, Duration::from_secs(150))
+            .wait_flowing_or_ended(restored, moved, Duration::from_secs(150))
             .await;
         env.link.set(Impairment::clean()).unwrap();
         match outcome {
             Ok(back) => {
                 kept += 1;
                 println!(
-                    "FIGURE {label} cycle {n} {c:?} welcome_dropped={welcome_dropped}: kept, streams moving {:.1} s after the link returned",
+                    "FIGURE {label} cycle {n} {c:?} (link down {:.1} s) welcome_dropped={welcome_dropped}: kept, streams moving {:.1} s after the link returned",
+                    outage.as_secs_f64(),
                     back.as_secs_f64()
                 );
             }
             Err(why) => {
                 lost += 1;
-                println!("FIGURE {label} cycle {n} {c:?} welcome_dropped={welcome_dropped}: LOST ({why})");
+                println!(
+                    "FIGURE {label} cycle {n} {c:?} (link down {:.1} s) welcome_dropped={welcome_dropped}: LOST ({why})",
+                    outage.as_secs_f64()
+                );
                 // Start over with new streams once the edge is routable again.
                 traffic.stop.store(true, Ordering::Relaxed);
                 traffic.writer.abort();
@@ -743,22 +765,17 @@ async fn slow_return_cycles(
         "tether_cloud_resumes_total",
     )
     .await;
-    let edge_resumes = ns_metric(
-        &env.link,
-        false,
-        edge_metrics_addr(&env.edge),
-        "tether_edge_resumes_total",
-    )
-    .await;
+    let edge_resumes = ns_metric(&env.link, false, edge_metrics, "tether_edge_resumes_total").await;
     println!(
         "FIGURE {label}: resumes counted by the cloud {cloud_resumes}, by the edge {edge_resumes}"
     );
     if lost == 0 {
-        // Each cycle outlasts the idle timeout, so each kept session took a
-        // resume the cloud attached. The cloud counts a resume when the
-        // edge's commit arrives, the edge when it sent it: a connection that
-        // dies between the two (the link is slow and lossy here) is counted
-        // by the edge alone, which then resumes once more.
+        // The link stayed down until the edge gave its connection up, so
+        // each kept session took a resume the cloud attached. The cloud
+        // counts a resume when the edge's commit arrives, the edge when it
+        // sent it: a connection that dies between the two (the link is slow
+        // and lossy here) is counted by the edge alone, which then resumes
+        // once more.
         assert!(
             cloud_resumes <= edge_resumes,
             "the cloud counts only resumes the edge committed to: cloud {cloud_resumes}, edge {edge_resumes}"
@@ -771,7 +788,7 @@ async fn slow_return_cycles(
     (kept, lost)
 }
 
-/// Outages of 6–15 s with a 3 s idle timeout (the connection dies in each),
+/// Outages of 6–15 s with a 3 s idle timeout (and until the connection died),
 /// then the link back at 300 ms–1 s RTT and 0–20 % loss; two cycles lose the
 /// welcome on the wire as well. Before the fix about half of such cycles lost
 /// the session.
