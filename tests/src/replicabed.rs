@@ -766,8 +766,12 @@ impl Bed {
         Ok(())
     }
 
-    /// Waits for edge `j`'s next "connected" line.
+    /// Waits for edge `j`'s next "connected" line, then until a replica's
+    /// `/status` shows the edge attached: the edge prints the line once it
+    /// sent its commit, and the replica attaches it when the commit arrives
+    /// (a few ms later, or more on a loaded machine).
     pub async fn wait_edge_connected(&mut self, j: usize, limit: Duration) -> Result<()> {
+        let start = Instant::now();
         let name = self.edges[j].name.clone();
         let p = self.edges[j]
             .edge
@@ -776,6 +780,12 @@ impl Bed {
         let prefix = format!("tether-edge connected node={name} ");
         p.wait_line(&format!("`{prefix}…`"), limit, |l| l.starts_with(&prefix))
             .await?;
+        while self.holder_of(&name).await?.is_none() {
+            if start.elapsed() > limit {
+                bail!("edge {name} connected, but no replica showed it attached within {limit:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         Ok(())
     }
 

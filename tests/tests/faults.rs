@@ -788,7 +788,7 @@ async fn slow_return_cycles(
     (kept, lost)
 }
 
-/// Outages of 6–15 s with a 3 s idle timeout (and until the connection died),
+/// Outages of 6–15 s (and until the edge's connection died), a 3 s idle timeout,
 /// then the link back at 300 ms–1 s RTT and 0–20 % loss; two cycles lose the
 /// welcome on the wire as well. Before the fix about half of such cycles lost
 /// the session.
