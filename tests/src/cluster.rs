@@ -135,6 +135,18 @@ pub struct ClusterSpec {
     pub cri_script: Option<String>,
     /// How many cloud replicas (tunnel mode; 0 and 1 both mean one, without peers).
     pub replicas: usize,
+    /// More flags for every cloud replica (after the harness's own, so they win).
+    pub cloud_args: Vec<String>,
+}
+
+/// A response whose body is still arriving ([`Cluster::kubelet_open_via`]).
+pub struct OpenReply {
+    /// The status line's code.
+    pub status: u16,
+    /// Status line, headers and the body bytes read so far (a refusal's whole message).
+    pub text: String,
+    /// The connection, after what `text` holds.
+    pub io: tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
 }
 
 /// `TETHER_E2E_REPLICAS` (default 1): how many cloud replicas a suite's cluster runs.
@@ -630,6 +642,7 @@ impl Cluster {
                         .args(["--shutdown-delay", "0s"])
                         .args(peers.flags());
                 }
+                cmd.args(&spec.cloud_args);
                 starting.push(Proc::spawn(&name, cmd, &logs, opts)?);
             }
             for mut proc in starting {
@@ -857,6 +870,71 @@ impl Cluster {
             Mode::Direct => ("127.0.0.1".to_string(), addr.to_string()),
         };
         self.client.get(addr, &server_name, &host, path).await
+    }
+
+    /// `GET path` for `node` through the kubelet API at `addr` (as
+    /// [`Cluster::kubelet_get_via`]), returned once the response head arrived with
+    /// the connection still open: for a response that streams, such as `logs -f`.
+    /// A non-2xx answer's body is read for up to a second into [`OpenReply::text`].
+    /// Bounded by `limit`.
+    pub async fn kubelet_open_via(
+        &self,
+        addr: SocketAddr,
+        node: &str,
+        path: &str,
+        limit: Duration,
+    ) -> Result<OpenReply> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (server_name, host) = match self.mode {
+            Mode::Tunnel => (node.to_string(), format!("{node}:{KUBELET_PORT}")),
+            Mode::Direct => ("127.0.0.1".to_string(), addr.to_string()),
+        };
+        let open = async {
+            let mut io = self.client.connect_from(None, addr, &server_name).await?;
+            io.write_all(format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+                .await
+                .context("writing the request")?;
+            let mut got = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = io
+                    .read(&mut buf)
+                    .await
+                    .context("reading the response head")?;
+                if n == 0 || got.len() > 64 << 10 {
+                    bail!(
+                        "no response head ({} bytes: {:?})",
+                        got.len(),
+                        String::from_utf8_lossy(&got)
+                    );
+                }
+                got.extend_from_slice(&buf[..n]);
+            }
+            let status = std::str::from_utf8(&got)
+                .ok()
+                .and_then(|t| t.split_whitespace().nth(1))
+                .and_then(|c| c.parse::<u16>().ok())
+                .with_context(|| {
+                    format!("bad status line in {:?}", String::from_utf8_lossy(&got))
+                })?;
+            if !(200..300).contains(&status) {
+                let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                    while let Ok(n @ 1..) = io.read(&mut buf).await {
+                        got.extend_from_slice(&buf[..n]);
+                    }
+                })
+                .await;
+            }
+            Ok(OpenReply {
+                status,
+                text: String::from_utf8_lossy(&got).into_owned(),
+                io,
+            })
+        };
+        tokio::time::timeout(limit, open)
+            .await
+            .map_err(|_| anyhow!("GET {path} on {addr}: no response head within {limit:?}"))?
+            .with_context(|| format!("GET {path} on {addr}"))
     }
 
     /// Waits until every pod's first container answers a log request through the kubelet

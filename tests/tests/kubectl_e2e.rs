@@ -122,6 +122,7 @@ fn spec(mode: Mode, replicas: usize, cri_runtime: Option<PathBuf>) -> ClusterSpe
         cri_script: cri_runtime.as_ref().map(|_| CRI_SCRIPT.to_string()),
         cri_runtime,
         replicas,
+        cloud_args: Vec::new(),
     }
 }
 

@@ -776,7 +776,7 @@ async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
         scenario(r, &format!("{} concurrent sessions", plan.sessions), res);
     }
     if want("replicas") {
-        let res = replicas::run(r, plan.replica_edges, plan.replica_bulk_mib).await;
+        let res = replicas::run(r, plan.replica_edges, plan.replica_bulk_mib, plan.sessions).await;
         scenario(r, "replicas scenario", res);
     }
     if want("roll replicas") {

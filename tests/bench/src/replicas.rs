@@ -4,7 +4,11 @@
 //! `tether-edge` + kubelet-sim per replica): the same request sent to the replica that
 //! holds the edge (served locally) and to another (relayed once over the peer link) —
 //! open latency p50/p99 of a small log request (a new TLS connection each, as the
-//! apiserver makes), and one-stream throughput of a large log; relayed ÷ local.
+//! apiserver makes), one-stream throughput of a large log, and the memory a held
+//! `kubectl logs -f` session costs: `sessions` follow requests held open at once, the
+//! RSS they add to all replicas together and to the edge (a relayed one crosses two
+//! replicas: the one the apiserver reached and the edge's holder, each given apart);
+//! relayed ÷ local.
 //!
 //! Part 2, `n` simulated edges (the scale scenario's generator: real QUIC, real
 //! certificates, the edge's handshake) spread over three replicas: time until all are
@@ -45,15 +49,23 @@ fn kill_quic() -> tether_proto::quic::QuicSettings {
 }
 
 /// Runs both parts and appends their tables.
-pub async fn run(r: &mut Report, n_edges: usize, bulk_mib: usize) -> Result<()> {
-    let rows = real_processes(bulk_mib).await.context("replicas: part 1")?;
+pub async fn run(r: &mut Report, n_edges: usize, bulk_mib: usize, sessions: usize) -> Result<()> {
+    let (rows, held) = real_processes(bulk_mib, sessions)
+        .await
+        .context("replicas: part 1")?;
     let mut t = Table::new(&["figure", "local", "relayed", "relayed ÷ local"], 2);
     for (k, l, rl) in rows {
         t.row(&k, vec![Cell::Num(l), Cell::Num(rl), Cell::Num(rl / l)]);
     }
     r.push(&format!(
-        "\n### Replicas: local vs relayed (3 replicas, real tether-edge + kubelet-sim, loopback)\n\n{}",
-        t.render()
+        "\n### Replicas: local vs relayed (3 replicas, real tether-edge + kubelet-sim, loopback)\n\n{}\n\
+         Held sessions: {sessions} `logs -f` requests open at once, each on its own TLS connection \
+         (as the apiserver makes one per `kubectl logs -f`), RSS 1 s after the last opened and one \
+         appended line reached every one. Relayed, per session: {:.1} KiB on the replica the \
+         apiserver reached, {:.1} KiB on the replica holding the edge.\n",
+        t.render(),
+        held.entry_kib,
+        held.holder_kib,
     ));
     let rows = simulated(n_edges).await.context("replicas: part 2")?;
     let mut t = Table::new(&["figure", "value"], 1);
@@ -67,8 +79,17 @@ pub async fn run(r: &mut Report, n_edges: usize, bulk_mib: usize) -> Result<()> 
     Ok(())
 }
 
-/// (figure, local, relayed).
-async fn real_processes(bulk_mib: usize) -> Result<Vec<(String, f64, f64)>> {
+/// A relayed held session's cost on each replica it crosses (KiB).
+struct HeldSplit {
+    entry_kib: f64,
+    holder_kib: f64,
+}
+
+/// (figure, local, relayed) rows, and the relayed held session's split.
+async fn real_processes(
+    bulk_mib: usize,
+    sessions: usize,
+) -> Result<(Vec<(String, f64, f64)>, HeldSplit)> {
     let dir = tempfile::tempdir()?;
     let nodes: Vec<NodeSpec> = (0..3)
         .map(|i| NodeSpec {
@@ -86,6 +107,7 @@ async fn real_processes(bulk_mib: usize) -> Result<Vec<(String, f64, f64)>> {
         cri_runtime: None,
         cri_script: None,
         replicas: 3,
+        cloud_args: Vec::new(),
     };
     let cluster = Cluster::start(&spec, dir.path()).await?;
     let result = async {
@@ -134,6 +156,20 @@ async fn real_processes(bulk_mib: usize) -> Result<Vec<(String, f64, f64)>> {
                 }
             }
         }
+        // Each follow starts at the log's end (tailLines=0): nothing to send until
+        // a line is appended. The large log goes first: finding its end would
+        // cost each follow a read of the whole file.
+        std::fs::write(&log, "").with_context(|| format!("emptying {}", log.display()))?;
+        // Local: edge-0 through replica 0. Relayed: edge-1 (held by replica 1)
+        // through replica 2, so no process of the relayed count reuses memory
+        // the local sessions freed.
+        let local_held = held(&cluster, local, 0, sessions)
+            .await
+            .context("held sessions, local")?;
+        let relayed_via = cluster.kubelet_apis_for("edge-1")?[2];
+        let relayed_held = held(&cluster, relayed_via, 1, sessions)
+            .await
+            .context("held sessions, relayed")?;
         let rows = vec![
             (
                 format!("request open p50, {LATENCY_N} requests (ms)"),
@@ -150,12 +186,123 @@ async fn real_processes(bulk_mib: usize) -> Result<Vec<(String, f64, f64)>> {
                 best.0,
                 best.1,
             ),
+            (
+                format!("RSS per held `logs -f` session, all 3 replicas, {sessions} held (KiB)"),
+                local_held.replicas_kib,
+                relayed_held.replicas_kib,
+            ),
+            (
+                format!("RSS per held `logs -f` session, tether-edge, {sessions} held (KiB)"),
+                local_held.edge_kib,
+                relayed_held.edge_kib,
+            ),
         ];
-        Ok(rows)
+        let split = HeldSplit {
+            entry_kib: relayed_held.per_replica_kib[2],
+            holder_kib: relayed_held.per_replica_kib[1],
+        };
+        Ok((rows, split))
     }
     .await;
     cluster.shutdown().await;
     result
+}
+
+/// Bound of opening one held session, and of the appended line reaching all.
+const HELD_LIMIT: Duration = Duration::from_secs(60);
+
+/// What `n` held sessions added (KiB per session).
+struct Held {
+    /// Per replica, in replica order.
+    per_replica_kib: Vec<f64>,
+    replicas_kib: f64,
+    edge_kib: f64,
+}
+
+/// RSS (KiB) of the three replicas, in order, and of `node`'s tether-edge.
+fn cluster_rss(cluster: &Cluster, node: &str) -> Result<(Vec<u64>, u64)> {
+    let procs = cluster.processes();
+    let rss = |name: &str| -> Result<u64> {
+        let pid = procs
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .and_then(|(_, pid, _)| *pid)
+            .with_context(|| format!("no running {name}"))?;
+        crate::footprint::status_kb(pid, "VmRSS:")
+    };
+    let replicas = (0..3)
+        .map(|i| rss(&format!("tether-cloud-{i}")))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((replicas, rss(&format!("tether-edge-{node}"))?))
+}
+
+/// Opens `n` `logs -f` requests for the pod of edge-`i` through the kubelet API at `via`,
+/// one after another, each on its own TLS connection, waits for every response head, appends one line
+/// and waits until every session got it, reads memory, then closes them all.
+async fn held(cluster: &Cluster, via: SocketAddr, i: usize, n: usize) -> Result<Held> {
+    let (node, pod) = (format!("edge-{i}"), format!("p{i}"));
+    use tokio::io::AsyncReadExt;
+    let (replicas0, edge0) = cluster_rss(cluster, &node)?;
+    let path = format!("/containerLogs/default/{pod}/c?follow=true&tailLines=0");
+    let mut open = Vec::with_capacity(n);
+    for i in 0..n {
+        let reply = cluster
+            .kubelet_open_via(via, &node, &path, HELD_LIMIT)
+            .await
+            .with_context(|| format!("session {i}"))?;
+        if reply.status != 200 {
+            bail!("session {i}: {}", reply.text.trim());
+        }
+        open.push(reply.io);
+    }
+    let marker = "held-session-marker\n";
+    cluster
+        .append_log(&node, "default", &pod, "c", marker)
+        .await?;
+    let mut reading = Vec::with_capacity(n);
+    for (i, mut tls) in open.into_iter().enumerate() {
+        reading.push(tokio::spawn(async move {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 1024];
+            tokio::time::timeout(HELD_LIMIT, async {
+                while !got.windows(marker.len()).any(|w| w == marker.as_bytes()) {
+                    let k = tls.read(&mut buf).await?;
+                    if k == 0 {
+                        bail!("session {i} ended before the appended line");
+                    }
+                    got.extend_from_slice(&buf[..k]);
+                }
+                Ok::<_, anyhow::Error>(())
+            })
+            .await
+            .with_context(|| format!("session {i}: the appended line did not arrive"))??;
+            Ok::<_, anyhow::Error>(tls)
+        }));
+    }
+    let mut live = Vec::with_capacity(n);
+    for t in reading {
+        live.push(t.await.context("read task")??);
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (replicas1, edge1) = cluster_rss(cluster, &node)?;
+    // A follow whose client left notices when it next writes (as with a real
+    // kubelet): one more line ends them all along the path, then they settle.
+    drop(live);
+    cluster
+        .append_log(&node, "default", &pod, "c", "held-sessions-closed\n")
+        .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let per = |a: u64, b: u64| b as f64 / n as f64 - a as f64 / n as f64;
+    let per_replica_kib: Vec<f64> = replicas0
+        .iter()
+        .zip(&replicas1)
+        .map(|(a, b)| per(*a, *b))
+        .collect();
+    Ok(Held {
+        replicas_kib: per(replicas0.iter().sum(), replicas1.iter().sum()),
+        per_replica_kib,
+        edge_kib: per(edge0, edge1),
+    })
 }
 
 /// One replica of part 2.

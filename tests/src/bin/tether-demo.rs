@@ -87,6 +87,7 @@ fn spec(cri_runtime: Option<PathBuf>) -> ClusterSpec {
         cri_runtime,
         cri_script: None,
         replicas: 1,
+        cloud_args: Vec::new(),
     }
 }
 
