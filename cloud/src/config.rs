@@ -13,6 +13,12 @@ use tether_proto::Limits;
 
 use crate::identity::AllowedIdentity;
 
+/// Bounds of `--peer-max-streams`: at least the route subscription and a few
+/// relays; at most what QUIC's stream-count field and a peer link's memory
+/// (~70 bytes per allowed stream) bear.
+const MIN_PEER_STREAMS: u32 = 4;
+const MAX_PEER_STREAMS: u32 = 1 << 20;
+
 /// Command-line flags of `tether-cloud`.
 #[derive(Debug, Parser)]
 #[command(
@@ -246,6 +252,16 @@ pub struct CloudArgs {
     /// larger one ends that peer's subscription (logged).
     #[arg(long, env = "TETHER_PEER_MAX_MESSAGE_BYTES", default_value = "1MiB", value_parser = parse_bytes_u32)]
     pub peer_max_message_bytes: u32,
+    /// Concurrent streams a peer may open on its link to this replica: one per
+    /// request relayed to an edge held here (a `logs -f` or `exec` holds its
+    /// stream for as long as it runs), plus the route subscription. The
+    /// default matches `--max-apiserver-connections`, so the link does not
+    /// bind before the peer's own limit; quinn keeps an entry per allowed
+    /// stream (4096: ~0.3 MiB per peer link) and hands freed ones back in
+    /// batches of an eighth. A relay past it waits `--peer-timeout`, then
+    /// fails with a 502 that names this flag.
+    #[arg(long, env = "TETHER_PEER_MAX_STREAMS", default_value_t = 4096)]
+    pub peer_max_streams: u32,
     /// With peers: how long a request for an edge that is known but
     /// connected to no replica (moving between replicas) waits for it before
     /// the 502; also bounds re-routing after a stale route.
@@ -295,6 +311,8 @@ pub struct PeerConfig {
     pub replica_name: String,
     /// Largest route update on the peer link.
     pub max_message_bytes: usize,
+    /// Concurrent streams a peer may open on its link here (`--peer-max-streams`).
+    pub max_streams: u32,
     /// Bounds of the relayed copies this replica sends on its peer links
     /// (`--interactive-copy-bytes`, `--interactive-copies-per-sec`).
     pub copies: tether_proto::copies::CopySettings,
@@ -415,6 +433,11 @@ impl CloudArgs {
         if self.peer_max_message_bytes < 4096 {
             return Err("--peer-max-message-bytes must be at least 4KiB".into());
         }
+        if !(MIN_PEER_STREAMS..=MAX_PEER_STREAMS).contains(&self.peer_max_streams) {
+            return Err(format!(
+                "--peer-max-streams must be {MIN_PEER_STREAMS}..={MAX_PEER_STREAMS}"
+            ));
+        }
         let replica_name = match &self.replica_name {
             Some(n) if !n.is_empty() => n.clone(),
             _ => std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -432,6 +455,7 @@ impl CloudArgs {
             timeout: self.peer_timeout,
             replica_name,
             max_message_bytes: self.peer_max_message_bytes as usize,
+            max_streams: self.peer_max_streams,
             copies: quic.copies,
             datagram_buffer: quic.datagram_buffer,
         }))
@@ -671,5 +695,22 @@ mod tests {
         let mut bad = PEER.to_vec();
         bad.push("--peers=:7000");
         assert!(parse(&bad).is_err());
+    }
+
+    #[test]
+    fn peer_stream_limit_defaults_to_the_apiserver_connection_limit_and_is_bounded() {
+        let p = parse(PEER).unwrap().peer.unwrap();
+        assert_eq!(p.max_streams, 4096);
+        let mut flags = PEER.to_vec();
+        flags.push("--peer-max-streams=16");
+        assert_eq!(parse(&flags).unwrap().peer.unwrap().max_streams, 16);
+        for bad in ["--peer-max-streams=3", "--peer-max-streams=1048577"] {
+            let mut flags = PEER.to_vec();
+            flags.push(bad);
+            assert!(
+                parse(&flags).unwrap_err().contains("--peer-max-streams"),
+                "{bad}"
+            );
+        }
     }
 }

@@ -152,6 +152,9 @@ fn transport(cfg: &PeerConfig) -> anyhow::Result<Arc<quinn::TransportConfig>> {
         quinn::IdleTimeout::try_from(cfg.timeout).context("--peer-timeout too large")?,
     ));
     t.keep_alive_interval(Some(cfg.timeout / 3));
+    // One stream per relayed request for as long as it runs (quinn's default
+    // of 100 made the 101st concurrent relay to one peer wait and fail).
+    t.max_concurrent_bidi_streams(cfg.max_streams.into());
     // Relayed copies of interactive writes ([`tether_proto::copies`]).
     t.datagram_receive_buffer_size(Some(cfg.datagram_buffer));
     t.datagram_send_buffer_size(cfg.datagram_buffer);

@@ -50,8 +50,8 @@ pub const RELAY_MAGIC: &[u8; 4] = b"TPR2";
 const MAX_NODE: usize = 253;
 /// Longest message in an answer.
 const MAX_MESSAGE: usize = 1024;
-/// Copy buffer of the holder's splice.
-const PIPE_BUF: usize = 64 * 1024;
+/// Largest chunk the holder's splice takes from one stream at a time.
+const PIPE_CHUNK: usize = 64 * 1024;
 
 /// What the owner asks the holder for: a QUIC stream to `node`'s edge, for
 /// stream `stream` of session `session`.
@@ -81,6 +81,11 @@ pub enum RelayError {
     Connection(#[from] quinn::ConnectionError),
     #[error("replica {replica} did not answer within {timeout:?} (--peer-timeout)")]
     Timeout { replica: String, timeout: Duration },
+    #[error(
+        "no stream to replica {replica} within {timeout:?} (--peer-timeout): every stream \
+         it allows on the peer link is open (its --peer-max-streams)"
+    )]
+    NoStreamCredit { replica: String, timeout: Duration },
 }
 
 impl SpliceHeader {
@@ -181,8 +186,16 @@ pub async fn splice_open(
     header: &SpliceHeader,
     timeout: Duration,
 ) -> Result<Result<(quinn::SendStream, quinn::RecvStream), Answer>, RelayError> {
+    let start = tokio::time::Instant::now();
+    // Waiting for the stream itself is waiting for the holder's stream credit:
+    // told apart from a holder that does not answer.
+    let (mut send, mut recv) = tokio::time::timeout(timeout, conn.open_bi())
+        .await
+        .map_err(|_| RelayError::NoStreamCredit {
+            replica: replica.to_string(),
+            timeout,
+        })??;
     let attempt = async {
-        let (mut send, mut recv) = conn.open_bi().await?;
         send.write_all(&header.encode())
             .await
             .map_err(io::Error::from)?;
@@ -191,7 +204,7 @@ pub async fn splice_open(
             other => Err(other),
         })
     };
-    tokio::time::timeout(timeout, attempt)
+    tokio::time::timeout_at(start + timeout, attempt)
         .await
         .map_err(|_| RelayError::Timeout {
             replica: replica.to_string(),
@@ -299,19 +312,35 @@ fn owner_gone(e: &quinn::ReadError) -> bool {
     matches!(e, quinn::ReadError::ConnectionLost(c) if !matches!(c, quinn::ConnectionError::LocallyClosed))
 }
 
-/// Copies one direction; on a failure resets/stops the other side with what
-/// `on_error` says.
+/// Copies one direction; on a failure resets/stops the other side. Ends as
+/// soon as the reader of `to` stops it, without waiting for `from` to send
+/// again: an owner whose client left stops reading at once, while the edge
+/// may stay silent for as long as the pod writes nothing (a `logs -f`), and
+/// until the splice ends it holds one of the peer link's streams.
 async fn copy_one(
     mut from: quinn::RecvStream,
     mut to: quinn::SendStream,
     counter: prometheus_client::metrics::counter::Counter,
     from_is_owner: bool,
 ) {
-    let mut buf = vec![0u8; PIPE_BUF];
+    let stopped = to.stopped();
+    tokio::pin!(stopped);
+    // quinn's own received chunks pass on as they are: no copy, and no buffer
+    // of the splice's own for as long as the stream lives (two 64 KiB buffers
+    // per relayed stream before, most of them idle: a `logs -f`, a shell).
     loop {
-        match from.read(&mut buf).await {
-            Ok(Some(n)) => {
-                if to.write_all(&buf[..n]).await.is_err() {
+        let read = tokio::select! {
+            read = from.read_chunk(PIPE_CHUNK, true) => read,
+            why = &mut stopped => {
+                debug!(?why, "the other side stopped reading; stopping this direction");
+                let _ = from.stop(stream_code::DETACHED.into());
+                return;
+            }
+        };
+        match read {
+            Ok(Some(chunk)) => {
+                let n = chunk.bytes.len();
+                if to.write_chunk(chunk.bytes).await.is_err() {
                     let _ = from.stop(stream_code::DETACHED.into());
                     return;
                 }
@@ -346,11 +375,13 @@ async fn splice(
         copy_one(owner_recv, edge_send, counters.sent.clone(), true),
         copy_one(edge_recv, owner_send, counters.received.clone(), false),
     );
+    debug!("splice ended");
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tether_proto::ops::ByteCounters;
 
     #[tokio::test]
     async fn header_and_answer_round_trip_and_garbage_is_refused() {
@@ -390,6 +421,88 @@ mod tests {
             Answer::read(&mut &huge[..]).await,
             Ok(Answer::NotHere(m)) if m.len() <= MAX_MESSAGE
         ));
+    }
+
+    /// A holder whose streams are all in use and one that does not answer end
+    /// a splice open apart, each within the bound and naming its cause.
+    #[tokio::test]
+    async fn a_peer_link_without_stream_credit_is_told_apart_from_a_silent_holder() {
+        let mut t = quinn::TransportConfig::default();
+        t.max_concurrent_bidi_streams(2u32.into());
+        let (owner, holder, _endpoints) =
+            tether_proto::testing::quic_pair_with(std::sync::Arc::new(t))
+                .await
+                .unwrap();
+        let header = SpliceHeader {
+            node: "edge-1".into(),
+            session: 1,
+            stream: 1,
+        };
+        let bound = Duration::from_millis(300);
+        // The holder accepts but never answers: the open has its stream, then no answer.
+        let silent = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok(pair) = holder.accept_bi().await {
+                kept.push(pair);
+            }
+        });
+        let t0 = tokio::time::Instant::now();
+        let e = splice_open(&owner, "r0", &header, bound).await.unwrap_err();
+        assert!(matches!(e, RelayError::Timeout { .. }), "{e}");
+        assert!(t0.elapsed() < bound * 3, "{:?}", t0.elapsed());
+        // A second stream uses the last credit; the third waits for credit.
+        let _held = owner.open_bi().await.unwrap();
+        let t0 = tokio::time::Instant::now();
+        let e = splice_open(&owner, "r0", &header, bound).await.unwrap_err();
+        assert!(matches!(e, RelayError::NoStreamCredit { .. }), "{e}");
+        assert!(e.to_string().contains("--peer-max-streams"), "{e}");
+        assert!(
+            t0.elapsed() >= bound && t0.elapsed() < bound * 3,
+            "{:?}",
+            t0.elapsed()
+        );
+        silent.abort();
+    }
+
+    /// When the owner lets a spliced stream go, the holder's splice ends at
+    /// once, though the edge has nothing to send: the owner gets the peer
+    /// link's stream credit back and the edge is told both ways.
+    #[tokio::test]
+    async fn a_splice_ends_when_the_owner_leaves_and_gives_its_stream_credit_back() {
+        let mut t = quinn::TransportConfig::default();
+        t.max_concurrent_bidi_streams(1u32.into());
+        let t = std::sync::Arc::new(t);
+        let (owner, holder, _e1) = tether_proto::testing::quic_pair_with(t.clone())
+            .await
+            .unwrap();
+        let (to_edge, edge, _e2) = tether_proto::testing::quic_pair_with(t).await.unwrap();
+        let bound = Duration::from_secs(5);
+        let (mut os, mut or) = owner.open_bi().await.unwrap();
+        os.write_all(b"hello").await.unwrap();
+        let (hs, hr) = holder.accept_bi().await.unwrap();
+        let (es, er) = to_edge.open_bi().await.unwrap();
+        let splicing = tokio::spawn(splice((hr, hs), (er, es), ByteCounters::default()));
+        let (mut edge_send, mut edge_recv) = edge.accept_bi().await.unwrap();
+        let mut got = [0u8; 5];
+        edge_recv.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"hello");
+        edge_send.write_all(b"world").await.unwrap();
+        or.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"world");
+        // The owner goes away without finishing (its client left); the edge,
+        // which has not heard yet, still holds its end.
+        drop((os, or));
+        tokio::time::timeout(bound, splicing)
+            .await
+            .expect("the splice ended")
+            .unwrap();
+        let next = tokio::time::timeout(bound, owner.open_bi()).await;
+        assert!(matches!(next, Ok(Ok(_))), "no stream credit back: {next:?}");
+        // The edge is told its stream is gone both ways.
+        let rest = tokio::time::timeout(bound, edge_recv.read_to_end(1024)).await;
+        assert!(matches!(rest, Ok(Ok(_))), "{rest:?}");
+        let stopped = tokio::time::timeout(bound, edge_send.stopped()).await;
+        assert!(matches!(stopped, Ok(Ok(Some(_)))), "{stopped:?}");
     }
 }
 

@@ -1,7 +1,9 @@
 //! Several cloud replicas (issue "Cloud replicas"), as real `tether-cloud`
 //! processes on loopback: they find each other through a static `--peers`
 //! list over the mutual-TLS peer link, notice a replica that joins or dies
-//! within a bound, and refuse a "peer" whose certificate is not a peer's.
+//! within a bound, and refuse a "peer" whose certificate is not a peer's; and,
+//! with a real edge and kubelet-sim behind them, relay no more requests to one
+//! peer at once than `--peer-max-streams`, saying so.
 
 mod support;
 
@@ -340,4 +342,112 @@ async fn a_cut_peer_link_is_seen_within_the_timeout_and_heals() {
     relay.set_outage(false);
     let t = wait_peers_up(&a, 1.0, healed).await;
     eprintln!("replica-a relinks after {t:?} once the link heals");
+}
+
+/// `--peer-max-streams` bounds the requests one replica relays to another at once
+/// (a `logs -f` holds its stream for as long as it runs). Past it a relay fails
+/// within `--route-wait` with a 502 that names the flag, the held ones go on, and
+/// relays open again once some have ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_past_the_peer_stream_limit_fail_naming_it_and_open_again_when_some_end() {
+    use tether_tests::cluster::{Cluster, ClusterSpec, Mode, NodeSpec, PodSpec};
+    use tokio::io::AsyncReadExt;
+    const LIMIT: usize = 8;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = ClusterSpec {
+        mode: Mode::Tunnel,
+        nodes: vec![NodeSpec {
+            name: "edge-0".into(),
+            pods: vec![PodSpec::new("default", "p0", &["c"])],
+        }],
+        phantom_pods: Vec::new(),
+        impostor_pods: Vec::new(),
+        own_process_groups: false,
+        certs_via_cli: false,
+        cri_runtime: None,
+        cri_script: None,
+        replicas: 2,
+        cloud_args: [
+            "--peer-max-streams",
+            &LIMIT.to_string(),
+            "--peer-timeout",
+            "2s",
+            "--route-wait",
+            "3s",
+        ]
+        .map(String::from)
+        .to_vec(),
+    };
+    let cluster = Cluster::start(&spec, dir.path()).await.unwrap();
+    let result = async {
+        // edge-0 is held by replica 0; replica 1 relays.
+        let via = cluster.kubelet_apis_for("edge-0")?[1];
+        let path = "/containerLogs/default/p0/c?follow=true&tailLines=0";
+        let limit = Duration::from_secs(30);
+        let mut held = Vec::new();
+        let refusal = loop {
+            anyhow::ensure!(
+                held.len() <= LIMIT,
+                "{} relayed follows open with --peer-max-streams {LIMIT}",
+                held.len()
+            );
+            let r = cluster.kubelet_open_via(via, "edge-0", path, limit).await?;
+            if r.status != 200 {
+                break r;
+            }
+            held.push(r.io);
+        };
+        // The route subscription may take one of the link's streams.
+        anyhow::ensure!(
+            held.len() + 1 >= LIMIT,
+            "only {} relayed follows opened before a refusal: {}",
+            held.len(),
+            refusal.text
+        );
+        anyhow::ensure!(
+            refusal.status == 502 && refusal.text.contains("--peer-max-streams"),
+            "the refusal does not name the limit: {}",
+            refusal.text
+        );
+        // Two end (a follow notices at the next line); every other one gets
+        // that line, and a new relay opens. (quinn announces freed streams
+        // once more than an eighth of the limit are free: here two.)
+        held.truncate(held.len() - 2);
+        cluster
+            .append_log("edge-0", "default", "p0", "c", "one-ended\n")
+            .await?;
+        for (i, io) in held.iter_mut().enumerate() {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 256];
+            tokio::time::timeout(limit, async {
+                while !got.windows(9).any(|w| w == b"one-ended") {
+                    let n = io.read(&mut buf).await?;
+                    anyhow::ensure!(n > 0, "held follow {i} ended");
+                    got.extend_from_slice(&buf[..n]);
+                }
+                Ok(())
+            })
+            .await
+            .map_err(|_| anyhow::anyhow!("held follow {i}: no line within {limit:?}"))??;
+        }
+        let start = Instant::now();
+        loop {
+            let r = cluster.kubelet_open_via(via, "edge-0", path, limit).await?;
+            if r.status == 200 {
+                break;
+            }
+            anyhow::ensure!(
+                start.elapsed() < Duration::from_secs(20),
+                "no relay opened within 20 s after two ended: {}",
+                r.text
+            );
+        }
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    let diagnostics = cluster.diagnostics(20);
+    cluster.shutdown().await;
+    if let Err(e) = result {
+        panic!("{e:#}\n{diagnostics}");
+    }
 }
