@@ -139,6 +139,25 @@ pub struct ClusterSpec {
     pub cloud_args: Vec<String>,
 }
 
+impl ClusterSpec {
+    /// `nodes` behind `replicas` cloud replicas (tunnel mode), kubelet-sim, every
+    /// other option off.
+    pub fn tunnel(nodes: Vec<NodeSpec>, replicas: usize) -> ClusterSpec {
+        ClusterSpec {
+            mode: Mode::Tunnel,
+            nodes,
+            phantom_pods: Vec::new(),
+            impostor_pods: Vec::new(),
+            own_process_groups: false,
+            certs_via_cli: false,
+            cri_runtime: None,
+            cri_script: None,
+            replicas,
+            cloud_args: Vec::new(),
+        }
+    }
+}
+
 /// A response whose body is still arriving ([`Cluster::kubelet_open_via`]).
 pub struct OpenReply {
     /// The status line's code.

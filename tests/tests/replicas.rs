@@ -350,34 +350,27 @@ async fn a_cut_peer_link_is_seen_within_the_timeout_and_heals() {
 /// relays open again once some have ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_past_the_peer_stream_limit_fail_naming_it_and_open_again_when_some_end() {
-    use tether_tests::cluster::{Cluster, ClusterSpec, Mode, NodeSpec, PodSpec};
+    use tether_tests::cluster::{Cluster, ClusterSpec, NodeSpec, PodSpec};
     use tokio::io::AsyncReadExt;
     const LIMIT: usize = 8;
     let dir = tempfile::tempdir().unwrap();
-    let spec = ClusterSpec {
-        mode: Mode::Tunnel,
-        nodes: vec![NodeSpec {
+    let mut spec = ClusterSpec::tunnel(
+        vec![NodeSpec {
             name: "edge-0".into(),
             pods: vec![PodSpec::new("default", "p0", &["c"])],
         }],
-        phantom_pods: Vec::new(),
-        impostor_pods: Vec::new(),
-        own_process_groups: false,
-        certs_via_cli: false,
-        cri_runtime: None,
-        cri_script: None,
-        replicas: 2,
-        cloud_args: [
-            "--peer-max-streams",
-            &LIMIT.to_string(),
-            "--peer-timeout",
-            "2s",
-            "--route-wait",
-            "3s",
-        ]
-        .map(String::from)
-        .to_vec(),
-    };
+        2,
+    );
+    spec.cloud_args = [
+        "--peer-max-streams",
+        &LIMIT.to_string(),
+        "--peer-timeout",
+        "2s",
+        "--route-wait",
+        "3s",
+    ]
+    .map(String::from)
+    .to_vec();
     let cluster = Cluster::start(&spec, dir.path()).await.unwrap();
     let result = async {
         // edge-0 is held by replica 0; replica 1 relays.

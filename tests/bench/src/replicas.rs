@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tether_certs::Ca;
-use tether_tests::cluster::{sample, Cluster, ClusterSpec, Mode, NodeSpec, PodSpec};
+use tether_tests::cluster::{sample, Cluster, ClusterSpec, NodeSpec, PodSpec};
 use tether_tests::process::{Proc, SpawnOptions};
 
 use crate::measure::pct;
@@ -97,18 +97,7 @@ async fn real_processes(
             pods: vec![PodSpec::new("default", &format!("p{i}"), &["c"])],
         })
         .collect();
-    let spec = ClusterSpec {
-        mode: Mode::Tunnel,
-        nodes,
-        phantom_pods: Vec::new(),
-        impostor_pods: Vec::new(),
-        own_process_groups: false,
-        certs_via_cli: false,
-        cri_runtime: None,
-        cri_script: None,
-        replicas: 3,
-        cloud_args: Vec::new(),
-    };
+    let spec = ClusterSpec::tunnel(nodes, 3);
     let cluster = Cluster::start(&spec, dir.path()).await?;
     let result = async {
         let apis = cluster.kubelet_apis_for("edge-0")?;
