@@ -325,13 +325,20 @@ async fn copy_one(
 ) {
     let stopped = to.stopped();
     tokio::pin!(stopped);
+    let mut watch_stop = true;
     // quinn's own received chunks pass on as they are: no copy, and no buffer
     // of the splice's own for as long as the stream lives (two 64 KiB buffers
     // per relayed stream before, most of them idle: a `logs -f`, a shell).
     loop {
         let read = tokio::select! {
             read = from.read_chunk(PIPE_CHUNK, true) => read,
-            why = &mut stopped => {
+            why = &mut stopped, if watch_stop => {
+                if why.is_err() {
+                    // The connection is going: the read or write below
+                    // fails and says how (an owner's link lost is OWNER_GONE).
+                    watch_stop = false;
+                    continue;
+                }
                 debug!(?why, "the other side stopped reading; stopping this direction");
                 let _ = from.stop(stream_code::DETACHED.into());
                 return;
