@@ -298,6 +298,7 @@ pub async fn serve(
             (recv, send),
             (edge_recv, edge_send),
             metrics.relayed_bytes.clone(),
+            timeout,
         )
         .await;
     }
@@ -312,16 +313,20 @@ fn owner_gone(e: &quinn::ReadError) -> bool {
     matches!(e, quinn::ReadError::ConnectionLost(c) if !matches!(c, quinn::ConnectionError::LocallyClosed))
 }
 
-/// Copies one direction; on a failure resets/stops the other side. Ends as
-/// soon as the reader of `to` stops it, without waiting for `from` to send
-/// again: an owner whose client left stops reading at once, while the edge
-/// may stay silent for as long as the pod writes nothing (a `logs -f`), and
-/// until the splice ends it holds one of the peer link's streams.
+/// Copies one direction; on a failure resets/stops the other side. When the
+/// reader of `to` stops it, `to` is let go at once, without waiting for `from`
+/// to send again: an owner whose client left stops reading, while the edge may
+/// stay silent for as long as the pod writes nothing (a `logs -f`), and until
+/// then the splice held one of the peer link's streams. `from` is then given
+/// `grace` to end on its own before it is stopped: its sender has the other
+/// direction's last bytes to read first (a reset and its reason), which a
+/// stop arriving at once could beat.
 async fn copy_one(
     mut from: quinn::RecvStream,
     mut to: quinn::SendStream,
     counter: prometheus_client::metrics::counter::Counter,
     from_is_owner: bool,
+    grace: Duration,
 ) {
     let stopped = to.stopped();
     tokio::pin!(stopped);
@@ -339,8 +344,15 @@ async fn copy_one(
                     watch_stop = false;
                     continue;
                 }
-                debug!(?why, "the other side stopped reading; stopping this direction");
-                let _ = from.stop(stream_code::DETACHED.into());
+                debug!(?why, "the other side stopped reading; ending this direction");
+                drop(to);
+                let drained = tokio::time::timeout(grace, async {
+                    while let Ok(Some(_)) = from.read_chunk(PIPE_CHUNK, true).await {}
+                })
+                .await;
+                if drained.is_err() {
+                    let _ = from.stop(stream_code::DETACHED.into());
+                }
                 return;
             }
         };
@@ -377,10 +389,17 @@ async fn splice(
     (owner_recv, owner_send): (quinn::RecvStream, quinn::SendStream),
     (edge_recv, edge_send): (quinn::RecvStream, quinn::SendStream),
     counters: ByteCounters,
+    grace: Duration,
 ) {
     tokio::join!(
-        copy_one(owner_recv, edge_send, counters.sent.clone(), true),
-        copy_one(edge_recv, owner_send, counters.received.clone(), false),
+        copy_one(owner_recv, edge_send, counters.sent.clone(), true, grace),
+        copy_one(
+            edge_recv,
+            owner_send,
+            counters.received.clone(),
+            false,
+            grace
+        ),
     );
     debug!("splice ended");
 }
@@ -471,9 +490,10 @@ mod tests {
         silent.abort();
     }
 
-    /// When the owner lets a spliced stream go, the holder's splice ends at
-    /// once, though the edge has nothing to send: the owner gets the peer
-    /// link's stream credit back and the edge is told both ways.
+    /// When the owner lets a spliced stream go, the holder lets the owner's
+    /// stream go at once, though the edge has nothing to send: the owner gets
+    /// the peer link's stream credit back; the edge, silent past the grace,
+    /// is told both ways.
     #[tokio::test]
     async fn a_splice_ends_when_the_owner_leaves_and_gives_its_stream_credit_back() {
         let mut t = quinn::TransportConfig::default();
@@ -488,7 +508,8 @@ mod tests {
         os.write_all(b"hello").await.unwrap();
         let (hs, hr) = holder.accept_bi().await.unwrap();
         let (es, er) = to_edge.open_bi().await.unwrap();
-        let splicing = tokio::spawn(splice((hr, hs), (er, es), ByteCounters::default()));
+        let grace = Duration::from_millis(300);
+        let splicing = tokio::spawn(splice((hr, hs), (er, es), ByteCounters::default(), grace));
         let (mut edge_send, mut edge_recv) = edge.accept_bi().await.unwrap();
         let mut got = [0u8; 5];
         edge_recv.read_exact(&mut got).await.unwrap();
@@ -497,14 +518,15 @@ mod tests {
         or.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"world");
         // The owner goes away without finishing (its client left); the edge,
-        // which has not heard yet, still holds its end.
+        // which has not heard yet, still holds its end. The owner's stream is
+        // let go at once: its credit is back before the edge's grace ends.
         drop((os, or));
+        let next = tokio::time::timeout(grace, owner.open_bi()).await;
+        assert!(matches!(next, Ok(Ok(_))), "no stream credit back: {next:?}");
         tokio::time::timeout(bound, splicing)
             .await
             .expect("the splice ended")
             .unwrap();
-        let next = tokio::time::timeout(bound, owner.open_bi()).await;
-        assert!(matches!(next, Ok(Ok(_))), "no stream credit back: {next:?}");
         // The edge is told its stream is gone both ways.
         let rest = tokio::time::timeout(bound, edge_recv.read_to_end(1024)).await;
         assert!(matches!(rest, Ok(Ok(_))), "{rest:?}");
