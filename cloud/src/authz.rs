@@ -9,7 +9,7 @@
 //! `--review-timeout` fails that request only.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
@@ -117,13 +117,30 @@ pub struct ReviewSettings {
 
 struct Cache<K, V> {
     entries: Mutex<HashMap<K, (Instant, V)>>,
+    /// One review per key at a time ([`Cache::turn`]).
+    turns: Mutex<HashMap<K, Arc<tokio::sync::Mutex<()>>>>,
 }
 
-impl<K: std::hash::Hash + Eq, V: Clone> Cache<K, V> {
+impl<K: std::hash::Hash + Eq + Clone, V: Clone> Cache<K, V> {
     fn new() -> Self {
         Cache {
             entries: Mutex::new(HashMap::new()),
+            turns: Mutex::new(HashMap::new()),
         }
+    }
+    /// Waits until no other task reviews `k`: requests that miss the cache
+    /// together (a scraper's first round, every target with one token) make
+    /// one review, not one each; the others find its answer cached. Keys
+    /// nobody waits on are swept once there are as many as cache entries.
+    async fn turn(&self, k: &K) -> tokio::sync::OwnedMutexGuard<()> {
+        let gate = {
+            let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
+            if turns.len() >= MAX_CACHE_ENTRIES {
+                turns.retain(|_, g| Arc::strong_count(g) > 1);
+            }
+            turns.entry(k.clone()).or_default().clone()
+        };
+        gate.lock_owned().await
     }
     fn get(&self, k: &K) -> Option<V> {
         let map = self.entries.lock().unwrap_or_else(|p| p.into_inner());
@@ -195,6 +212,13 @@ impl Reviewer {
     /// token's SHA-256 for the authentication TTL).
     pub async fn authenticate(&self, token: &str) -> Result<User, Refusal> {
         let key: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        let turn = match self.tokens.get(&key) {
+            Some(_) => None,
+            // Bounded like the review it waits for; past that, its own.
+            None => tokio::time::timeout(self.settings.timeout, self.tokens.turn(&key))
+                .await
+                .ok(),
+        };
         let known = match self.tokens.get(&key) {
             Some(k) => k,
             None => {
@@ -219,6 +243,7 @@ impl Reviewer {
                 user
             }
         };
+        drop(turn);
         known.ok_or_else(|| Refusal::Unauthenticated("invalid bearer token".into()))
     }
 
@@ -231,6 +256,13 @@ impl Reviewer {
         node: &str,
     ) -> Result<String, Refusal> {
         let key = (user.clone(), attrs.clone(), node.to_string());
+        let turn = match self.decisions.get(&key) {
+            Some(_) => None,
+            // Bounded like the review it waits for; past that, its own.
+            None => tokio::time::timeout(self.settings.timeout, self.decisions.turn(&key))
+                .await
+                .ok(),
+        };
         let decision = match self.decisions.get(&key) {
             Some(d) => d,
             None => {
@@ -268,6 +300,7 @@ impl Reviewer {
                 d
             }
         };
+        drop(turn);
         decision.map_err(|reason| {
             Refusal::Forbidden(format!(
                 "Forbidden (user={}, verb={}, resource=nodes, subresource={}, node={}){}",
@@ -326,6 +359,26 @@ mod tests {
             .contains("longer than"));
         let bin = HeaderValue::from_bytes(b"Bearer \xff\xfe").unwrap();
         assert!(bearer_token(&bin).is_err());
+    }
+
+    #[tokio::test]
+    async fn reviews_of_one_key_take_turns_and_other_keys_do_not_wait() {
+        let c: Cache<u32, u32> = Cache::new();
+        let held = c.turn(&1).await;
+        let t0 = Instant::now();
+        // Another key: no wait.
+        drop(c.turn(&2).await);
+        assert!(t0.elapsed() < Duration::from_millis(50));
+        // The same key waits for the turn to end; the answer put meanwhile
+        // is what it then finds.
+        let waiting = tokio::time::timeout(Duration::from_millis(100), c.turn(&1)).await;
+        assert!(waiting.is_err(), "the same key did not wait");
+        c.put(1, 7, Duration::from_secs(60));
+        drop(held);
+        let _t = tokio::time::timeout(Duration::from_secs(1), c.turn(&1))
+            .await
+            .expect("the turn came");
+        assert_eq!(c.get(&1), Some(7));
     }
 
     #[test]
