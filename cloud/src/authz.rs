@@ -128,6 +128,21 @@ impl<K: std::hash::Hash + Eq + Clone, V: Clone> Cache<K, V> {
             turns: Mutex::new(HashMap::new()),
         }
     }
+    /// The cached answer for `k`, or on a miss the turn to review it
+    /// ([`Cache::turn`], waited for at most `bound`, like the review it waits
+    /// for; past that the caller reviews without it). Looked up again once
+    /// the turn came: another task may have put the answer meanwhile.
+    async fn get_or_turn(
+        &self,
+        k: &K,
+        bound: Duration,
+    ) -> Result<V, Option<tokio::sync::OwnedMutexGuard<()>>> {
+        if let Some(v) = self.get(k) {
+            return Ok(v);
+        }
+        let turn = tokio::time::timeout(bound, self.turn(k)).await.ok();
+        self.get(k).ok_or(turn)
+    }
     /// Waits until no other task reviews `k`: requests that miss the cache
     /// together (a scraper's first round, every target with one token) make
     /// one review, not one each; the others find its answer cached. Keys
@@ -212,16 +227,9 @@ impl Reviewer {
     /// token's SHA-256 for the authentication TTL).
     pub async fn authenticate(&self, token: &str) -> Result<User, Refusal> {
         let key: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        let turn = match self.tokens.get(&key) {
-            Some(_) => None,
-            // Bounded like the review it waits for; past that, its own.
-            None => tokio::time::timeout(self.settings.timeout, self.tokens.turn(&key))
-                .await
-                .ok(),
-        };
-        let known = match self.tokens.get(&key) {
-            Some(k) => k,
-            None => {
+        let known = match self.tokens.get_or_turn(&key, self.settings.timeout).await {
+            Ok(v) => v,
+            Err(_turn) => {
                 let review = TokenReview {
                     spec: TokenReviewSpec {
                         token: Some(token.to_string()),
@@ -243,7 +251,6 @@ impl Reviewer {
                 user
             }
         };
-        drop(turn);
         known.ok_or_else(|| Refusal::Unauthenticated("invalid bearer token".into()))
     }
 
@@ -256,16 +263,13 @@ impl Reviewer {
         node: &str,
     ) -> Result<String, Refusal> {
         let key = (user.clone(), attrs.clone(), node.to_string());
-        let turn = match self.decisions.get(&key) {
-            Some(_) => None,
-            // Bounded like the review it waits for; past that, its own.
-            None => tokio::time::timeout(self.settings.timeout, self.decisions.turn(&key))
-                .await
-                .ok(),
-        };
-        let decision = match self.decisions.get(&key) {
-            Some(d) => d,
-            None => {
+        let decision = match self
+            .decisions
+            .get_or_turn(&key, self.settings.timeout)
+            .await
+        {
+            Ok(v) => v,
+            Err(_turn) => {
                 let review = SubjectAccessReview {
                     spec: SubjectAccessReviewSpec {
                         user: Some(user.name.clone()),
@@ -300,7 +304,6 @@ impl Reviewer {
                 d
             }
         };
-        drop(turn);
         decision.map_err(|reason| {
             Refusal::Forbidden(format!(
                 "Forbidden (user={}, verb={}, resource=nodes, subresource={}, node={}){}",
@@ -379,6 +382,15 @@ mod tests {
             .await
             .expect("the turn came");
         assert_eq!(c.get(&1), Some(7));
+        // A hit does not wait for the turn (still held here); a miss gets one.
+        assert!(matches!(
+            c.get_or_turn(&1, Duration::from_secs(1)).await,
+            Ok(7)
+        ));
+        assert!(matches!(
+            c.get_or_turn(&3, Duration::from_secs(1)).await,
+            Err(Some(_))
+        ));
     }
 
     #[test]

@@ -168,6 +168,32 @@ pub struct OpenReply {
     pub io: tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
 }
 
+/// Reads `io` until what it gave contains `marker`; returns all of it. Fails
+/// when `io` ends first or more than `max` bytes came without it. Not bounded
+/// in time: the caller bounds it.
+pub async fn read_until<R: tokio::io::AsyncRead + Unpin>(
+    io: &mut R,
+    marker: &[u8],
+    max: usize,
+) -> Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !got.windows(marker.len()).any(|w| w == marker) {
+        let n = io.read(&mut buf).await?;
+        if n == 0 || got.len() > max {
+            bail!(
+                "ended or {} bytes without {:?}: {:?}",
+                got.len(),
+                String::from_utf8_lossy(marker),
+                String::from_utf8_lossy(&got)
+            );
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    Ok(got)
+}
+
 /// `TETHER_E2E_REPLICAS` (default 1): how many cloud replicas a suite's cluster runs.
 pub fn replicas_from_env() -> Result<usize> {
     match std::env::var("TETHER_E2E_REPLICAS").as_deref() {
@@ -913,22 +939,9 @@ impl Cluster {
             io.write_all(format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
                 .await
                 .context("writing the request")?;
-            let mut got = Vec::new();
-            let mut buf = [0u8; 1024];
-            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                let n = io
-                    .read(&mut buf)
-                    .await
-                    .context("reading the response head")?;
-                if n == 0 || got.len() > 64 << 10 {
-                    bail!(
-                        "no response head ({} bytes: {:?})",
-                        got.len(),
-                        String::from_utf8_lossy(&got)
-                    );
-                }
-                got.extend_from_slice(&buf[..n]);
-            }
+            let mut got = read_until(&mut io, b"\r\n\r\n", 64 << 10)
+                .await
+                .context("reading the response head")?;
             let status = std::str::from_utf8(&got)
                 .ok()
                 .and_then(|t| t.split_whitespace().nth(1))
@@ -937,6 +950,7 @@ impl Cluster {
                     format!("bad status line in {:?}", String::from_utf8_lossy(&got))
                 })?;
             if !(200..300).contains(&status) {
+                let mut buf = [0u8; 1024];
                 let _ = tokio::time::timeout(Duration::from_secs(1), async {
                     while let Ok(n @ 1..) = io.read(&mut buf).await {
                         got.extend_from_slice(&buf[..n]);
@@ -944,7 +958,7 @@ impl Cluster {
                 })
                 .await;
             }
-            Ok(OpenReply {
+            Ok::<_, anyhow::Error>(OpenReply {
                 status,
                 text: String::from_utf8_lossy(&got).into_owned(),
                 io,

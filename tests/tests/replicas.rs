@@ -350,8 +350,7 @@ async fn a_cut_peer_link_is_seen_within_the_timeout_and_heals() {
 /// relays open again once some have ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_past_the_peer_stream_limit_fail_naming_it_and_open_again_when_some_end() {
-    use tether_tests::cluster::{Cluster, ClusterSpec, NodeSpec, PodSpec};
-    use tokio::io::AsyncReadExt;
+    use tether_tests::cluster::{read_until, Cluster, ClusterSpec, NodeSpec, PodSpec};
     const LIMIT: usize = 8;
     let dir = tempfile::tempdir().unwrap();
     let mut spec = ClusterSpec::tunnel(
@@ -410,18 +409,10 @@ async fn relays_past_the_peer_stream_limit_fail_naming_it_and_open_again_when_so
             .append_log("edge-0", "default", "p0", "c", "one-ended\n")
             .await?;
         for (i, io) in held.iter_mut().enumerate() {
-            let mut got = Vec::new();
-            let mut buf = [0u8; 256];
-            tokio::time::timeout(limit, async {
-                while !got.windows(9).any(|w| w == b"one-ended") {
-                    let n = io.read(&mut buf).await?;
-                    anyhow::ensure!(n > 0, "held follow {i} ended");
-                    got.extend_from_slice(&buf[..n]);
-                }
-                Ok(())
-            })
-            .await
-            .map_err(|_| anyhow::anyhow!("held follow {i}: no line within {limit:?}"))??;
+            tokio::time::timeout(limit, read_until(io, b"one-ended", 64 << 10))
+                .await
+                .map_err(|_| anyhow::anyhow!("held follow {i}: no line within {limit:?}"))?
+                .with_context(|| format!("held follow {i}"))?;
         }
         let start = Instant::now();
         loop {

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tether_certs::Ca;
-use tether_tests::cluster::{sample, Cluster, ClusterSpec, NodeSpec, PodSpec};
+use tether_tests::cluster::{read_until, sample, Cluster, ClusterSpec, NodeSpec, PodSpec};
 use tether_tests::process::{Proc, SpawnOptions};
 
 use crate::measure::pct;
@@ -230,7 +230,6 @@ fn cluster_rss(cluster: &Cluster, node: &str) -> Result<(Vec<u64>, u64)> {
 /// and waits until every session got it, reads memory, then closes them all.
 async fn held(cluster: &Cluster, via: SocketAddr, i: usize, n: usize) -> Result<Held> {
     let (node, pod) = (format!("edge-{i}"), format!("p{i}"));
-    use tokio::io::AsyncReadExt;
     let (replicas0, edge0) = cluster_rss(cluster, &node)?;
     let path = format!("/containerLogs/default/{pod}/c?follow=true&tailLines=0");
     let mut open = Vec::with_capacity(n);
@@ -251,20 +250,10 @@ async fn held(cluster: &Cluster, via: SocketAddr, i: usize, n: usize) -> Result<
     let mut reading = Vec::with_capacity(n);
     for (i, mut tls) in open.into_iter().enumerate() {
         reading.push(tokio::spawn(async move {
-            let mut got = Vec::new();
-            let mut buf = [0u8; 1024];
-            tokio::time::timeout(HELD_LIMIT, async {
-                while !got.windows(marker.len()).any(|w| w == marker.as_bytes()) {
-                    let k = tls.read(&mut buf).await?;
-                    if k == 0 {
-                        bail!("session {i} ended before the appended line");
-                    }
-                    got.extend_from_slice(&buf[..k]);
-                }
-                Ok::<_, anyhow::Error>(())
-            })
-            .await
-            .with_context(|| format!("session {i}: the appended line did not arrive"))??;
+            tokio::time::timeout(HELD_LIMIT, read_until(&mut tls, marker.as_bytes(), 1 << 20))
+                .await
+                .with_context(|| format!("session {i}: the appended line did not arrive"))?
+                .with_context(|| format!("session {i}"))?;
             Ok::<_, anyhow::Error>(tls)
         }));
     }
