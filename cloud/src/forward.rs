@@ -27,7 +27,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
@@ -565,10 +565,10 @@ impl Forwarder {
         }
         drop(wr);
         let body = StreamBody {
-            rd,
+            _rd: rd,
             shared,
+            counters: self.metrics.bytes.clone(),
             done: false,
-            buf: BytesMut::new(),
             node,
             _open: open_guard,
         };
@@ -742,14 +742,24 @@ async fn pump_request_body(
     let _ = wr.shutdown().await;
 }
 
+/// The most a response body frame carries: what one read takes from the
+/// stream at most.
+const BODY_CHUNK: usize = 64 * 1024;
+
 /// The response body, read from the stream. Ends cleanly only at the edge's
 /// clean end; a reset becomes a body error (aborted response). Dropped early
 /// (the apiserver went away), it resets the stream so the edge stops too.
+///
+/// It reads the stream's chunks as they arrived rather than into a buffer of
+/// its own, so a held `logs -f` or watch that is quiet holds no buffer.
 struct StreamBody {
-    rd: ReadHalf<EdgeIo>,
+    /// The stream's handle (dropped with the body); the body itself reads
+    /// through `shared`.
+    _rd: ReadHalf<EdgeIo>,
     shared: Resetter,
+    /// Where the bytes read are counted (the handle's counters).
+    counters: tether_proto::ops::ByteCounters,
     done: bool,
-    buf: BytesMut,
     node: String,
     /// Keeps the stream counted as open while the body streams.
     _open: OpenStream,
@@ -767,16 +777,16 @@ impl Body for StreamBody {
         if this.done {
             return Poll::Ready(None);
         }
-        if this.buf.capacity() < 16 * 1024 {
-            this.buf.reserve(64 * 1024);
-        }
-        match tokio_util::io::poll_read_buf(Pin::new(&mut this.rd), cx, &mut this.buf) {
+        match this.shared.poll_read_chunk(cx, BODY_CHUNK) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(Ok(0)) => {
+            Poll::Ready(Ok(None)) => {
                 this.done = true;
                 Poll::Ready(None)
             }
-            Poll::Ready(Ok(_)) => Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze())))),
+            Poll::Ready(Ok(Some(chunk))) => {
+                this.counters.received.inc_by(chunk.len() as u64);
+                Poll::Ready(Some(Ok(Frame::data(chunk))))
+            }
             Poll::Ready(Err(e)) => {
                 this.done = true;
                 info!(node = %this.node, error = %e, "response body cut short; aborting the apiserver's response");

@@ -388,6 +388,53 @@ impl SharedStream {
         }
     }
 
+    /// Reads what has arrived as one chunk of at most `max` bytes (`None` at
+    /// the peer's clean end), holding no buffer while nothing has: a payload
+    /// of [`CHUNK_AS_IS`] bytes or more is handed up as it arrived, without
+    /// a copy; smaller ones are joined with whatever else is queued behind
+    /// them into one allocation of just that size, so a chunked body's
+    /// pieces of a few bytes do not each become a frame of their own.
+    /// `max` must be positive. The application's end reads either this way or
+    /// through [`ResumableIo`]'s `AsyncRead`, not both at once.
+    pub fn poll_read_chunk(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+    ) -> Poll<io::Result<Option<Bytes>>> {
+        let mut g = self.lock();
+        match g.state.read(max) {
+            ReadOutcome::Data(first) => {
+                let queued = g.state.recv_buffered();
+                let chunk = if first.len() >= CHUNK_AS_IS || queued == 0 || first.len() >= max {
+                    first
+                } else {
+                    let mut joined = BytesMut::with_capacity(max.min(first.len() + queued));
+                    joined.extend_from_slice(&first);
+                    while joined.len() < max {
+                        match g.state.read(max - joined.len()) {
+                            ReadOutcome::Data(b) => joined.extend_from_slice(&b),
+                            // The end or a reset: the next read reports it.
+                            _ => break,
+                        }
+                    }
+                    joined.freeze()
+                };
+                self.tx.notify_one();
+                self.rx_room.notify_one();
+                Poll::Ready(Ok(Some(chunk)))
+            }
+            ReadOutcome::Eof => {
+                self.tx.notify_one();
+                Poll::Ready(Ok(None))
+            }
+            ReadOutcome::Reset(code, msg) => Poll::Ready(Err(reset_error(code, &msg))),
+            ReadOutcome::Pending => {
+                g.read_waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+
     /// Waits until the stream is over.
     pub async fn wait_done(&self) {
         loop {
@@ -426,7 +473,24 @@ impl ResumableIo {
     pub fn shared(&self) -> &Arc<SharedStream> {
         &self.shared
     }
+
+    /// [`SharedStream::poll_read_chunk`], counting the bytes read.
+    pub fn poll_read_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        max: usize,
+    ) -> Poll<io::Result<Option<Bytes>>> {
+        let out = self.shared.poll_read_chunk(cx, max);
+        if let (Some(c), Poll::Ready(Ok(Some(chunk)))) = (&self.counters, &out) {
+            c.received.inc_by(chunk.len() as u64);
+        }
+        out
+    }
 }
+
+/// [`SharedStream::poll_read_chunk`] hands payloads from this size on up as
+/// they arrived, and joins smaller ones with what is queued behind them.
+pub const CHUNK_AS_IS: usize = 16 * 1024;
 
 /// The error inside the `io::Error` a reset stream returns; recover it with
 /// [`StreamReset::from_io`] to map the reset code to an HTTP outcome.
@@ -1368,6 +1432,89 @@ mod tests {
             got.extend_from_slice(&small[..n]);
         }
         assert_eq!(got, want);
+    }
+
+    /// Writes `pieces` one payload each (each received before the next is
+    /// written), then the end; returns the reading side.
+    async fn sent_as_payloads(pieces: &[&[u8]]) -> (ResumableIo, Vec<Driver>) {
+        const BIG: StreamLimits = StreamLimits {
+            replay_bytes: 256 * 1024,
+            recv_bytes: 256 * 1024,
+            max_payload: 64 * 1024,
+        };
+        let a = SharedStream::new(StreamState::new(5, BIG));
+        let b = SharedStream::new(StreamState::new(5, BIG));
+        let (da, db) = connect(&a, &b);
+        let mut wa = ResumableIo::new(a.clone());
+        let mut total = 0u64;
+        for p in pieces {
+            wa.write_all(p).await.unwrap();
+            total += p.len() as u64;
+            tokio::time::timeout(Duration::from_secs(5), async {
+                while b.with_state(|s| s.offsets().2) < total {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+            .await
+            .expect("each piece arrives within 5 s");
+        }
+        wa.shutdown().await.unwrap();
+        (ResumableIo::new(b), vec![da, db])
+    }
+
+    /// Every chunk up to the end, reading at most `max` at a time.
+    async fn read_chunks(rd: &mut ResumableIo, max: usize) -> Vec<Bytes> {
+        let mut chunks = Vec::new();
+        loop {
+            let next = tokio::time::timeout(
+                Duration::from_secs(5),
+                std::future::poll_fn(|cx| rd.poll_read_chunk(cx, max)),
+            )
+            .await
+            .expect("a chunk or the end within 5 s")
+            .unwrap();
+            match next {
+                Some(c) => {
+                    assert!(!c.is_empty() && c.len() <= max, "{} > {max}", c.len());
+                    chunks.push(c);
+                }
+                None => return chunks,
+            }
+        }
+    }
+
+    /// A chunk read joins a small payload with everything queued behind it,
+    /// hands a large payload up by itself, keeps to its bound, and ends with
+    /// `None` after the data.
+    #[tokio::test]
+    async fn chunk_reads_join_small_payloads_and_pass_large_ones_as_they_came() {
+        let small = vec![b's'; 3000];
+        let large = vec![b'L'; CHUNK_AS_IS + 4000];
+        let lens = |c: &[Bytes]| c.iter().map(|c| c.len()).collect::<Vec<_>>();
+
+        let pieces: [&[u8]; 4] = [&small, b"\r\n10\r\n", &large, b"tail"];
+        let (mut rd, _d) = sent_as_payloads(&pieces).await;
+        let chunks = read_chunks(&mut rd, 1 << 20).await;
+        assert_eq!(chunks.concat(), pieces.concat());
+        assert_eq!(lens(&chunks), [pieces.concat().len()]);
+
+        let pieces: [&[u8]; 3] = [&large, b"\r\n", b"tail"];
+        let (mut rd, _d) = sent_as_payloads(&pieces).await;
+        let chunks = read_chunks(&mut rd, 1 << 20).await;
+        assert_eq!(chunks.concat(), pieces.concat());
+        assert_eq!(lens(&chunks), [large.len(), 6]);
+
+        let (mut rd, _d) = sent_as_payloads(&pieces).await;
+        let chunks = read_chunks(&mut rd, 5000).await;
+        assert_eq!(chunks.concat(), pieces.concat());
+        // The large payload's last piece is small: what is queued joins it.
+        let total = pieces.concat().len();
+        assert_eq!(
+            lens(&chunks).len(),
+            total.div_ceil(5000),
+            "{:?}",
+            lens(&chunks)
+        );
     }
 
     #[tokio::test]
