@@ -1381,24 +1381,7 @@ mod tests {
         let big = vec![b'x'; 6000];
         let pieces: [&[u8]; 4] = [&big, b"\r\n10000\r\n", &big, b"tail"];
         let want = pieces.concat();
-        let (a, b) = pair();
-        let (_da, _db) = connect(&a, &b);
-        let mut wa = ResumableIo::new(a.clone());
-        let mut rb = ResumableIo::new(b.clone());
-        let mut total = 0u64;
-        for p in pieces {
-            wa.write_all(p).await.unwrap();
-            total += p.len() as u64;
-            // Received before the next write: a payload of its own.
-            tokio::time::timeout(Duration::from_secs(5), async {
-                while b.with_state(|s| s.offsets().2) < total {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            })
-            .await
-            .expect("each piece arrives within 5 s");
-        }
-        wa.shutdown().await.unwrap();
+        let (mut rb, _d) = sent_as_payloads(&pieces, L).await;
         let mut buf = vec![0u8; 64 * 1024];
         let n = tokio::time::timeout(Duration::from_secs(5), rb.read(&mut buf))
             .await
@@ -1436,14 +1419,12 @@ mod tests {
 
     /// Writes `pieces` one payload each (each received before the next is
     /// written), then the end; returns the reading side.
-    async fn sent_as_payloads(pieces: &[&[u8]]) -> (ResumableIo, Vec<Driver>) {
-        const BIG: StreamLimits = StreamLimits {
-            replay_bytes: 256 * 1024,
-            recv_bytes: 256 * 1024,
-            max_payload: 64 * 1024,
-        };
-        let a = SharedStream::new(StreamState::new(5, BIG));
-        let b = SharedStream::new(StreamState::new(5, BIG));
+    async fn sent_as_payloads(
+        pieces: &[&[u8]],
+        limits: StreamLimits,
+    ) -> (ResumableIo, Vec<Driver>) {
+        let a = SharedStream::new(StreamState::new(5, limits));
+        let b = SharedStream::new(StreamState::new(5, limits));
         let (da, db) = connect(&a, &b);
         let mut wa = ResumableIo::new(a.clone());
         let mut total = 0u64;
@@ -1488,23 +1469,28 @@ mod tests {
     /// `None` after the data.
     #[tokio::test]
     async fn chunk_reads_join_small_payloads_and_pass_large_ones_as_they_came() {
+        const BIG: StreamLimits = StreamLimits {
+            replay_bytes: 256 * 1024,
+            recv_bytes: 256 * 1024,
+            max_payload: 64 * 1024,
+        };
         let small = vec![b's'; 3000];
         let large = vec![b'L'; CHUNK_AS_IS + 4000];
         let lens = |c: &[Bytes]| c.iter().map(|c| c.len()).collect::<Vec<_>>();
 
         let pieces: [&[u8]; 4] = [&small, b"\r\n10\r\n", &large, b"tail"];
-        let (mut rd, _d) = sent_as_payloads(&pieces).await;
+        let (mut rd, _d) = sent_as_payloads(&pieces, BIG).await;
         let chunks = read_chunks(&mut rd, 1 << 20).await;
         assert_eq!(chunks.concat(), pieces.concat());
         assert_eq!(lens(&chunks), [pieces.concat().len()]);
 
         let pieces: [&[u8]; 3] = [&large, b"\r\n", b"tail"];
-        let (mut rd, _d) = sent_as_payloads(&pieces).await;
+        let (mut rd, _d) = sent_as_payloads(&pieces, BIG).await;
         let chunks = read_chunks(&mut rd, 1 << 20).await;
         assert_eq!(chunks.concat(), pieces.concat());
         assert_eq!(lens(&chunks), [large.len(), 6]);
 
-        let (mut rd, _d) = sent_as_payloads(&pieces).await;
+        let (mut rd, _d) = sent_as_payloads(&pieces, BIG).await;
         let chunks = read_chunks(&mut rd, 5000).await;
         assert_eq!(chunks.concat(), pieces.concat());
         // The large payload's last piece is small: what is queued joins it.
