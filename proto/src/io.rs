@@ -388,40 +388,24 @@ impl SharedStream {
         }
     }
 
-    /// Reads what has arrived as one chunk of at most `max` bytes (`None` at
-    /// the peer's clean end), holding no buffer while nothing has: a payload
-    /// of [`CHUNK_AS_IS`] bytes or more is handed up as it arrived, without
-    /// a copy; smaller ones are joined with whatever else is queued behind
-    /// them into one allocation of just that size, so a chunked body's
-    /// pieces of a few bytes do not each become a frame of their own.
-    /// `max` must be positive. The application's end reads either this way or
-    /// through [`ResumableIo`]'s `AsyncRead`, not both at once.
-    pub fn poll_read_chunk(
+    /// The application end's read, for both ways of reading: on delivered
+    /// data, `take` gets the first payload (at most `max` bytes) and the state
+    /// to take more from, and its result comes back as `Some`; `None` at the
+    /// peer's clean end; a reset as the I/O error [`StreamReset::from_io`]
+    /// reads; otherwise it waits for the peer's bytes.
+    fn poll_delivered<T>(
         &self,
         cx: &mut Context<'_>,
         max: usize,
-    ) -> Poll<io::Result<Option<Bytes>>> {
+        take: impl FnOnce(Bytes, &mut StreamState) -> T,
+    ) -> Poll<io::Result<Option<T>>> {
         let mut g = self.lock();
         match g.state.read(max) {
             ReadOutcome::Data(first) => {
-                let queued = g.state.recv_buffered();
-                let chunk = if first.len() >= CHUNK_AS_IS || queued == 0 || first.len() >= max {
-                    first
-                } else {
-                    let mut joined = BytesMut::with_capacity(max.min(first.len() + queued));
-                    joined.extend_from_slice(&first);
-                    while joined.len() < max {
-                        match g.state.read(max - joined.len()) {
-                            ReadOutcome::Data(b) => joined.extend_from_slice(&b),
-                            // The end or a reset: the next read reports it.
-                            _ => break,
-                        }
-                    }
-                    joined.freeze()
-                };
+                let out = take(first, &mut g.state);
                 self.tx.notify_one();
                 self.rx_room.notify_one();
-                Poll::Ready(Ok(Some(chunk)))
+                Poll::Ready(Ok(Some(out)))
             }
             ReadOutcome::Eof => {
                 self.tx.notify_one();
@@ -433,6 +417,32 @@ impl SharedStream {
                 Poll::Pending
             }
         }
+    }
+
+    /// Reads what has arrived as one chunk of at most `max` bytes (`None` at
+    /// the peer's clean end), holding no buffer while nothing has: a payload
+    /// of [`CHUNK_AS_IS`] bytes or more is handed up as it arrived, without
+    /// a copy; smaller ones are joined with whatever else is queued behind
+    /// them into one allocation of just that size, so a chunked body's
+    /// pieces of a few bytes do not each become a frame of their own.
+    /// `max` must be positive. The application's end reads either this way or
+    /// through [`ResumableIo`]'s `AsyncRead`, not both at once; bytes read
+    /// this way are not counted by the handle's counters.
+    pub fn poll_read_chunk(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+    ) -> Poll<io::Result<Option<Bytes>>> {
+        self.poll_delivered(cx, max, |first, state| {
+            let queued = state.recv_buffered();
+            if first.len() >= CHUNK_AS_IS || queued == 0 || first.len() >= max {
+                return first;
+            }
+            let mut joined = BytesMut::with_capacity(max.min(first.len() + queued));
+            joined.extend_from_slice(&first);
+            read_queued(state, max - first.len(), |b| joined.extend_from_slice(b));
+            joined.freeze()
+        })
     }
 
     /// Waits until the stream is over.
@@ -472,19 +482,6 @@ impl ResumableIo {
 
     pub fn shared(&self) -> &Arc<SharedStream> {
         &self.shared
-    }
-
-    /// [`SharedStream::poll_read_chunk`], counting the bytes read.
-    pub fn poll_read_chunk(
-        &mut self,
-        cx: &mut Context<'_>,
-        max: usize,
-    ) -> Poll<io::Result<Option<Bytes>>> {
-        let out = self.shared.poll_read_chunk(cx, max);
-        if let (Some(c), Poll::Ready(Ok(Some(chunk)))) = (&self.counters, &out) {
-            c.received.inc_by(chunk.len() as u64);
-        }
-        out
     }
 }
 
@@ -534,45 +531,46 @@ impl AsyncRead for ResumableIo {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let shared = &self.shared;
-        let mut g = shared.lock();
-        match g.state.read(buf.remaining()) {
-            ReadOutcome::Data(b) => {
-                buf.put_slice(&b);
-                let mut n = b.len();
-                // Every queued payload that fits, not just the first: the
-                // peer's writes arrive as payloads of their own (a piece of
-                // a chunked body can be a few bytes), and handing them up one
-                // at a time made one body frame, TLS record and system call
-                // of each on the way out.
-                while buf.remaining() > 0 {
-                    match g.state.read(buf.remaining()) {
-                        ReadOutcome::Data(b) => {
-                            buf.put_slice(&b);
-                            n += b.len();
-                        }
-                        // The end or a reset: the next read reports it.
-                        _ => break,
-                    }
-                }
+        let read = self
+            .shared
+            .poll_delivered(cx, buf.remaining(), |first, state| {
+                buf.put_slice(&first);
+                // Every queued payload that fits, not just the first: the peer's
+                // writes arrive as payloads of their own (a piece of a chunked
+                // body can be a few bytes), and handing them up one at a time
+                // made one body frame, TLS record and system call of each on the
+                // way out.
+                first.len() + read_queued(state, buf.remaining(), |b| buf.put_slice(b))
+            });
+        match read {
+            Poll::Ready(Ok(Some(n))) => {
                 if let Some(c) = &self.counters {
                     c.received.inc_by(n as u64);
                 }
-                shared.tx.notify_one();
-                shared.rx_room.notify_one();
                 Poll::Ready(Ok(()))
             }
-            ReadOutcome::Eof => {
-                shared.tx.notify_one();
-                Poll::Ready(Ok(()))
-            }
-            ReadOutcome::Reset(code, msg) => Poll::Ready(Err(reset_error(code, &msg))),
-            ReadOutcome::Pending => {
-                g.read_waker = Some(cx.waker().clone());
-                Poll::Pending
-            }
+            Poll::Ready(Ok(None)) => Poll::Ready(Ok(())),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => Poll::Pending,
         }
     }
+}
+
+/// Hands `put` every further delivered payload while they fit in `room`
+/// bytes (a payload larger than what is left is split); returns how many
+/// bytes it handed. Stops at the end or a reset, which the next read reports.
+fn read_queued(state: &mut StreamState, room: usize, mut put: impl FnMut(&[u8])) -> usize {
+    let mut n = 0;
+    while n < room {
+        match state.read(room - n) {
+            ReadOutcome::Data(b) => {
+                put(&b);
+                n += b.len();
+            }
+            _ => break,
+        }
+    }
+    n
 }
 
 impl AsyncWrite for ResumableIo {
@@ -1449,7 +1447,7 @@ mod tests {
         loop {
             let next = tokio::time::timeout(
                 Duration::from_secs(5),
-                std::future::poll_fn(|cx| rd.poll_read_chunk(cx, max)),
+                std::future::poll_fn(|cx| rd.shared().poll_read_chunk(cx, max)),
             )
             .await
             .expect("a chunk or the end within 5 s")
