@@ -735,19 +735,23 @@ ct_count() {
 
 # Several replicas, one backend (IPv4): spread, removal, atomic change, idempotence.
 dnat_spread() {
-	local label=$1 backend=$2 per_rule=$3 h="$ROOT/deploy/dnat/tether-dnat.sh"
+	local label=$1 backend=$2 h="$ROOT/deploy/dnat/tether-dnat.sh"
 	local t3="10.244.0.7:10023,10.244.0.5:10023,10.244.0.6:10023" t2="10.244.0.6:10023,10.244.0.5:10023"
-	local snap1 snap2 n want3=1 want2=1
-	# nft: one rule with a numgen map; iptables: one statistic rule per target.
-	if [ "$per_rule" = 1 ]; then
-		want3=3
-		want2=2
-	fi
+	local snap1 snap2 n want3=3 want2=2 changes
+	# One rule per target (nft: numgen random mod N-i; iptables: statistic).
 	echo "-- $label: three replicas"
 	in_cp "$h" apply --kubelet-port 10350 --to "$t3" --backend "$backend" 2>/dev/null
 	snap1=$(ruleset)
 	n=$(count_dnat)
 	[ "$n" = "$want3" ] || fail "$label: $n DNAT rules for 3 targets, expected $want3: $snap1"
+	# nft: no set or map in a rule. A rule's anonymous set is replaced with the
+	# rule and looked up under the generation of the moment, so a connection
+	# meeting the change could miss it and go to the node itself (measured:
+	# 1 in 1,232 changes with a numgen map, 36 in 2,484 with dport/daddr sets
+	# too; deploy/README.md, section 8).
+	if [ "$backend" = nft ] && printf '%s\n' "$snap1" | grep -E 'dnat' | grep -q '[{]'; then
+		fail "$label: a DNAT rule holds a set or map: $snap1"
+	fi
 	# The same set in another order (DNS answers rotate) is the same rule.
 	in_cp "$h" apply --kubelet-port 10350 --to "10.244.0.5:10023,10.244.0.6:10023,10.244.0.7:10023" --backend "$backend" 2>"$WORK/apply2.err"
 	grep -q unchanged "$WORK/apply2.err" || fail "$label: second apply with 3 targets was not 'unchanged': $(cat "$WORK/apply2.err")"
@@ -761,30 +765,42 @@ $snap2"
 	# P(a listener gets < 10 of 90) is about 1e-6.
 	expect_spread 90 "r5 r6 r7" 10 "connections land on each of the 3 replicas"
 	in_cp timeout 20 python3 - >"$WORK/load.out" 2>&1 <<'PY' &
-import socket, time
+import collections, socket, time
 ok = bad = 0
+why = collections.Counter()
 end = time.monotonic() + 2
 while time.monotonic() < end:
+    t0 = time.monotonic()
     try:
         s = socket.create_connection(("198.51.100.7", 10350), timeout=1.5)
-        if s.recv(64).decode().strip().startswith("r"):
+        port = s.getsockname()[1]
+        got = s.recv(64).decode().strip()
+        if got.startswith("r"):
             ok += 1
         else:
             bad += 1
+            why[f"answer {got or 'empty'!r} port {port}"] += 1
         s.close()
-    except OSError:
+    except OSError as e:
         bad += 1
-print(f"ok={ok} bad={bad}")
+        why[f"{type(e).__name__} {e} after {time.monotonic() - t0:.2f}s"] += 1
+print(f"ok={ok} bad={bad}" + "".join(f"; {k} x{v}" for k, v in why.items()))
 PY
 	local lpid=$!
 	PIDS+=("$lpid")
 	sleep 0.3
-	in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>/dev/null
-	in_cp "$h" apply --kubelet-port 10350 --to "$t3" --backend "$backend" 2>/dev/null
+	# Switch 3 -> 2 -> 3 ... while the load runs (its 2 s, bounded), ending on 2.
+	changes=0
+	while kill -0 "$lpid" 2>/dev/null && [ "$changes" -lt 200 ]; do
+		in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>/dev/null
+		in_cp "$h" apply --kubelet-port 10350 --to "$t3" --backend "$backend" 2>/dev/null
+		changes=$((changes + 2))
+	done
 	in_cp "$h" apply --kubelet-port 10350 --to "$t2" --backend "$backend" 2>/dev/null
 	wait "$lpid" || fail "$label: the load during the change failed: $(cat "$WORK/load.out")"
-	grep -Eq '^ok=[1-9][0-9]* bad=0$' "$WORK/load.out" || fail "$label: connections failed while the set changed: $(cat "$WORK/load.out")"
-	echo "  ok: the set changes atomically: no connection failed while it switched 3 -> 2 -> 3 -> 2 ($(cat "$WORK/load.out"))"
+	[ "$changes" -ge 4 ] || fail "$label: only $changes changes during the load"
+	grep -Eq '^ok=[1-9][0-9]* bad=0$' "$WORK/load.out" || fail "$label: connections failed while the set changed ($changes changes): $(cat "$WORK/load.out")"
+	echo "  ok: the set changes atomically: no connection failed while it switched 3 <-> 2 $changes times ($(cat "$WORK/load.out"))"
 	n=$(count_dnat)
 	[ "$n" = "$want2" ] || fail "$label: $n DNAT rules for 2 targets, expected $want2: $(ruleset)"
 	expect_spread 60 "r5 r6" 10 "10.244.0.7 removed: no new connection reaches it"
@@ -863,7 +879,7 @@ step_dnat() {
 	TETHER_DNAT_IPTABLES=iptables-legacy TETHER_DNAT_IP6TABLES=ip6tables-legacy \
 		dnat_cycle "iptables-legacy, IPv4" iptables 198.51.100.7 10.244.0.5 10.244.0.5:10003 10.244.0.5:10013
 
-	dnat_spread "nft, IPv4" nft 0
+	dnat_spread "nft, IPv4" nft
 	for b in nft iptables; do
 		in_cp "$h" apply --kubelet-port 10350 --to '[fd00:7e7::6]:10003,[fd00:7e7::5]:10003' --backend "$b" 2>/dev/null
 		snap=$(ruleset)
@@ -874,9 +890,9 @@ step_dnat() {
 		echo "  ok: $b, IPv6: 2 targets applied, re-apply byte-identical, 6 of 6 connections served"
 		in_cp "$h" remove 2>/dev/null
 	done
-	dnat_spread "iptables (nft variant), IPv4" iptables 1
+	dnat_spread "iptables (nft variant), IPv4" iptables
 	TETHER_DNAT_IPTABLES=iptables-legacy TETHER_DNAT_IP6TABLES=ip6tables-legacy \
-		dnat_spread "iptables-legacy, IPv4" iptables 1
+		dnat_spread "iptables-legacy, IPv4" iptables
 
 	echo "-- --dst and --prerouting"
 	in_cp "$h" apply --kubelet-port 10350 --to 10.244.0.5:10003 --dst 203.0.113.0/24 --prerouting --backend nft 2>/dev/null
@@ -889,14 +905,17 @@ step_dnat() {
 	echo "  ok: dropping --prerouting removes the chain"
 
 	echo "-- several kubelet ports (KubeEdge HA tunnel ports while migrating)"
-	local b
+	# nft: one rule per port (no set, see dnat_spread); iptables: multiport.
+	local b want
 	for b in nft iptables; do
+		want=1
+		[ "$b" = nft ] && want=2
 		in_cp "$h" apply --kubelet-port 10350,10351 --to 10.244.0.5:10003 --backend "$b" 2>/dev/null
 		in_cp "$h" apply --kubelet-port 10350,10351 --to 10.244.0.5:10003 --backend "$b" 2>&1 | grep unchanged >/dev/null ||
 			fail "$b: a second apply with two ports was not 'unchanged'"
-		[ "$(count_dnat)" = 1 ] || fail "$b: $(count_dnat) DNAT rules for two ports: $(ruleset)"
+		[ "$(count_dnat)" = "$want" ] || fail "$b: $(count_dnat) DNAT rules for two ports, expected $want: $(ruleset)"
 		expect_probe 198.51.100.7 10350 cloud "$b: port 10350 caught"
-		expect_probe 198.51.100.7 10351 cloud "$b: port 10351 caught by the same rule"
+		expect_probe 198.51.100.7 10351 cloud "$b: port 10351 caught"
 	done
 	in_cp "$h" remove 2>/dev/null
 

@@ -14,9 +14,10 @@
 #
 # The rule lives in Tether's own objects and nowhere else:
 #   nft:      table `inet tether`, chain `output` (type nat hook output), and
-#             chain `prerouting` with --prerouting; several targets are one
-#             rule `dnat to numgen random mod N map { 0 : ADDR . PORT, ... }`
-#             (one random draw per new connection);
+#             chain `prerouting` with --prerouting; several targets are N
+#             rules, the i-th (from 0) taken when `numgen random mod (N-i)`
+#             draws 0 and the last without, so each gets 1/N (no map: see
+#             nft_rules);
 #   iptables: chain TETHER-DNAT in the nat table, referenced once from OUTPUT
 #             (and once from PREROUTING with --prerouting); ip6tables for an
 #             IPv6 target. Several targets are N rules, the i-th (from 0)
@@ -284,55 +285,96 @@ pick_backend() {
 
 nft_present() { nft list table "$NFT_FAMILY" "$NFT_TABLE" >/dev/null 2>&1; }
 
-nft_rule() {
-	local comment=$1 match="" proto=ip dest i sep=""
+# The DNAT rules of one chain, one per line: for each --dst CIDR and each
+# kubelet port, one rule per target, the i-th (from 0) taken when `numgen
+# random mod (N-i)` draws 0 of what the rules before it left and the last
+# without: 1/N each, as the iptables backend does. A connection only draws in
+# the rules whose address and port it matches. No set and no map in a rule
+# (no `dnat to numgen ... map { ... }`, no `tcp dport { ... }`): a rule's
+# anonymous set is replaced with the rule, and its elements are looked up
+# under the ruleset generation of that moment, so a new connection that
+# walked the chain under the old rules just as the new ones were committed
+# found the old set already emptied and left untranslated, to the node
+# itself (a few times in 1,000 changes under load, on kernel 6.18).
+nft_rules() {
+	local comment=$1 proto=ip i n=${#targets[@]} pick c p match
 	[ "$resolved_family" = 6 ] && proto=ip6
-	if [ -n "$dst" ]; then
-		match="$proto daddr { ${dst//,/, } } "
-	fi
-	local ports=$kubelet_port
-	[ "${#kubelet_ports[@]}" -gt 1 ] && ports="{ ${kubelet_port//,/, } }"
-	if [ "${#targets[@]}" = 1 ]; then
-		dest=$(target_dest "${targets[0]}")
-	else
-		# One random draw per new connection, looked up in an anonymous map.
-		dest="numgen random mod ${#targets[@]} map {"
-		for i in "${!targets[@]}"; do
-			dest="$dest$sep $i : ${targets[$i]% *} . ${targets[$i]#* }"
-			sep=,
+	local cidrs=("")
+	[ -n "$dst" ] && IFS=, read -r -a cidrs <<<"$dst"
+	for c in "${cidrs[@]}"; do
+		match="meta nfproto ipv$resolved_family"
+		[ -n "$c" ] && match="$proto daddr $c"
+		for p in "${kubelet_ports[@]}"; do
+			for i in "${!targets[@]}"; do
+				pick=""
+				[ "$i" -lt $((n - 1)) ] && pick="numgen random mod $((n - i)) 0 "
+				printf '%s tcp dport %s %scounter dnat %s to %s comment "%s"\n' \
+					"$match" "$p" "$pick" "$proto" "$(target_dest "${targets[$i]}")" "$comment"
+			done
 		done
-		dest="$dest }"
-	fi
-	printf 'meta nfproto ipv%s %stcp dport %s counter dnat %s to %s comment "%s"' \
-		"$resolved_family" "$match" "$ports" "$proto" "$dest" "$comment"
+	done
+}
+
+# The base chains Tether's table should have, one per line, as `nft list`
+# prints their headers.
+nft_chain_headers() {
+	local hook
+	for hook in output $([ "$prerouting" = 1 ] && echo prerouting); do
+		printf 'chain %s {\ntype nat hook %s priority %s; policy accept;\n' "$hook" "$hook" "$NFT_PRIORITY"
+	done
+}
+
+# The chain headers of the table in place, in the same form and in the order
+# nft lists them (the order they were made: output, then prerouting).
+nft_have_headers() {
+	nft list table "$NFT_FAMILY" "$NFT_TABLE" |
+		sed -n 's/^[[:space:]]*//; /^chain /p; /^type /{s/priority dstnat - 10;/priority -110;/; p}'
 }
 
 nft_apply() {
-	local id=$1 want have_ids script
-	want=1
-	[ "$prerouting" = 1 ] && want=2
+	local id=$1 chains=1 want have_ids script hook rules
+	[ "$prerouting" = 1 ] && chains=2
+	rules=$(nft_rules "tether-dnat spec=$id")
+	want=$(printf '%s\n' "$rules" | grep -c .)
+	want=$((chains * want))
 	if nft_present; then
 		have_ids=$(nft list table "$NFT_FAMILY" "$NFT_TABLE" | grep -o 'comment "tether-dnat spec=[0-9a-f]*"' || true)
 		if [ "$(printf '%s\n' "$have_ids" | grep -c "spec=$id\"")" = "$want" ] &&
 			[ "$(printf '%s\n' "$have_ids" | grep -c 'spec=')" = "$want" ] &&
-			[ "$(nft list table "$NFT_FAMILY" "$NFT_TABLE" | grep -c '^[[:space:]]*chain ')" = "$want" ]; then
+			[ "$(nft list table "$NFT_FAMILY" "$NFT_TABLE" | grep -c '^[[:space:]]*chain ')" = "$chains" ]; then
 			return 1 # unchanged
 		fi
+		if [ "$(nft_have_headers)" = "$(printf '%b' "$(nft_chain_headers)")" ]; then
+			# The chains are the ones wanted: swap the rules inside each, in
+			# one transaction. A packet walks one chain under one ruleset
+			# generation, so it meets the old rules or the new ones.
+			# Replacing the table instead would not do: a new connection could
+			# walk the new chain before the commit (no rule yet) and the old
+			# one after it (its rules gone), and leave untranslated, to the
+			# node itself.
+			script=""
+			for hook in output $([ "$prerouting" = 1 ] && echo prerouting); do
+				script="${script}flush chain $NFT_FAMILY $NFT_TABLE $hook
+$(printf '%s\n' "$rules" | sed "s/^/add rule $NFT_FAMILY $NFT_TABLE $hook /")
+"
+			done
+			printf '%s' "$script" | nft -f - || die "nft refused the ruleset:
+$script"
+			return 0
+		fi
 	fi
+	# No table yet, or other chains than wanted (--prerouting changed): one
+	# transaction builds the table afresh.
 	script="add table $NFT_FAMILY $NFT_TABLE
 delete table $NFT_FAMILY $NFT_TABLE
-table $NFT_FAMILY $NFT_TABLE {
-	chain output {
-		type nat hook output priority $NFT_PRIORITY; policy accept;
-		$(nft_rule "tether-dnat spec=$id")
-	}"
-	if [ "$prerouting" = 1 ]; then
+table $NFT_FAMILY $NFT_TABLE {"
+	for hook in output $([ "$prerouting" = 1 ] && echo prerouting); do
 		script="$script
-	chain prerouting {
-		type nat hook prerouting priority $NFT_PRIORITY; policy accept;
-		$(nft_rule "tether-dnat spec=$id")
+	chain $hook {
+		type nat hook $hook priority $NFT_PRIORITY; policy accept;
+$(printf '%s\n' "$rules" | sed 's/^/\t\t/')
 	}"
-	fi
+	done
 	script="$script
 }"
 	printf '%s\n' "$script" | nft -f - || die "nft refused the ruleset:

@@ -274,21 +274,27 @@ fn command_in(ns: &str, program: &Path) -> Command {
     cmd
 }
 
-/// The DNAT target of a rule over `backends`.
-fn dnat_target(backends: &[usize]) -> Option<String> {
-    match backends {
-        [] => None,
-        [one] => Some(replica_ip(*one).to_string()),
-        many => Some(format!(
-            "numgen random mod {} map {{ {} }}",
-            many.len(),
-            many.iter()
-                .enumerate()
-                .map(|(k, i)| format!("{k} : {}", replica_ip(*i)))
-                .collect::<Vec<_>>()
-                .join(", ")
-        )),
-    }
+/// The DNAT rules of a service (`matcher`, e.g. `ip daddr V tcp dport P`) over
+/// `backends`, one per backend: the k-th (from 0) is taken when `numgen random mod
+/// (n-k)` draws 0 of what the rules before it left, the last takes the rest, so each
+/// gets 1/n. Not one rule with a `numgen ... map { ... }`: an anonymous map is
+/// replaced with its rule and looked up under the ruleset generation of the moment,
+/// so a new flow that met the change could find the old map emptied and pass
+/// untranslated (see deploy/dnat/tether-dnat.sh, `nft_rules`).
+fn dnat_rules(matcher: &str, backends: &[usize]) -> String {
+    let n = backends.len();
+    backends
+        .iter()
+        .enumerate()
+        .map(|(k, i)| {
+            let pick = if k + 1 < n {
+                format!("numgen random mod {} 0 ", n - k)
+            } else {
+                String::new()
+            };
+            format!("    {matcher} {pick}dnat to {}\n", replica_ip(*i))
+        })
+        .collect()
 }
 
 impl Bed {
@@ -407,17 +413,14 @@ impl Bed {
     /// Rewrites the router's whole ruleset (one transaction): the two services over
     /// their backends, the edge site's masquerade, the peer-link cuts.
     fn program(&self) -> Result<()> {
-        let mut pre = String::new();
-        if let Some(t) = dnat_target(&self.udp) {
-            pre.push_str(&format!(
-                "    ip daddr {VIP} udp dport {TUNNEL_PORT} dnat to {t}\n"
-            ));
-        }
-        if let Some(t) = dnat_target(&self.tcp) {
-            pre.push_str(&format!(
-                "    ip daddr {VIP} tcp dport {API_PORT} dnat to {t}\n"
-            ));
-        }
+        let mut pre = dnat_rules(
+            &format!("ip daddr {VIP} udp dport {TUNNEL_PORT}"),
+            &self.udp,
+        );
+        pre.push_str(&dnat_rules(
+            &format!("ip daddr {VIP} tcp dport {API_PORT}"),
+            &self.tcp,
+        ));
         let mut fwd = String::new();
         if self.edge_site_cut {
             fwd.push_str(&format!(
@@ -441,20 +444,34 @@ impl Bed {
                 ));
             }
         }
+        // Declared (a no-op when they exist), then each chain flushed and refilled in
+        // the same transaction: a packet walks a chain under one ruleset generation,
+        // so it meets the old rules or the new ones. Deleting and re-creating the
+        // table instead could let a new flow walk the new chain before the commit
+        // and the old one after it, and pass untranslated.
         let rules = format!(
-            "table ip bed\n\
-             delete table ip bed\n\
-             table ip bed {{\n\
+            "table ip bed {{\n\
              \x20 chain svc_pre {{\n\
              \x20   type nat hook prerouting priority dstnat; policy accept;\n\
-             {pre}\
              \x20 }}\n\
              \x20 chain svc_post {{\n\
              \x20   type nat hook postrouting priority srcnat; policy accept;\n\
-             \x20   ip saddr {EDGE_NET} masquerade\n\
              \x20 }}\n\
              \x20 chain peer_cuts {{\n\
              \x20   type filter hook forward priority filter; policy accept;\n\
+             \x20 }}\n\
+             }}\n\
+             flush chain ip bed svc_pre\n\
+             flush chain ip bed svc_post\n\
+             flush chain ip bed peer_cuts\n\
+             table ip bed {{\n\
+             \x20 chain svc_pre {{\n\
+             {pre}\
+             \x20 }}\n\
+             \x20 chain svc_post {{\n\
+             \x20   ip saddr {EDGE_NET} masquerade\n\
+             \x20 }}\n\
+             \x20 chain peer_cuts {{\n\
              {fwd}\
              \x20 }}\n\
              }}\n"
