@@ -315,60 +315,60 @@ nft_rules() {
 	done
 }
 
-# The base chains Tether's table should have, one per line, as `nft list`
-# prints their headers.
-nft_chain_headers() {
+# The base chains Tether's table has, one per line: output, and prerouting
+# with --prerouting (in this order, which is also the order nft lists them).
+nft_hooks() {
+	echo output
+	if [ "$prerouting" = 1 ]; then echo prerouting; fi
+}
+
+# The chain headers in a `nft list table` listing (stdin): each chain's name
+# line and its type line, the priority as a number.
+nft_headers() {
+	sed -n 's/^[[:space:]]*//; /^chain /p; /^type /{s/priority dstnat - 10;/priority -110;/; p}'
+}
+
+# The chain headers Tether's table should have, in the form of nft_headers.
+nft_want_headers() {
 	local hook
-	for hook in output $([ "$prerouting" = 1 ] && echo prerouting); do
+	for hook in $(nft_hooks); do
 		printf 'chain %s {\ntype nat hook %s priority %s; policy accept;\n' "$hook" "$hook" "$NFT_PRIORITY"
 	done
 }
 
-# The chain headers of the table in place, in the same form and in the order
-# nft lists them (the order they were made: output, then prerouting).
-nft_have_headers() {
-	nft list table "$NFT_FAMILY" "$NFT_TABLE" |
-		sed -n 's/^[[:space:]]*//; /^chain /p; /^type /{s/priority dstnat - 10;/priority -110;/; p}'
-}
-
 nft_apply() {
-	local id=$1 chains=1 want have_ids script hook rules
-	[ "$prerouting" = 1 ] && chains=2
+	local id=$1 want have have_ids script hook rules
 	rules=$(nft_rules "tether-dnat spec=$id")
-	want=$(printf '%s\n' "$rules" | grep -c .)
-	want=$((chains * want))
-	if nft_present; then
-		have_ids=$(nft list table "$NFT_FAMILY" "$NFT_TABLE" | grep -o 'comment "tether-dnat spec=[0-9a-f]*"' || true)
+	want=$(($(printf '%s\n' "$rules" | grep -c .) * $(nft_hooks | grep -c .)))
+	if have=$(nft list table "$NFT_FAMILY" "$NFT_TABLE" 2>/dev/null) &&
+		[ "$(printf '%s\n' "$have" | nft_headers)" = "$(nft_want_headers)" ]; then
+		have_ids=$(printf '%s\n' "$have" | grep -o 'comment "tether-dnat spec=[0-9a-f]*"' || true)
 		if [ "$(printf '%s\n' "$have_ids" | grep -c "spec=$id\"")" = "$want" ] &&
-			[ "$(printf '%s\n' "$have_ids" | grep -c 'spec=')" = "$want" ] &&
-			[ "$(nft list table "$NFT_FAMILY" "$NFT_TABLE" | grep -c '^[[:space:]]*chain ')" = "$chains" ]; then
+			[ "$(printf '%s\n' "$have_ids" | grep -c 'spec=')" = "$want" ]; then
 			return 1 # unchanged
 		fi
-		if [ "$(nft_have_headers)" = "$(printf '%b' "$(nft_chain_headers)")" ]; then
-			# The chains are the ones wanted: swap the rules inside each, in
-			# one transaction. A packet walks one chain under one ruleset
-			# generation, so it meets the old rules or the new ones.
-			# Replacing the table instead would not do: a new connection could
-			# walk the new chain before the commit (no rule yet) and the old
-			# one after it (its rules gone), and leave untranslated, to the
-			# node itself.
-			script=""
-			for hook in output $([ "$prerouting" = 1 ] && echo prerouting); do
-				script="${script}flush chain $NFT_FAMILY $NFT_TABLE $hook
+		# The chains are the ones wanted: swap the rules inside each, in one
+		# transaction. A packet walks one chain under one ruleset generation,
+		# so it meets the old rules or the new ones. Replacing the table
+		# instead would not do: a new connection could walk the new chain
+		# before the commit (no rule yet) and the old one after it (its rules
+		# gone), and leave untranslated, to the node itself.
+		script=""
+		for hook in $(nft_hooks); do
+			script="${script}flush chain $NFT_FAMILY $NFT_TABLE $hook
 $(printf '%s\n' "$rules" | sed "s/^/add rule $NFT_FAMILY $NFT_TABLE $hook /")
 "
-			done
-			printf '%s' "$script" | nft -f - || die "nft refused the ruleset:
+		done
+		printf '%s' "$script" | nft -f - || die "nft refused the ruleset:
 $script"
-			return 0
-		fi
+		return 0
 	fi
 	# No table yet, or other chains than wanted (--prerouting changed): one
 	# transaction builds the table afresh.
 	script="add table $NFT_FAMILY $NFT_TABLE
 delete table $NFT_FAMILY $NFT_TABLE
 table $NFT_FAMILY $NFT_TABLE {"
-	for hook in output $([ "$prerouting" = 1 ] && echo prerouting); do
+	for hook in $(nft_hooks); do
 		script="$script
 	chain $hook {
 		type nat hook $hook priority $NFT_PRIORITY; policy accept;
