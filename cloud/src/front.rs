@@ -3,24 +3,29 @@
 //! TLS with a client certificate from the apiserver client CA required (the
 //! kubelet's own rule, `--client-ca-file`); the certificate's identity (CN/O)
 //! is kept so each request can be authorised ([`crate::identity`]). HTTP/2 or
-//! HTTP/1.1 by ALPN,
+//! HTTP/1.1 by ALPN (HTTP/1.1 when the client offered none, as the kubelet),
 //! upgrades allowed. The SNI of each connection is kept for routing. A slow
 //! or broken client affects its own connection only: the TLS handshake and
 //! request head are bounded in time and size, connections in number.
 
+use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use anyhow::Context;
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
+use hyper::Response;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn};
 
 use crate::config::CloudConfig;
-use crate::forward::{self, ConnInfo};
+use crate::forward::{self, ConnInfo, ResBody};
 use crate::identity::ClientIdentity;
 use crate::registry::Registry;
 
@@ -100,55 +105,116 @@ impl Front {
                 continue;
             };
             let _ = tcp.set_nodelay(true);
-            let acceptor = self.acceptor.clone();
-            let cfg = self.cfg.clone();
-            let ctx = ctx.clone();
-            tokio::spawn(async move {
-                let tls = match tokio::time::timeout(cfg.http_header_timeout, acceptor.accept(tcp))
-                    .await
-                {
-                    Ok(Ok(tls)) => tls,
-                    Ok(Err(e)) => {
-                        info!(%peer, error = %e, "apiserver TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        info!(%peer, "apiserver TLS handshake timed out");
-                        return;
-                    }
-                };
-                let (_, server_conn) = tls.get_ref();
-                let info = Arc::new(ConnInfo {
-                    peer,
-                    sni: server_conn.server_name().map(str::to_string),
-                    identity: server_conn
-                        .peer_certificates()
-                        .and_then(|c| c.first())
-                        .and_then(|c| ClientIdentity::from_der(c.as_ref())),
-                });
-                let service = service_fn(move |req| {
-                    let ctx = ctx.clone();
-                    let info = info.clone();
-                    async move { Ok::<_, std::convert::Infallible>(ctx.handle(req, info).await) }
-                });
-                let mut builder =
-                    hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                builder
-                    .http1()
-                    .max_buf_size(cfg.max_http_header_bytes)
-                    .header_read_timeout(cfg.http_header_timeout)
-                    .timer(hyper_util::rt::TokioTimer::new());
-                builder
-                    .http2()
-                    .max_header_list_size(cfg.max_http_header_bytes as u32);
-                if let Err(e) = builder
-                    .serve_connection_with_upgrades(TokioIo::new(tls), service)
-                    .await
-                {
-                    debug!(%peer, error = %e, "apiserver connection ended with an error");
-                }
-                drop(permit);
-            });
+            let conn = Conn {
+                acceptor: self.acceptor.clone(),
+                cfg: self.cfg.clone(),
+                ctx: ctx.clone(),
+            };
+            tokio::spawn(conn.handshake(tcp, peer, permit));
         }
     }
+}
+
+/// What one apiserver connection needs from the listener.
+struct Conn {
+    acceptor: TlsAcceptor,
+    cfg: Arc<CloudConfig>,
+    ctx: Arc<forward::Forwarder>,
+}
+
+/// A request's future as hyper holds it: boxed (see [`Conn::handshake`]).
+type Handling = Pin<Box<dyn Future<Output = Result<Response<ResBody>, Infallible>> + Send>>;
+
+impl Conn {
+    /// TLS within `--http-header-timeout`, then a task of its own serving
+    /// HTTP until the connection ends (with `permit`, its slot of
+    /// `--max-apiserver-connections`).
+    ///
+    /// HTTP/2 when ALPN chose it, HTTP/1.1 otherwise, as the kubelet itself
+    /// (Go's server speaks HTTP/2 over TLS only by ALPN). Going by the
+    /// handshake instead of sniffing the first bytes (`hyper_util`'s auto
+    /// server) also keeps hyper's HTTP/1 read buffer at 8 KiB: the sniffer
+    /// hands hyper its first 24 bytes apart from the rest, and the buffer's
+    /// reserve then doubled to 16 KiB for the life of a connection, which a
+    /// `logs -f` holds for hours.
+    ///
+    /// What a connection holds for its life is sized to what it serves:
+    /// this task, laid out for the TLS handshake and for building either
+    /// protocol's future (5 KiB when it also awaited them), ends with the
+    /// handshake, and the connection's own future lives in one box, awaited
+    /// by a task of a few words.
+    async fn handshake(self, tcp: TcpStream, peer: SocketAddr, permit: OwnedSemaphorePermit) {
+        let Conn { acceptor, cfg, ctx } = self;
+        let tls = match tokio::time::timeout(cfg.http_header_timeout, acceptor.accept(tcp)).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                info!(%peer, error = %e, "apiserver TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                info!(%peer, "apiserver TLS handshake timed out");
+                return;
+            }
+        };
+        let (_, server_conn) = tls.get_ref();
+        let h2 = server_conn.alpn_protocol() == Some(b"h2");
+        let info = Arc::new(ConnInfo {
+            peer,
+            sni: server_conn.server_name().map(str::to_string),
+            identity: server_conn
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .and_then(|c| ClientIdentity::from_der(c.as_ref())),
+        });
+        // hyper keeps room for one request's future per HTTP/1 connection for
+        // the connection's whole life; the handler's is several KiB and a
+        // streamed response outlives it, so it lives in a box of its own
+        // only while a request is being answered.
+        let service = service_fn(move |req| -> Handling {
+            let ctx = ctx.clone();
+            let info = info.clone();
+            Box::pin(async move { Ok(ctx.handle(req, info).await) })
+        });
+        let io = TokioIo::new(tls);
+        if h2 {
+            let conn = http2_builder(&cfg).serve_connection(io, service);
+            tokio::spawn(serve(Box::pin(conn), peer, permit));
+        } else {
+            let conn = http1_builder(&cfg).serve_connection(io, service);
+            tokio::spawn(serve(Box::pin(conn.with_upgrades()), peer, permit));
+        }
+    }
+}
+
+/// Serves one connection until it ends; then its slot is free.
+async fn serve<F, E>(conn: Pin<Box<F>>, peer: SocketAddr, permit: OwnedSemaphorePermit)
+where
+    F: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    if let Err(e) = conn.await {
+        debug!(%peer, error = %e, "apiserver connection ended with an error");
+    }
+    drop(permit);
+}
+
+/// HTTP/1.1: request heads bounded in size and time (`--max-http-header-bytes`,
+/// `--http-header-timeout`). The size is checked on the parsed head
+/// (`max_header_size`): the read buffer's bound alone (`max_buf_size`) is
+/// only checked while a head is incomplete, so a head that arrived whole in
+/// one large read could pass it.
+fn http1_builder(cfg: &CloudConfig) -> http1::Builder {
+    let mut b = http1::Builder::new();
+    b.max_buf_size(cfg.max_http_header_bytes)
+        .max_header_size(cfg.max_http_header_bytes)
+        .header_read_timeout(cfg.http_header_timeout)
+        .timer(hyper_util::rt::TokioTimer::new());
+    b
+}
+
+/// HTTP/2: header lists bounded in size (`--max-http-header-bytes`).
+fn http2_builder(cfg: &CloudConfig) -> http2::Builder<TokioExecutor> {
+    let mut b = http2::Builder::new(TokioExecutor::new());
+    b.max_header_list_size(cfg.max_http_header_bytes as u32);
+    b
 }

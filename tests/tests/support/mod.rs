@@ -160,6 +160,8 @@ pub struct Client {
     dial: Option<Arc<Dial>>,
     tls: Arc<rustls::ClientConfig>,
     tls_h2: Arc<rustls::ClientConfig>,
+    /// Offers no ALPN protocol at all.
+    tls_bare: Arc<rustls::ClientConfig>,
 }
 
 /// Makes a TCP connection to an address (e.g. from inside a network namespace).
@@ -168,7 +170,7 @@ pub type Dial = dyn Fn(SocketAddr) -> std::io::Result<std::net::TcpStream> + Sen
 pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
 
-fn client_config(pki: &Pki, with_cert: bool, alpn: &[u8]) -> Result<rustls::ClientConfig> {
+fn client_config(pki: &Pki, with_cert: bool, alpn: &[&[u8]]) -> Result<rustls::ClientConfig> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     for c in tether_certs::pem::certs_from_pem(&pki.tether_ca_pem, "ca")? {
@@ -185,7 +187,7 @@ fn client_config(pki: &Pki, with_cert: bool, alpn: &[u8]) -> Result<rustls::Clie
     } else {
         b.with_no_client_auth()
     };
-    cfg.alpn_protocols = vec![alpn.to_vec()];
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(cfg)
 }
 
@@ -209,8 +211,9 @@ impl Client {
         Ok(Client {
             addr,
             dial: None,
-            tls: Arc::new(client_config(pki, true, b"http/1.1")?),
-            tls_h2: Arc::new(client_config(pki, true, b"h2")?),
+            tls: Arc::new(client_config(pki, true, &[b"http/1.1"])?),
+            tls_h2: Arc::new(client_config(pki, true, &[b"h2"])?),
+            tls_bare: Arc::new(client_config(pki, true, &[])?),
         })
     }
 
@@ -220,8 +223,9 @@ impl Client {
         Ok(Client {
             addr,
             dial: None,
-            tls: Arc::new(client_config(pki, false, b"http/1.1")?),
-            tls_h2: Arc::new(client_config(pki, false, b"h2")?),
+            tls: Arc::new(client_config(pki, false, &[b"http/1.1"])?),
+            tls_h2: Arc::new(client_config(pki, false, &[b"h2"])?),
+            tls_bare: Arc::new(client_config(pki, false, &[])?),
         })
     }
 
@@ -257,6 +261,18 @@ impl Client {
         };
         Ok(tokio_rustls::TlsConnector::from(cfg)
             .connect(name, tcp)
+            .await?)
+    }
+
+    /// A TLS connection (SNI `sni`) that offers no ALPN protocol, so the
+    /// server learns the HTTP version from the first bytes.
+    pub async fn connect_without_alpn(
+        &self,
+        sni: &str,
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let tcp = TcpStream::connect(self.addr).await?;
+        Ok(tokio_rustls::TlsConnector::from(self.tls_bare.clone())
+            .connect(ServerName::try_from(sni.to_string())?, tcp)
             .await?)
     }
 
