@@ -311,30 +311,13 @@ async fn http_versions_go_by_alpn_and_heads_are_bounded_on_each() {
         tls.write_all(b"GET /metrics HTTP/1.1\r\nhost: edge-1\r\n")
             .await
             .unwrap();
-        let started = Instant::now();
-        let mut buf = [0u8; 256];
-        let read = tokio::time::timeout(Duration::from_secs(15), tls.read(&mut buf)).await;
-        assert!(
-            matches!(read, Ok(Ok(0)) | Ok(Err(_))),
-            "{what}: an unfinished head must be closed within 15 s, got {read:?}"
-        );
-        assert!(
-            started.elapsed() >= Duration::from_millis(1500),
-            "{what}: closed after {:?}, before --http-header-timeout 2s",
-            started.elapsed()
-        );
+        closed_after_header_timeout(&mut tls, &format!("{what}, an unfinished head")).await;
     }
 
     // HTTP/2 by ALPN.
     let tls = env.client.connect(Some("edge-1"), true).await.unwrap();
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(tls),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut sender = h2_sender(tls).await;
     let get = |big: Option<&str>| {
         let mut req = Request::get("https://edge-1:10250/metrics");
         if let Some(v) = big {
@@ -360,13 +343,7 @@ async fn http_versions_go_by_alpn_and_heads_are_bounded_on_each() {
     // front closes the connection (hyper answers nothing to it), a client
     // that tries gets an error, and no HTTP/2 frame comes back.
     let tls = env.client.connect_without_alpn("edge-1").await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(tls),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut sender = h2_sender(tls).await;
     let r = tokio::time::timeout(Duration::from_secs(15), sender.send_request(get(None)))
         .await
         .expect("HTTP/2 without ALPN must fail within 15 s");
@@ -391,16 +368,37 @@ async fn http_versions_go_by_alpn_and_heads_are_bounded_on_each() {
     let mut tcp = tokio::net::TcpStream::connect(env.kubelet_api)
         .await
         .unwrap();
+    closed_after_header_timeout(&mut tcp, "a silent TLS client").await;
+}
+
+/// An HTTP/2 client on `tls` (its connection driven by a task of its own).
+async fn h2_sender(
+    tls: tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+) -> hyper::client::conn::http2::SendRequest<support::Body> {
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
+/// `io` is closed by the server after `--http-header-timeout` (2 s), not
+/// before, and within 15 s.
+async fn closed_after_header_timeout<R: tokio::io::AsyncRead + Unpin>(io: &mut R, what: &str) {
+    use tokio::io::AsyncReadExt;
     let started = Instant::now();
     let mut buf = [0u8; 256];
-    let read = tokio::time::timeout(Duration::from_secs(15), tcp.read(&mut buf)).await;
+    let read = tokio::time::timeout(Duration::from_secs(15), io.read(&mut buf)).await;
     assert!(
         matches!(read, Ok(Ok(0)) | Ok(Err(_))),
-        "a silent client must be closed within 15 s, got {read:?}"
+        "{what}: must be closed within 15 s, got {read:?}"
     );
     assert!(
         started.elapsed() >= Duration::from_millis(1500),
-        "a silent client was closed after {:?}, before --http-header-timeout 2s",
+        "{what}: closed after {:?}, before --http-header-timeout 2s",
         started.elapsed()
     );
 }
