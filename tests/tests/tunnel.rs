@@ -264,7 +264,18 @@ async fn http_versions_go_by_alpn_and_heads_are_bounded_on_each() {
     // parsed head refuses it (it got 200 without that check).
     let big = "x".repeat(20 * 1024);
 
-    // HTTP/1.1: by ALPN, and sniffed without it.
+    // HTTP/1.1: by ALPN, and without any ALPN.
+    let client = &env.client;
+    let h1_tls = move |alpn: bool| async move {
+        let tls = if alpn {
+            client.connect(Some("edge-1"), false).await.unwrap()
+        } else {
+            client.connect_without_alpn(Some("edge-1")).await.unwrap()
+        };
+        let want: Option<&[u8]> = if alpn { Some(b"http/1.1") } else { None };
+        assert_eq!(tls.get_ref().1.alpn_protocol(), want);
+        tls
+    };
     for alpn in [true, false] {
         let what = if alpn {
             "HTTP/1.1 by ALPN"
@@ -275,18 +286,10 @@ async fn http_versions_go_by_alpn_and_heads_are_bounded_on_each() {
             ("", StatusCode::OK),
             (big.as_str(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
         ] {
-            let tls = if alpn {
-                let tls = env.client.connect(Some("edge-1"), false).await.unwrap();
-                assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
-                tls
-            } else {
-                let tls = env.client.connect_without_alpn("edge-1").await.unwrap();
-                assert_eq!(tls.get_ref().1.alpn_protocol(), None);
-                tls
-            };
-            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-                .await
-                .unwrap();
+            let (mut sender, conn) =
+                hyper::client::conn::http1::handshake(TokioIo::new(h1_tls(alpn).await))
+                    .await
+                    .unwrap();
             tokio::spawn(conn);
             let mut req = Request::get("/metrics").header("host", "edge-1");
             if !extra.is_empty() {
@@ -303,11 +306,7 @@ async fn http_versions_go_by_alpn_and_heads_are_bounded_on_each() {
             }
         }
         // A head that never ends: closed after --http-header-timeout.
-        let mut tls = if alpn {
-            env.client.connect(Some("edge-1"), false).await.unwrap()
-        } else {
-            env.client.connect_without_alpn("edge-1").await.unwrap()
-        };
+        let mut tls = h1_tls(alpn).await;
         tls.write_all(b"GET /metrics HTTP/1.1\r\nhost: edge-1\r\n")
             .await
             .unwrap();
@@ -342,13 +341,21 @@ async fn http_versions_go_by_alpn_and_heads_are_bounded_on_each() {
     // HTTP/2's preface without ALPN is a bad HTTP/1.1 request line: the
     // front closes the connection (hyper answers nothing to it), a client
     // that tries gets an error, and no HTTP/2 frame comes back.
-    let tls = env.client.connect_without_alpn("edge-1").await.unwrap();
+    let tls = env
+        .client
+        .connect_without_alpn(Some("edge-1"))
+        .await
+        .unwrap();
     let mut sender = h2_sender(tls).await;
     let r = tokio::time::timeout(Duration::from_secs(15), sender.send_request(get(None)))
         .await
         .expect("HTTP/2 without ALPN must fail within 15 s");
     assert!(r.is_err(), "HTTP/2 without ALPN must be refused, got {r:?}");
-    let mut tls = env.client.connect_without_alpn("edge-1").await.unwrap();
+    let mut tls = env
+        .client
+        .connect_without_alpn(Some("edge-1"))
+        .await
+        .unwrap();
     tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
         .await
         .unwrap();

@@ -241,6 +241,24 @@ impl Client {
         sni: Option<&str>,
         h2: bool,
     ) -> Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let cfg = if h2 { &self.tls_h2 } else { &self.tls };
+        self.connect_with(sni, cfg.clone()).await
+    }
+
+    /// As [`Client::connect`], offering no ALPN protocol at all (the server
+    /// then speaks HTTP/1.1, as the kubelet).
+    pub async fn connect_without_alpn(
+        &self,
+        sni: Option<&str>,
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        self.connect_with(sni, self.tls_bare.clone()).await
+    }
+
+    async fn connect_with(
+        &self,
+        sni: Option<&str>,
+        cfg: Arc<rustls::ClientConfig>,
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>> {
         let tcp = match &self.dial {
             None => TcpStream::connect(self.addr).await?,
             Some(dial) => {
@@ -254,25 +272,8 @@ impl Client {
             Some(s) => ServerName::try_from(s.to_string())?,
             None => ServerName::IpAddress(self.addr.ip().into()),
         };
-        let cfg = if h2 {
-            self.tls_h2.clone()
-        } else {
-            self.tls.clone()
-        };
         Ok(tokio_rustls::TlsConnector::from(cfg)
             .connect(name, tcp)
-            .await?)
-    }
-
-    /// A TLS connection (SNI `sni`) that offers no ALPN protocol, so the
-    /// server learns the HTTP version from the first bytes.
-    pub async fn connect_without_alpn(
-        &self,
-        sni: &str,
-    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>> {
-        let tcp = TcpStream::connect(self.addr).await?;
-        Ok(tokio_rustls::TlsConnector::from(self.tls_bare.clone())
-            .connect(ServerName::try_from(sni.to_string())?, tcp)
             .await?)
     }
 
