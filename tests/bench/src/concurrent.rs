@@ -15,8 +15,9 @@ use anyhow::{bail, Context, Result};
 use linkemu::Impairment;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::bed::{Bed, BedOptions, Dial, TETHER};
+use crate::bed::{Bed, BedOptions, Dial};
 use crate::measure::pct;
+use crate::procs::{agents, tree_rss_kb};
 use crate::table::{Cell, Table};
 use crate::Report;
 
@@ -24,58 +25,6 @@ use crate::Report;
 const IN_FLIGHT: usize = 64;
 /// Bound of one open and of the echo round.
 const LIMIT: Duration = Duration::from_secs(60);
-
-/// RSS of `pid` and all its descendants, in KiB.
-fn tree_rss_kb(pid: u32) -> Result<u64> {
-    let mut parents = Vec::new();
-    for e in std::fs::read_dir("/proc")? {
-        let Ok(e) = e else { continue };
-        let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        // A process may exit while we look: skip it.
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-            continue;
-        };
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u32>().ok())
-            .unwrap_or(0);
-        parents.push((p, ppid));
-    }
-    let mut tree = vec![pid];
-    let mut i = 0;
-    while i < tree.len() {
-        let cur = tree[i];
-        tree.extend(parents.iter().filter(|(_, pp)| *pp == cur).map(|(p, _)| *p));
-        i += 1;
-    }
-    let mut kb = 0;
-    for p in tree {
-        kb += crate::footprint::status_kb(p, "VmRSS:").unwrap_or(0);
-    }
-    if kb == 0 {
-        bail!("no RSS for process {pid}");
-    }
-    Ok(kb)
-}
-
-/// The agents of a peer: (edge side, cloud side) pids.
-fn agents(bed: &Bed, peer: &str) -> Option<(u32, u32)> {
-    let by = |name: &str| {
-        bed.others
-            .iter()
-            .find(|p| p.name() == name)
-            .and_then(|p| p.pid())
-    };
-    match peer {
-        TETHER => Some((bed.edge.pid()?, bed.cloud.pid()?)),
-        "ssh -R" => Some((by("ssh-R")?, by("sshd")?)),
-        "rathole" => Some((by("rathole-client")?, by("rathole-server")?)),
-        _ => None,
-    }
-}
 
 /// What one peer did.
 struct Figures {

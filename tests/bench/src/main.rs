@@ -30,6 +30,7 @@ mod concurrent;
 mod footprint;
 mod kubelet;
 mod measure;
+mod procs;
 mod replicas;
 mod roll;
 mod scale;
@@ -43,6 +44,7 @@ use linkemu::Impairment;
 
 use bed::{Bed, BedOptions, Dial, Peer};
 use measure::{pct, Load, StreamFate, Watch};
+use procs::{CpuPart, CpuSample, CpuSpent};
 use table::{Cell, Table};
 
 /// Sizes of one link's runs.
@@ -305,18 +307,38 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
         .iter()
         .map(|_| [Ok(Vec::new()), Ok(Vec::new())])
         .collect();
+    // Per peer and kind: the CPU time its agents and the link's router spent on the
+    // transfers that succeeded, and the bytes those moved.
+    let router = bed.link.info().router_pid;
+    let mut cpu: Vec<[CpuSpent; 2]> = bed.peers.iter().map(|_| Default::default()).collect();
     for _ in 0..rounds {
-        for ((p, dial), [one, ten]) in bed.peers.iter().zip(&dials).zip(got.iter_mut()) {
+        for (((p, dial), [one, ten]), spent) in bed
+            .peers
+            .iter()
+            .zip(&dials)
+            .zip(got.iter_mut())
+            .zip(cpu.iter_mut())
+        {
             let Some(dial) = dial else { continue };
+            let agents = procs::agents(&bed, p.name);
+            let [spent_one, spent_ten] = spent;
             if let Ok(v) = one {
+                let c0 = CpuSample::take(agents, router)?;
                 match measure::bulk(dial, s.bulk_bytes, s.bulk_limit).await {
-                    Ok(x) => v.push(x),
+                    Ok(x) => {
+                        v.push(x);
+                        spent_one.add(c0, CpuSample::take(agents, router)?, s.bulk_bytes);
+                    }
                     Err(e) => *one = Err(r.error(format!("{name}: {} bulk: {e:#}", p.name))),
                 }
             }
             if let Ok(v) = ten {
+                let c0 = CpuSample::take(agents, router)?;
                 match measure::parallel(dial, 10, s.parallel_bytes, s.bulk_limit).await {
-                    Ok(x) => v.push(x),
+                    Ok(x) => {
+                        v.push(x);
+                        spent_ten.add(c0, CpuSample::take(agents, router)?, 10 * s.parallel_bytes);
+                    }
                     Err(e) => *ten = Err(r.error(format!("{name}: {} 10 streams: {e:#}", p.name))),
                 }
             }
@@ -354,6 +376,45 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
             ranges.join("; ")
         ));
     }
+    r.push(&format!(
+        "\nCPU per GiB moved in those rounds (s; lower is better): each peer's agent at the \
+         edge's end (tether-edge, ssh, rathole's client) and at the cloud's (tether-cloud, \
+         sshd with its children, rathole's server), utime + stime, and the link's userspace \
+         router, whose system time includes the kernel's work on the packets it forwards. \
+         The client and the kubelet stand-in are the same for every peer and not counted. \
+         Unlike the MB/s above, these do not depend on what else the {} cores were doing.\n\n",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    ));
+    let parts = [
+        ("edge", CpuPart::Edge),
+        ("cloud", CpuPart::Cloud),
+        ("link router", CpuPart::Router),
+    ];
+    let mut header = vec!["peer".to_string()];
+    for kind in ["1 stream", "10 streams"] {
+        header.extend(parts.iter().map(|(who, _)| format!("{kind}: {who} s/GiB")));
+    }
+    let header: Vec<&str> = header.iter().map(String::as_str).collect();
+    let mut t = Table::new(&header, 2);
+    for ((p, dial), spent) in bed.peers.iter().zip(&dials).zip(&cpu) {
+        if dial.is_none() {
+            t.row(p.name, vec![Cell::text("n/a"); 6]);
+            continue;
+        }
+        let has_agents = procs::agents(&bed, p.name).is_some();
+        let mut cells = Vec::new();
+        for kind in spent {
+            for (_, part) in parts {
+                cells.push(match kind.per_gib(part) {
+                    Some(_) if part != CpuPart::Router && !has_agents => Cell::text("n/a"),
+                    Some(v) => Cell::Num(v),
+                    None => Cell::text("-"),
+                });
+            }
+        }
+        t.row(p.name, cells);
+    }
+    r.push(&t.render());
 
     // Time to open a stream: a new connection (TCP + TLS handshake; to the cloud for
     // Tether, through the tunnel to the kubelet for the others), a GET, its whole

@@ -32,6 +32,8 @@ use tether_proto::io::{write_frame, FrameReader};
 use tether_proto::Frame;
 use tether_tests::process::{Proc, SpawnOptions};
 
+use crate::procs::cpu_ticks;
+
 use crate::table::{Cell, Table};
 use crate::Report;
 
@@ -423,16 +425,6 @@ pub(crate) async fn edge(
     }
 }
 
-/// utime + stime of `pid`, in clock ticks.
-fn cpu_ticks(pid: u32) -> Result<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let rest = s.rsplit_once(')').context("/proc stat")?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // Fields after the command: state is [0]; utime [11], stime [12].
-    Ok(f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
-        + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0))
-}
-
 pub(crate) async fn wait_count(c: &AtomicUsize, n: usize, limit: Duration) -> Option<Duration> {
     let t = Instant::now();
     while t.elapsed() < limit {
@@ -498,7 +490,7 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
         tokio::time::sleep(idle_window).await;
         let c1 = cpu_ticks(pid)?;
         // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let hz = crate::procs::ticks_per_sec();
         let cpu_pct = (c1 - c0) as f64 / hz / idle_window.as_secs_f64() * 100.0;
         // Restart: SIGTERM, a new process on the same port, all back.
         let before = welcomes.load(Ordering::Relaxed);

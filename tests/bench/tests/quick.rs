@@ -40,4 +40,26 @@ fn quick_benchmark_runs() {
     for peer in ["| direct |", "| ssh -R |", "| rathole |", "| tether |"] {
         assert!(md.contains(peer), "no {peer} row:\n{md}");
     }
+    // The clean link's CPU per GiB: a figure in every cell of Tether's row, for its
+    // two agents and the router, one stream and ten.
+    let cpu = md
+        .split_once("| 1 stream: edge s/GiB |")
+        .unwrap_or_else(|| panic!("no CPU per GiB table:\n{md}"))
+        .1;
+    let row = cpu
+        .lines()
+        .find(|l| l.starts_with("| tether |"))
+        .unwrap_or_else(|| panic!("no tether row in the CPU table:\n{cpu}"));
+    let cells: Vec<f64> = row
+        .trim_matches('|')
+        .split('|')
+        .skip(1)
+        .map(|c| {
+            c.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("{c:?} in {row}"))
+        })
+        .collect();
+    assert_eq!(cells.len(), 6, "{row}");
+    assert!(cells.iter().sum::<f64>() > 0.0, "{row}");
 }
