@@ -18,6 +18,8 @@ use crate::identity::AllowedIdentity;
 /// (~70 bytes per allowed stream) bear.
 const MIN_PEER_STREAMS: u32 = 4;
 const MAX_PEER_STREAMS: u32 = 1 << 20;
+/// Most runtime threads `--worker-threads` accepts.
+const MAX_WORKER_THREADS: usize = 1024;
 
 /// Command-line flags of `tether-cloud`.
 #[derive(Debug, Parser)]
@@ -198,6 +200,13 @@ pub struct CloudArgs {
     /// nodes that left first are forgotten first.
     #[arg(long, env = "TETHER_MAX_DEPARTED_PODS", default_value_t = crate::registry::DEFAULT_MAX_DEPARTED_PODS)]
     pub max_departed_pods: usize,
+    /// Threads of the async runtime (1 to 1024). Unset: one per CPU the process
+    /// may use (its cgroup's CPU quota counts). An edge's packets, its streams and
+    /// the apiserver's connections are handed between these threads, so a replica
+    /// moving bulk data through few edges spends less CPU per byte with fewer;
+    /// more serve more edges and handshakes at once (README, "Configuration").
+    #[arg(long, env = "TETHER_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
     /// Edge QUIC/TLS handshakes in progress at once; the Initials of
     /// further edges wait for a slot (first come, first served, one per
     /// source address and port: a newer attempt of the same edge takes its
@@ -372,6 +381,8 @@ pub struct CloudConfig {
     pub max_apiserver_connections: usize,
     pub max_edges: usize,
     pub max_departed_pods: usize,
+    /// `None`: one per available CPU.
+    pub worker_threads: Option<usize>,
     pub max_pending_handshakes: usize,
     pub max_waiting_handshakes: usize,
     pub handshakes_per_source: u32,
@@ -470,6 +481,14 @@ impl CloudArgs {
         if self.handshakes_per_source == 0 {
             return Err("--handshakes-per-source must be at least 1".into());
         }
+        if self
+            .worker_threads
+            .is_some_and(|n| !(1..=MAX_WORKER_THREADS).contains(&n))
+        {
+            return Err(format!(
+                "--worker-threads must be 1 to {MAX_WORKER_THREADS}"
+            ));
+        }
         // A zero limit or timeout would refuse everything or spin: refuse it.
         for (flag, n) in [
             ("--max-edges", self.max_edges),
@@ -565,6 +584,7 @@ impl CloudArgs {
             max_apiserver_connections: self.max_apiserver_connections,
             max_edges: self.max_edges,
             max_departed_pods: self.max_departed_pods,
+            worker_threads: self.worker_threads,
             max_pending_handshakes: self.max_pending_handshakes,
             max_waiting_handshakes: self.max_waiting_handshakes,
             handshakes_per_source: self.handshakes_per_source,
@@ -656,10 +676,28 @@ mod tests {
             ("--handshake-timeout", "0s"),
             ("--http-header-timeout", "0s"),
             ("--join-cert-validity", "0s"),
+            ("--worker-threads", "0"),
         ] {
             let e = config(&[flag, zero]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
         }
+    }
+
+    #[test]
+    fn worker_threads_default_to_the_cpus_and_are_bounded() {
+        assert_eq!(config(&[]).unwrap().worker_threads, None);
+        assert_eq!(
+            config(&["--worker-threads", "1"]).unwrap().worker_threads,
+            Some(1)
+        );
+        assert_eq!(
+            config(&["--worker-threads", "1024"])
+                .unwrap()
+                .worker_threads,
+            Some(1024)
+        );
+        let e = config(&["--worker-threads", "1025"]).unwrap_err();
+        assert!(e.contains("--worker-threads must be 1 to 1024"), "{e}");
     }
 
     const PEER: &[&str] = &[

@@ -11,7 +11,11 @@ fn main() -> anyhow::Result<()> {
     else {
         return Ok(());
     };
-    tokio::runtime::Builder::new_multi_thread()
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = cfg.worker_threads {
+        runtime.worker_threads(n);
+    }
+    runtime
         .enable_all()
         .build()
         .context("starting the async runtime")?

@@ -113,6 +113,39 @@ async fn metrics_health_and_status() {
     );
 }
 
+/// Threads of process `pid` named as tokio names its runtime's workers.
+fn runtime_workers(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.trim() == "tokio-rt-worker")
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runtime_threads_follow_worker_threads() {
+    // The edge's default is one; the cloud's is one per available CPU, unless
+    // --worker-threads says otherwise. Both serve with what they were given.
+    for (flags, cloud_workers) in [
+        (vec![], std::thread::available_parallelism().unwrap().get()),
+        (vec!["--worker-threads", "3"], 3),
+    ] {
+        let env = Env::start(ONE, &flags).await.unwrap();
+        let r = env
+            .client
+            .get("/containerLogs/default/p1/c", "edge-1", None, &[])
+            .await
+            .unwrap();
+        assert_eq!(r.status, StatusCode::OK, "{flags:?}: {}", r.body);
+        assert_eq!(
+            runtime_workers(env.cloud.pid().unwrap()),
+            cloud_workers,
+            "{flags:?}"
+        );
+        assert_eq!(runtime_workers(env.nodes[0].edge.pid().unwrap()), 1);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_sigterm_ends_its_session_at_once() {
     let mut env = Env::start(ONE, &[]).await.unwrap();
