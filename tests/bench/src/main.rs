@@ -310,17 +310,23 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
     // Per peer and kind: the CPU time its agents and the link's router spent on the
     // transfers that succeeded, and the bytes those moved.
     let router = bed.link.info().router_pid;
+    let agents: Vec<_> = bed
+        .peers
+        .iter()
+        .map(|p| procs::agents(&bed, p.name))
+        .collect();
     let mut cpu: Vec<[CpuSpent; 2]> = bed.peers.iter().map(|_| Default::default()).collect();
+    const STREAMS: usize = 10;
     for _ in 0..rounds {
-        for (((p, dial), [one, ten]), spent) in bed
+        for ((((p, dial), [one, ten]), spent), &agents) in bed
             .peers
             .iter()
             .zip(&dials)
             .zip(got.iter_mut())
             .zip(cpu.iter_mut())
+            .zip(&agents)
         {
             let Some(dial) = dial else { continue };
-            let agents = procs::agents(&bed, p.name);
             let [spent_one, spent_ten] = spent;
             if let Ok(v) = one {
                 let c0 = CpuSample::take(agents, router)?;
@@ -334,10 +340,11 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
             }
             if let Ok(v) = ten {
                 let c0 = CpuSample::take(agents, router)?;
-                match measure::parallel(dial, 10, s.parallel_bytes, s.bulk_limit).await {
+                match measure::parallel(dial, STREAMS, s.parallel_bytes, s.bulk_limit).await {
                     Ok(x) => {
                         v.push(x);
-                        spent_ten.add(c0, CpuSample::take(agents, router)?, 10 * s.parallel_bytes);
+                        let bytes = STREAMS as u64 * s.parallel_bytes;
+                        spent_ten.add(c0, CpuSample::take(agents, router)?, bytes);
                     }
                     Err(e) => *ten = Err(r.error(format!("{name}: {} 10 streams: {e:#}", p.name))),
                 }
@@ -397,12 +404,12 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
     }
     let header: Vec<&str> = header.iter().map(String::as_str).collect();
     let mut t = Table::new(&header, 2);
-    for ((p, dial), spent) in bed.peers.iter().zip(&dials).zip(&cpu) {
+    for (((p, dial), spent), agents) in bed.peers.iter().zip(&dials).zip(&cpu).zip(&agents) {
         if dial.is_none() {
-            t.row(p.name, vec![Cell::text("n/a"); 6]);
+            t.row(p.name, vec![Cell::text("n/a"); header.len() - 1]);
             continue;
         }
-        let has_agents = procs::agents(&bed, p.name).is_some();
+        let has_agents = agents.is_some();
         let mut cells = Vec::new();
         for kind in spent {
             for (_, part) in parts {

@@ -31,9 +31,9 @@ fn stat_fields(pid: u32) -> Option<Vec<String>> {
     Some(rest.split_whitespace().map(str::to_string).collect())
 }
 
-/// `pid` and every process descending from it, as they are now (a process that exits
-/// while we look is left out).
-pub fn tree(pid: u32) -> Result<Vec<u32>> {
+/// Every process there is now and its parent, from one listing of `/proc` (a
+/// process that exits while we look is left out).
+fn parents() -> Result<Vec<(u32, u32)>> {
     let mut parents = Vec::new();
     for e in std::fs::read_dir("/proc").context("listing /proc")? {
         let Ok(e) = e else { continue };
@@ -44,6 +44,11 @@ pub fn tree(pid: u32) -> Result<Vec<u32>> {
         let ppid = f.get(1).and_then(|v| v.parse::<u32>().ok()).unwrap_or(0);
         parents.push((p, ppid));
     }
+    Ok(parents)
+}
+
+/// `pid` and every process descending from it in `parents`.
+fn descendants(parents: &[(u32, u32)], pid: u32) -> Vec<u32> {
     let mut tree = vec![pid];
     let mut i = 0;
     while i < tree.len() {
@@ -51,7 +56,12 @@ pub fn tree(pid: u32) -> Result<Vec<u32>> {
         tree.extend(parents.iter().filter(|(_, pp)| *pp == cur).map(|(p, _)| *p));
         i += 1;
     }
-    Ok(tree)
+    tree
+}
+
+/// `pid` and every process descending from it, as they are now.
+pub fn tree(pid: u32) -> Result<Vec<u32>> {
+    Ok(descendants(&parents()?, pid))
 }
 
 /// RSS of `pid` and all its descendants, in KiB.
@@ -74,17 +84,11 @@ pub fn cpu_ticks(pid: u32) -> Result<u64> {
     Ok(field(11) + field(12))
 }
 
-/// CPU time of the trees of `pids` (the processes alive now; a child that exited
-/// since the last look takes its time with it), in clock ticks.
-pub fn trees_cpu_ticks(pids: &[u32]) -> Result<u64> {
-    let mut ticks = 0;
-    for &pid in pids {
-        for p in tree(pid)? {
-            // A process may exit while we look.
-            ticks += cpu_ticks(p).unwrap_or(0);
-        }
-    }
-    Ok(ticks)
+/// CPU time of `tree` (the processes alive now; a child that exited since the last
+/// look takes its time with it), in clock ticks.
+fn tree_cpu_ticks(tree: &[u32]) -> u64 {
+    // A process may exit while we look.
+    tree.iter().map(|&p| cpu_ticks(p).unwrap_or(0)).sum()
 }
 
 /// Clock ticks per second (`/proc`'s unit of CPU time).
@@ -104,7 +108,13 @@ impl CpuSample {
     /// Reads the trees of `agents` (edge side, cloud side) and the router `router`.
     pub fn take(agents: Option<(u32, u32)>, router: u32) -> Result<CpuSample> {
         let (edge, cloud) = match agents {
-            Some((e, c)) => (trees_cpu_ticks(&[e])?, trees_cpu_ticks(&[c])?),
+            Some((e, c)) => {
+                let parents = parents()?;
+                (
+                    tree_cpu_ticks(&descendants(&parents, e)),
+                    tree_cpu_ticks(&descendants(&parents, c)),
+                )
+            }
             None => (0, 0),
         };
         Ok(CpuSample {
@@ -162,7 +172,7 @@ mod tests {
     fn own_cpu_time_grows_with_work() {
         let me = std::process::id();
         assert!(tree(me).expect("tree").contains(&me));
-        let before = trees_cpu_ticks(&[me]).expect("ticks");
+        let before = tree_cpu_ticks(&tree(me).expect("tree"));
         // Spin until 20 ticks (200 ms at 100 Hz) of CPU time are counted, for at
         // most 30 s of wall time however busy the machine is.
         let t = std::time::Instant::now();
@@ -172,7 +182,7 @@ mod tests {
             for _ in 0..1_000_000 {
                 x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
             }
-            spun = trees_cpu_ticks(&[me]).expect("ticks") - before;
+            spun = tree_cpu_ticks(&tree(me).expect("tree")) - before;
         }
         assert!(
             spun >= 20,

@@ -32,8 +32,7 @@ use tether_proto::io::{write_frame, FrameReader};
 use tether_proto::Frame;
 use tether_tests::process::{Proc, SpawnOptions};
 
-use crate::procs::cpu_ticks;
-
+use crate::procs::{cpu_ticks, ticks_per_sec};
 use crate::table::{Cell, Table};
 use crate::Report;
 
@@ -489,8 +488,7 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
         let c0 = cpu_ticks(pid)?;
         tokio::time::sleep(idle_window).await;
         let c1 = cpu_ticks(pid)?;
-        // SAFETY: sysconf has no preconditions.
-        let hz = crate::procs::ticks_per_sec();
+        let hz = ticks_per_sec();
         let cpu_pct = (c1 - c0) as f64 / hz / idle_window.as_secs_f64() * 100.0;
         // Restart: SIGTERM, a new process on the same port, all back.
         let before = welcomes.load(Ordering::Relaxed);
