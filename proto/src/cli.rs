@@ -115,6 +115,14 @@ pub struct QuicArgs {
     /// a path whose MTU shrinks is caught by quinn's black-hole detection.
     #[arg(long, env = "TETHER_MTU_RESEARCH_INTERVAL", default_value = "6h", value_parser = parse_duration)]
     pub mtu_research_interval: Duration,
+    /// Let the peer receive this many packets from us (1 to 100) before it
+    /// must acknowledge them, instead of acknowledging every second one
+    /// (QUIC's acknowledgement-frequency extension; both ends speak it).
+    /// Fewer acknowledgements to send, receive and route, and larger bursts
+    /// per system call; a lone packet is acknowledged after the peer's
+    /// 25 ms delay either way. 0: QUIC's own cadence, no extension frame.
+    #[arg(long, env = "TETHER_ACK_ELICITING_THRESHOLD", default_value_t = crate::quic::DEFAULT_ACK_THRESHOLD)]
+    pub ack_eliciting_threshold: u32,
 }
 
 /// Which end of the tunnel a QUIC configuration is for: it decides how many
@@ -167,6 +175,8 @@ impl QuicArgs {
                 .map_err(|_| "datagram-buffer too large".to_string())?,
             mtu_probe_step: self.mtu_probe_step,
             mtu_research: self.mtu_research_interval,
+            ack_threshold: (self.ack_eliciting_threshold > 0)
+                .then_some(self.ack_eliciting_threshold),
             copies: crate::copies::CopySettings {
                 max_payload: usize::try_from(self.interactive_copy_bytes)
                     .map_err(|_| "interactive-copy-bytes too large".to_string())?,
@@ -392,6 +402,27 @@ mod tests {
         let set = quic(&["t", "--udp-buffer", "1MiB"]);
         for role in [Role::Cloud, Role::Edge] {
             assert_eq!(set.settings(&limits, role).unwrap().udp_buffer, 1 << 20);
+        }
+    }
+
+    #[test]
+    fn ack_threshold_defaults_to_ten_zero_turns_it_off_and_101_is_refused() {
+        let limits = crate::limits::Limits::default();
+        let quic = |argv: &[&str]| QuicOnly::try_parse_from(argv).unwrap().quic;
+        for role in [Role::Cloud, Role::Edge] {
+            let d = quic(&["t"]).settings(&limits, role).unwrap();
+            assert_eq!(d.ack_threshold, Some(crate::quic::DEFAULT_ACK_THRESHOLD));
+            let off = quic(&["t", "--ack-eliciting-threshold", "0"]);
+            assert_eq!(off.settings(&limits, role).unwrap().ack_threshold, None);
+            let max = quic(&["t", "--ack-eliciting-threshold", "100"]);
+            assert_eq!(
+                max.settings(&limits, role).unwrap().ack_threshold,
+                Some(100)
+            );
+            let e = quic(&["t", "--ack-eliciting-threshold", "101"])
+                .settings(&limits, role)
+                .unwrap_err();
+            assert!(e.contains("ACK-eliciting threshold (101)"), "{e}");
         }
     }
 
