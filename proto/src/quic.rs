@@ -351,16 +351,22 @@ mod tests {
         s(MIN_DATAGRAM_BUFFER).transport().unwrap();
     }
 
+    /// A loopback pair with `settings` on both ends.
+    async fn pair(
+        settings: QuicSettings,
+    ) -> (quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>) {
+        let t = settings.transport_arc().unwrap();
+        crate::testing::quic_pair_with(t).await.unwrap()
+    }
+
     /// The search on loopback (no path limit below quinn's 1,452 bytes): how
     /// many probes each end sent and the packet size each reached.
     async fn search(step: u16) -> [(u64, u16); 2] {
-        let t = QuicSettings {
+        let (a, b, _endpoints) = pair(QuicSettings {
             mtu_probe_step: step,
             ..QuicSettings::default()
-        }
-        .transport_arc()
-        .unwrap();
-        let (a, b, _endpoints) = crate::testing::quic_pair_with(t).await.unwrap();
+        })
+        .await;
         let done = |c: &quinn::Connection| {
             let p = c.stats().path;
             (p.sent_plpmtud_probes, p.current_mtu)
@@ -410,13 +416,11 @@ mod tests {
     /// ACK frames the receiver of 4 MiB on one stream sent, and
     /// ACK_FREQUENCY frames the sender sent, with `threshold`.
     async fn acks_for_4_mib(threshold: Option<u32>) -> (u64, u64) {
-        let t = QuicSettings {
+        let (sender, receiver, _endpoints) = pair(QuicSettings {
             ack_threshold: threshold,
             ..QuicSettings::default()
-        }
-        .transport_arc()
-        .unwrap();
-        let (sender, receiver, _endpoints) = crate::testing::quic_pair_with(t).await.unwrap();
+        })
+        .await;
         let transfer = async {
             let (mut tx, _rx) = sender.open_bi().await.unwrap();
             let write = async {
