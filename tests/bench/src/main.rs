@@ -282,6 +282,8 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
     }
     r.push(&t.render());
 
+    // Streams of the parallel transfer, in every label that names it.
+    const STREAMS: usize = 10;
     let rounds = s.bulk_rounds.max(1);
     let what = match rounds {
         1 => String::new(),
@@ -292,7 +294,7 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
             "peer",
             &format!("1 stream MB/s ({} MiB{what})", s.bulk_bytes >> 20),
             &format!(
-                "10 streams MB/s (sum, {} KiB each{what})",
+                "{STREAMS} streams MB/s (sum, {} KiB each{what})",
                 s.parallel_bytes >> 10
             ),
         ],
@@ -316,7 +318,6 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
         .map(|p| procs::agents(&bed, p.name))
         .collect();
     let mut cpu: Vec<[CpuSpent; 2]> = bed.peers.iter().map(|_| Default::default()).collect();
-    const STREAMS: usize = 10;
     for _ in 0..rounds {
         for ((((p, dial), [one, ten]), spent), &agents) in bed
             .peers
@@ -346,7 +347,9 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
                         let bytes = STREAMS as u64 * s.parallel_bytes;
                         spent_ten.add(c0, CpuSample::take(agents, router)?, bytes);
                     }
-                    Err(e) => *ten = Err(r.error(format!("{name}: {} 10 streams: {e:#}", p.name))),
+                    Err(e) => {
+                        *ten = Err(r.error(format!("{name}: {} {STREAMS} streams: {e:#}", p.name)))
+                    }
                 }
             }
         }
@@ -379,7 +382,7 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
     r.push(&t.render());
     if rounds > 1 {
         r.push(&format!(
-            "\nRange of the {rounds} rounds (1 stream / 10 streams, MB/s): {}.\n",
+            "\nRange of the {rounds} rounds (1 stream / {STREAMS} streams, MB/s): {}.\n",
             ranges.join("; ")
         ));
     }
@@ -399,7 +402,7 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
         ("link router", CpuPart::Router),
     ];
     let mut header = vec!["peer".to_string()];
-    for kind in ["1 stream", "10 streams"] {
+    for kind in ["1 stream".to_string(), format!("{STREAMS} streams")] {
         header.extend(parts.iter().map(|(who, _)| format!("{kind}: {who} s/GiB")));
     }
     let header: Vec<&str> = header.iter().map(String::as_str).collect();
