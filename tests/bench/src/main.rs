@@ -224,11 +224,49 @@ pub(crate) fn unavailable(r: &mut Report, p: &Peer) -> Option<Dial> {
     }
 }
 
+/// How the link scenarios run, from the command line: for comparing one
+/// Tether setting against another (`--tether-only --rounds 15`, the setting
+/// from the environment) more rounds say more than the default's 3–7.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct LinkOpts {
+    /// Measure Tether and direct only (ssh -R and rathole are not started).
+    tether_only: bool,
+    /// Bulk rounds instead of the link's own, each round's figures printed.
+    rounds: Option<usize>,
+}
+
+/// One kind's figures, round by round ("-" when the kind failed before any).
+fn round_list(v: &[f64]) -> String {
+    if v.is_empty() {
+        return "-".into();
+    }
+    v.iter()
+        .map(|x| format!("{x:.1}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The most `--rounds` a link scenario takes (a round of the slow link takes
+/// seconds per peer; 1,000 is hours).
+const MAX_ROUNDS: usize = 1000;
+
 /// Scenarios 1 and 2 on one link.
-async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Result<()> {
-    let bed = Bed::start(imp, BedOptions::default())
-        .await
-        .with_context(|| format!("starting the bed on link {name}"))?;
+async fn link_runs(
+    r: &mut Report,
+    name: &str,
+    imp: Impairment,
+    s: Sizes,
+    o: LinkOpts,
+) -> Result<()> {
+    let bed = Bed::start(
+        imp,
+        BedOptions {
+            tether_only: o.tether_only,
+            ..BedOptions::default()
+        },
+    )
+    .await
+    .with_context(|| format!("starting the bed on link {name}"))?;
     r.push(&format!(
         "\n### Link: {name}\n\nInteractive: {} one-byte writes echoed through an upgraded exec stream, 10 ms apart (ms); under bulk: while {} MiB downloads loop through the same tunnel.\n\n",
         s.echo_rounds,
@@ -284,7 +322,7 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
 
     // Streams of the parallel transfer, in every label that names it.
     const STREAMS: usize = 10;
-    let rounds = s.bulk_rounds.max(1);
+    let rounds = o.rounds.unwrap_or(s.bulk_rounds).max(1);
     let what = match rounds {
         1 => String::new(),
         n => format!(", median of {n}"),
@@ -355,6 +393,7 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
         }
     }
     let mut ranges = Vec::new();
+    let mut each = Vec::new();
     for ((p, dial), kinds) in bed.peers.iter().zip(&dials).zip(got) {
         if dial.is_none() {
             t.row(p.name, vec![Cell::text("n/a"); 2]);
@@ -362,19 +401,26 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
         }
         let mut cells = Vec::new();
         let mut spans = Vec::new();
+        let mut listed = Vec::new();
         for kind in kinds {
             match kind {
                 Ok(v) => {
+                    listed.push(round_list(&v));
                     let (lo, hi) = (pct(&v, 0.0), pct(&v, 1.0));
                     spans.push(format!("{lo:.0}–{hi:.0}"));
                     cells.push(Cell::Num(pct(&v, 0.5)));
                 }
                 Err(c) => {
+                    listed.push("-".into());
                     spans.push("-".into());
                     cells.push(c);
                 }
             }
         }
+        each.push(format!(
+            "{}: 1 stream {}; {STREAMS} streams {}",
+            p.name, listed[0], listed[1]
+        ));
         ranges.push(format!("{} {}", p.name, spans.join(" / ")));
         t.row(p.name, cells);
     }
@@ -384,6 +430,12 @@ async fn link_runs(r: &mut Report, name: &str, imp: Impairment, s: Sizes) -> Res
         r.push(&format!(
             "\nRange of the {rounds} rounds (1 stream / {STREAMS} streams, MB/s): {}.\n",
             ranges.join("; ")
+        ));
+    }
+    if o.rounds.is_some() {
+        r.push(&format!(
+            "\nEach round in order (MB/s): {}.\n",
+            each.join(". ")
         ));
     }
     r.push(&format!(
@@ -760,9 +812,15 @@ struct Args {
     out: std::path::PathBuf,
     /// Run the soak instead of the benchmark, for this many minutes.
     soak_minutes: Option<u64>,
+    /// `--tether-only`, `--rounds`.
+    link: LinkOpts,
 }
 
 fn args() -> Result<Args> {
+    parse_args(std::env::args().skip(1))
+}
+
+fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
     let mut a = Args {
         quick: false,
         only: Vec::new(),
@@ -771,8 +829,8 @@ fn args() -> Result<Args> {
         require_peers: false,
         out: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/bench"),
         soak_minutes: None,
+        link: LinkOpts::default(),
     };
-    let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
         match x.as_str() {
             "--quick" => a.quick = true,
@@ -790,6 +848,18 @@ fn args() -> Result<Args> {
                 )
             }
             "--require-peers" => a.require_peers = true,
+            "--tether-only" => a.link.tether_only = true,
+            "--rounds" => {
+                let n: usize = it
+                    .next()
+                    .context("--rounds needs a number of rounds")?
+                    .parse()
+                    .context("--rounds needs a number of rounds")?;
+                if !(1..=MAX_ROUNDS).contains(&n) {
+                    anyhow::bail!("--rounds must be between 1 and {MAX_ROUNDS}, not {n}");
+                }
+                a.link.rounds = Some(n);
+            }
             "--soak" => {
                 a.soak_minutes = Some(
                     it.next()
@@ -800,7 +870,8 @@ fn args() -> Result<Args> {
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "-h" | "--help" => {
                 println!(
-                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|mtu|scale|sessions|replicas|roll|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--out DIR]\n\
+                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|mtu|scale|sessions|replicas|roll|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--tether-only] [--rounds N] [--out DIR]\n\
+                     (--tether-only: the link scenarios measure Tether and direct only; --rounds N: their bulk rounds, 1-{MAX_ROUNDS}, each round's figures printed)\n\
                      tether-bench --soak MINUTES [--sessions N] [--out DIR]   (exits non-zero unless 0 sessions lost, 0 bytes lost, RSS within 10 %)"
                 );
                 std::process::exit(0);
@@ -815,7 +886,7 @@ async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
     let want = |what: &str| a.only.is_empty() || a.only.iter().any(|o| what.contains(o.as_str()));
     for (name, imp, s) in &plan.links {
         if want(&format!("interactive bulk {name}")) {
-            let res = link_runs(r, name, *imp, *s).await;
+            let res = link_runs(r, name, *imp, *s, a.link).await;
             scenario(r, &format!("link {name}"), res);
         }
     }
@@ -911,6 +982,17 @@ fn main() -> Result<()> {
         },
         machine()
     ));
+    if a.link.tether_only {
+        r.push(
+            "\nThe link scenarios measure Tether and direct only (`--tether-only`): ssh -R and \
+             rathole are not started.\n",
+        );
+    }
+    if let Some(n) = a.link.rounds {
+        r.push(&format!(
+            "\nThe link scenarios run {n} bulk rounds (`--rounds`) instead of their own.\n"
+        ));
+    }
     let started = Instant::now();
     let mut soak_failed = false;
     let result = match a.soak_minutes {
@@ -981,5 +1063,53 @@ mod tests {
             r.out
         );
         assert!(!r.out.contains("footprint"), "{}", r.out);
+    }
+
+    fn parse(args: &[&str]) -> Result<Args> {
+        parse_args(args.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn link_options_default_to_every_peer_and_the_links_own_rounds() {
+        let a = parse(&["--only", "clean"]).unwrap();
+        assert_eq!(a.link, LinkOpts::default());
+        assert!(!a.link.tether_only);
+        assert_eq!(a.link.rounds, None);
+    }
+
+    #[test]
+    fn tether_only_and_rounds_are_taken_within_their_bounds() {
+        let a = parse(&["--tether-only", "--rounds", "15", "--only", "clean"]).unwrap();
+        assert_eq!(
+            a.link,
+            LinkOpts {
+                tether_only: true,
+                rounds: Some(15)
+            }
+        );
+        assert_eq!(parse(&["--rounds", "1"]).unwrap().link.rounds, Some(1));
+        let max = MAX_ROUNDS.to_string();
+        assert_eq!(
+            parse(&["--rounds", &max]).unwrap().link.rounds,
+            Some(MAX_ROUNDS)
+        );
+        let over = (MAX_ROUNDS + 1).to_string();
+        for bad in [
+            &["--rounds", "0"][..],
+            &["--rounds", &over],
+            &["--rounds", "many"],
+            &["--rounds"],
+        ] {
+            let e = parse(bad)
+                .err()
+                .unwrap_or_else(|| panic!("{bad:?} was taken"));
+            assert!(format!("{e:#}").contains("--rounds"), "{bad:?}: {e:#}");
+        }
+    }
+
+    #[test]
+    fn each_round_is_listed_in_order() {
+        assert_eq!(round_list(&[71.54, 59.4, 88.0]), "71.5 59.4 88.0");
+        assert_eq!(round_list(&[]), "-");
     }
 }
