@@ -235,7 +235,8 @@ struct LinkOpts {
     rounds: Option<usize>,
 }
 
-/// One kind's figures, round by round ("-" when the kind failed before any).
+/// One kind's figures, round by round ("-" for none; a kind that failed is
+/// listed as "-" by its caller, as in the ranges).
 fn round_list(v: &[f64]) -> String {
     if v.is_empty() {
         return "-".into();
