@@ -37,6 +37,8 @@
 //! - [`relay`]: a request carried over the peer link to the replica that
 //!   holds its edge, one hop, bytes untouched;
 //! - [`tls`]: rustls configurations for both listeners;
+//! - [`slim_tls`]: the edge listener's QUIC TLS sessions, which drop
+//!   rustls once the handshake is over;
 //! - [`metrics`]: the Prometheus metrics, registered in one place (served
 //!   with `/healthz`, `/readyz` and `/status` by [`tether_proto::ops`]);
 //! - [`config`]: the typed configuration `main` parses once.
@@ -63,6 +65,7 @@ pub mod relay;
 pub mod revocation;
 pub mod routes;
 pub mod session;
+pub mod slim_tls;
 pub mod tls;
 pub mod tunnel;
 

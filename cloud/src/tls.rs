@@ -59,8 +59,9 @@ pub fn quic_server_config(
     if cfg.join.is_some() {
         tls.alpn_protocols.push(tether_certs::ALPN_JOIN.to_vec());
     }
-    let crypto =
-        quinn::crypto::rustls::QuicServerConfig::try_from(tls).context("QUIC TLS configuration")?;
+    // Sessions that drop rustls once the handshake is over: an idle edge's
+    // connection lives for days (see `slim_tls`).
+    let crypto = crate::slim_tls::SlimServerConfig::new(tls).context("QUIC TLS configuration")?;
     let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     let mut transport = settings.transport().map_err(anyhow::Error::msg)?;
     // Only the edge sends keep-alives: they hold its NAT binding and keep both
