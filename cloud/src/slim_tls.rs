@@ -17,8 +17,11 @@
 //!
 //! After the handshake a session refuses TLS data (a QUIC client sends none
 //! then: QUIC has no TLS key-update message or post-handshake
-//! authentication). Keying-material export is refused: the cloud uses none. Any QUIC version other than 1, and a rustls connection that
-//! cannot be started, fall back to quinn's own session.
+//! authentication). Keying-material export is refused: the cloud uses none.
+//! A QUIC version other than 1 gets quinn's own session. A rustls connection
+//! that cannot start (a configuration rustls refuses, checked once in
+//! [`SlimServerConfig::new`]) fails that one handshake with an error, never
+//! the endpoint.
 
 use std::any::Any;
 use std::io;
@@ -44,6 +47,8 @@ const QUIC_V1: u32 = 1;
 pub enum SlimTlsError {
     #[error("the TLS configuration has no TLS 1.3 AES-128-GCM suite for QUIC's initial keys")]
     NoInitialSuite,
+    #[error("rustls refuses the configuration for a QUIC server: {0}")]
+    Refused(rustls::Error),
 }
 
 /// A QUIC server crypto configuration whose sessions shed rustls after the
@@ -71,6 +76,10 @@ impl SlimServerConfig {
             .filter(|cs| cs.suite() == rustls::CipherSuite::TLS13_AES_128_GCM_SHA256)
             .find_map(|cs| cs.tls13().and_then(|s| s.quic_suite()))
             .ok_or(SlimTlsError::NoInitialSuite)?;
+        // What rustls checks when a connection starts (TLS 1.3, QUIC's early
+        // data sizes), once here rather than at every handshake.
+        rustls::quic::ServerConnection::new(tls.clone(), Version::V1, Vec::new())
+            .map_err(SlimTlsError::Refused)?;
         Ok(Self {
             quinn: Arc::new(quinn),
             tls,
@@ -121,8 +130,13 @@ impl crypto::ServerConfig for SlimServerConfig {
                 })),
             }),
             Err(e) => {
-                warn!(error = %e, "starting a slim TLS session failed; using quinn's");
-                self.quinn.clone().start_session(version, params)
+                warn!(error = %e, "a TLS session could not start; refusing the handshake");
+                Box::new(SlimSession {
+                    initial: self.initial,
+                    first_update: None,
+                    last_update: None,
+                    stage: Stage::Refused(e.to_string()),
+                })
             }
         }
     }
@@ -158,6 +172,8 @@ struct SlimSession {
 enum Stage {
     Handshake(Box<Handshaking>),
     Done(Box<Finished>),
+    /// rustls refused to start (why): the first TLS data fails the handshake.
+    Refused(String),
 }
 
 struct Handshaking {
@@ -196,6 +212,7 @@ impl SlimSession {
         match &self.stage {
             Stage::Handshake(h) => h.conn.quic_transport_parameters(),
             Stage::Done(d) => d.transport_params.as_deref(),
+            Stage::Refused(_) => None,
         }
     }
 }
@@ -237,6 +254,7 @@ impl crypto::Session for SlimSession {
                 protocol: d.alpn.clone(),
                 server_name: d.server_name.clone(),
             },
+            Stage::Refused(_) => return None,
         };
         Some(Box::new(data))
     }
@@ -251,6 +269,7 @@ impl crypto::Session for SlimSession {
                 .map(|c| c.clone().into_owned())
                 .collect(),
             Stage::Done(d) => d.peer_certs.clone()?,
+            Stage::Refused(_) => return None,
         };
         Some(Box::new(chain))
     }
@@ -271,14 +290,25 @@ impl crypto::Session for SlimSession {
         match &self.stage {
             Stage::Handshake(h) => h.conn.is_handshaking(),
             Stage::Done(_) => false,
+            Stage::Refused(_) => true,
         }
     }
 
     fn read_handshake(&mut self, buf: &[u8]) -> Result<bool, TransportError> {
-        let Stage::Handshake(h) = &mut self.stage else {
-            return Err(protocol_violation(
-                "TLS handshake data after the handshake".into(),
-            ));
+        let h = match &mut self.stage {
+            Stage::Handshake(h) => h,
+            Stage::Done(_) => {
+                return Err(protocol_violation(
+                    "TLS handshake data after the handshake".into(),
+                ))
+            }
+            Stage::Refused(why) => {
+                return Err(TransportError {
+                    code: TransportErrorCode::INTERNAL_ERROR,
+                    frame: None,
+                    reason: format!("the TLS session could not start: {why}"),
+                })
+            }
         };
         if let Err(e) = h.conn.read_hs(buf) {
             return Err(match h.conn.alert() {
@@ -468,17 +498,47 @@ mod tests {
         edge: quinn::Connection,
         cloud: quinn::Connection,
         config: Arc<SlimServerConfig>,
-        endpoints: [quinn::Endpoint; 2],
+        roots: Arc<rustls::RootCertStore>,
+        listener: quinn::Endpoint,
+        _dialler: quinn::Endpoint,
+    }
+
+    /// A dialler on loopback whose TLS trusts `roots` and presents
+    /// `cert`, if any.
+    fn dialler(
+        roots: Arc<rustls::RootCertStore>,
+        cert: Option<tether_certs::mint::CertKey>,
+    ) -> quinn::Endpoint {
+        let builder = rustls::ClientConfig::builder_with_provider(tether_proto::tls::provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots);
+        let mut client = match cert {
+            Some(c) => builder
+                .with_client_auth_cert(
+                    certs_from_pem(&c.cert_pem, "edge").unwrap(),
+                    key_from_pem(&c.key_pem, "edge").unwrap(),
+                )
+                .unwrap(),
+            None => builder.with_no_client_auth(),
+        };
+        client.alpn_protocols = vec![b"tether-test".to_vec()];
+        let mut dialler = quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+        dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
+            quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap(),
+        )));
+        dialler
     }
 
     /// An edge (quinn's own client session, with an edge certificate) and a
-    /// cloud listener with [`SlimServerConfig`], on loopback.
+    /// cloud listener with [`SlimServerConfig`] requiring one, on loopback.
     async fn pair(node: &str) -> Pair {
         let provider = tether_proto::tls::provider();
         let ca = Ca::new("test CA", DAY).unwrap();
-        let ca_der = certs_from_pem(&ca.cert_pem, "ca").unwrap();
         let mut roots = rustls::RootCertStore::empty();
-        roots.add(ca_der[0].clone()).unwrap();
+        roots
+            .add(certs_from_pem(&ca.cert_pem, "ca").unwrap()[0].clone())
+            .unwrap();
         let roots = Arc::new(roots);
 
         let server = ca.issue_server(&["cloud.test"], &[], DAY).unwrap();
@@ -488,7 +548,7 @@ mod tests {
         )
         .build()
         .unwrap();
-        let mut tls = rustls::ServerConfig::builder_with_provider(provider.clone())
+        let mut tls = rustls::ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .unwrap()
             .with_client_cert_verifier(verifier)
@@ -500,26 +560,13 @@ mod tests {
         tls.alpn_protocols = vec![b"tether-test".to_vec()];
         tls.send_tls13_tickets = 0;
         let config = Arc::new(SlimServerConfig::new(tls).unwrap());
-        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
-        let listener =
-            quinn::Endpoint::server(quinn::ServerConfig::with_crypto(config.clone()), loopback)
-                .unwrap();
+        let listener = quinn::Endpoint::server(
+            quinn::ServerConfig::with_crypto(config.clone()),
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+        )
+        .unwrap();
 
-        let edge_cert = ca.issue_edge(node, DAY).unwrap();
-        let mut client = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_client_auth_cert(
-                certs_from_pem(&edge_cert.cert_pem, "edge").unwrap(),
-                key_from_pem(&edge_cert.key_pem, "edge").unwrap(),
-            )
-            .unwrap();
-        client.alpn_protocols = vec![b"tether-test".to_vec()];
-        let mut dialler = quinn::Endpoint::client(loopback).unwrap();
-        dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
-            quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap(),
-        )));
+        let dialler = dialler(roots.clone(), Some(ca.issue_edge(node, DAY).unwrap()));
         let connecting = dialler
             .connect(listener.local_addr().unwrap(), "cloud.test")
             .unwrap();
@@ -529,7 +576,9 @@ mod tests {
             edge: edge.unwrap(),
             cloud: cloud.unwrap(),
             config,
-            endpoints: [dialler, listener],
+            roots,
+            listener,
+            _dialler: dialler,
         }
     }
 
@@ -624,38 +673,80 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_refused_certificate_leaves_no_session_holding_rustls() {
+    async fn a_refused_handshake_leaves_no_session_holding_rustls() {
         let p = pair("edge-9").await;
         wait_shed(&p.config).await;
-        // A client with no certificate: the cloud requires one.
-        let provider = tether_proto::tls::provider();
-        let mut roots = rustls::RootCertStore::empty();
-        let ca = Ca::new("other CA", DAY).unwrap();
-        roots
-            .add(certs_from_pem(&ca.cert_pem, "ca").unwrap()[0].clone())
-            .unwrap();
-        let mut client = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        client.alpn_protocols = vec![b"tether-test".to_vec()];
-        let mut dialler = quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
-        dialler.set_default_client_config(quinn::ClientConfig::new(Arc::new(
-            quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap(),
-        )));
-        let addr = p.endpoints[1].local_addr().unwrap();
+        // An edge with no certificate: the cloud requires one.
+        let bare = dialler(p.roots.clone(), None);
+        let addr = p.listener.local_addr().unwrap();
         let accept = async {
-            match p.endpoints[1].accept().await {
-                Some(incoming) => incoming.await.is_err(),
-                None => false,
+            match p.listener.accept().await {
+                Some(incoming) => incoming.await.err(),
+                None => None,
             }
         };
-        let (dialled, refused) = tokio::join!(dialler.connect(addr, "cloud.test").unwrap(), accept);
-        assert!(dialled.is_err(), "the edge trusts another CA");
-        assert!(refused, "the cloud's side of the handshake failed");
+        let (dialled, refused) = tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::join!(bare.connect(addr, "cloud.test").unwrap(), accept)
+        })
+        .await
+        .expect("the refused handshake ends within 10 s");
+        let refused = refused.expect("the cloud's side of the handshake failed");
+        assert!(
+            refused.to_string().contains("certificate"),
+            "refused for the missing certificate: {refused}"
+        );
+        // The edge may learn of it only once its connection is used.
+        if let Ok(conn) = dialled {
+            let closed = tokio::time::timeout(Duration::from_secs(10), conn.closed())
+                .await
+                .expect("the edge's connection closes within 10 s");
+            assert!(closed.to_string().contains("certificate"), "{closed}");
+        }
         wait_shed(&p.config).await;
         // The first connection is untouched.
         echo(&p, 100).await;
+    }
+
+    #[test]
+    fn a_configuration_rustls_refuses_is_an_error_at_start_up() {
+        let ca = Ca::new("test CA", DAY).unwrap();
+        let server = ca.issue_server(&["cloud.test"], &[], DAY).unwrap();
+        let mut tls = rustls::ServerConfig::builder_with_provider(tether_proto::tls::provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                certs_from_pem(&server.cert_pem, "server").unwrap(),
+                key_from_pem(&server.key_pem, "server").unwrap(),
+            )
+            .unwrap();
+        // QUIC allows early data of 0 or u32::MAX bytes only.
+        tls.max_early_data_size = 1000;
+        let err = SlimServerConfig::new(tls).err().expect("refused");
+        assert!(matches!(err, SlimTlsError::Refused(_)), "{err}");
+    }
+
+    #[test]
+    fn a_session_rustls_would_not_start_fails_its_handshake_only() {
+        let suite = tether_proto::tls::provider()
+            .cipher_suites
+            .iter()
+            .find_map(|cs| cs.tls13().and_then(|s| s.quic_suite()))
+            .unwrap();
+        let mut session = SlimSession {
+            initial: suite,
+            first_update: None,
+            last_update: None,
+            stage: Stage::Refused("a test".into()),
+        };
+        use crypto::Session as _;
+        assert!(session.is_handshaking());
+        assert!(session.handshake_data().is_none());
+        assert!(session.peer_identity().is_none());
+        let mut out = Vec::new();
+        assert!(session.write_handshake(&mut out).is_none() && out.is_empty());
+        let err = session.read_handshake(b"ClientHello").unwrap_err();
+        assert_eq!(err.code, TransportErrorCode::INTERNAL_ERROR);
+        assert!(err.reason.contains("a test"), "{err}");
     }
 }
