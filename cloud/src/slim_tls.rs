@@ -67,8 +67,6 @@ pub struct SlimServerConfig {
 impl SlimServerConfig {
     pub fn new(tls: rustls::ServerConfig) -> Result<Self, SlimTlsError> {
         let tls = Arc::new(tls);
-        let quinn =
-            QuicServerConfig::try_from(tls.clone()).map_err(|_| SlimTlsError::NoInitialSuite)?;
         let initial = tls
             .crypto_provider()
             .cipher_suites
@@ -76,6 +74,8 @@ impl SlimServerConfig {
             .filter(|cs| cs.suite() == rustls::CipherSuite::TLS13_AES_128_GCM_SHA256)
             .find_map(|cs| cs.tls13().and_then(|s| s.quic_suite()))
             .ok_or(SlimTlsError::NoInitialSuite)?;
+        let quinn = QuicServerConfig::with_initial(tls.clone(), initial)
+            .map_err(|_| SlimTlsError::NoInitialSuite)?;
         // What rustls checks when a connection starts (TLS 1.3, QUIC's early
         // data sizes), once here rather than at every handshake.
         rustls::quic::ServerConnection::new(tls.clone(), Version::V1, Vec::new())
@@ -118,27 +118,19 @@ impl crypto::ServerConfig for SlimServerConfig {
         }
         let mut encoded = Vec::new();
         params.write(&mut encoded);
-        match rustls::quic::ServerConnection::new(self.tls.clone(), Version::V1, encoded) {
-            Ok(conn) => Box::new(SlimSession {
-                initial: self.initial,
-                first_update: None,
-                last_update: None,
-                stage: Stage::Handshake(Box::new(Handshaking {
+        let stage =
+            match rustls::quic::ServerConnection::new(self.tls.clone(), Version::V1, encoded) {
+                Ok(conn) => Stage::Handshake(Box::new(Handshaking {
                     conn,
                     got_handshake_data: false,
                     _holding: Holding::new(&self.holding_tls),
                 })),
-            }),
-            Err(e) => {
-                warn!(error = %e, "a TLS session could not start; refusing the handshake");
-                Box::new(SlimSession {
-                    initial: self.initial,
-                    first_update: None,
-                    last_update: None,
-                    stage: Stage::Refused(e.to_string()),
-                })
-            }
-        }
+                Err(e) => {
+                    warn!(error = %e, "a TLS session could not start; refusing the handshake");
+                    Stage::Refused(e.to_string())
+                }
+            };
+        Box::new(SlimSession::new(self.initial, stage))
     }
 }
 
@@ -191,18 +183,28 @@ struct Finished {
 }
 
 impl SlimSession {
+    fn new(initial: Suite, stage: Stage) -> Self {
+        Self {
+            initial,
+            first_update: None,
+            last_update: None,
+            stage,
+        }
+    }
+
     /// Drops the rustls connection, keeping what [`Finished`] holds.
     fn finish(&mut self) {
         let Stage::Handshake(h) = &self.stage else {
             return;
         };
+        let HandshakeData {
+            protocol,
+            server_name,
+        } = handshake_data_of(&h.conn);
         let done = Finished {
-            alpn: h.conn.alpn_protocol().map(<[u8]>::to_vec),
-            server_name: h.conn.server_name().map(str::to_owned),
-            peer_certs: h
-                .conn
-                .peer_certificates()
-                .map(|chain| chain.iter().map(|c| c.clone().into_owned()).collect()),
+            alpn: protocol,
+            server_name,
+            peer_certs: peer_chain_of(&h.conn),
             transport_params: h.conn.quic_transport_parameters().map(<[u8]>::to_vec),
         };
         self.stage = Stage::Done(Box::new(done));
@@ -215,6 +217,20 @@ impl SlimSession {
             Stage::Refused(_) => None,
         }
     }
+}
+
+/// The ALPN and SNI a rustls connection has read, as quinn hands them out.
+fn handshake_data_of(conn: &rustls::quic::ServerConnection) -> HandshakeData {
+    HandshakeData {
+        protocol: conn.alpn_protocol().map(<[u8]>::to_vec),
+        server_name: conn.server_name().map(str::to_owned),
+    }
+}
+
+/// The peer's certificate chain, owned, as quinn's peer identity holds it.
+fn peer_chain_of(conn: &rustls::quic::ServerConnection) -> Option<Vec<CertificateDer<'static>>> {
+    conn.peer_certificates()
+        .map(|chain| chain.iter().map(|c| c.clone().into_owned()).collect())
 }
 
 fn protocol_violation(reason: String) -> TransportError {
@@ -246,10 +262,7 @@ impl crypto::Session for SlimSession {
     fn handshake_data(&self) -> Option<Box<dyn Any>> {
         let data = match &self.stage {
             Stage::Handshake(h) if !h.got_handshake_data => return None,
-            Stage::Handshake(h) => HandshakeData {
-                protocol: h.conn.alpn_protocol().map(<[u8]>::to_vec),
-                server_name: h.conn.server_name().map(str::to_owned),
-            },
+            Stage::Handshake(h) => handshake_data_of(&h.conn),
             Stage::Done(d) => HandshakeData {
                 protocol: d.alpn.clone(),
                 server_name: d.server_name.clone(),
@@ -261,16 +274,11 @@ impl crypto::Session for SlimSession {
 
     /// As quinn's: a `Vec<CertificateDer<'static>>`, the edge's chain.
     fn peer_identity(&self) -> Option<Box<dyn Any>> {
-        let chain: Vec<CertificateDer<'static>> = match &self.stage {
-            Stage::Handshake(h) => h
-                .conn
-                .peer_certificates()?
-                .iter()
-                .map(|c| c.clone().into_owned())
-                .collect(),
-            Stage::Done(d) => d.peer_certs.clone()?,
-            Stage::Refused(_) => return None,
-        };
+        let chain = match &self.stage {
+            Stage::Handshake(h) => peer_chain_of(&h.conn),
+            Stage::Done(d) => d.peer_certs.clone(),
+            Stage::Refused(_) => None,
+        }?;
         Some(Box::new(chain))
     }
 
@@ -733,12 +741,7 @@ mod tests {
             .iter()
             .find_map(|cs| cs.tls13().and_then(|s| s.quic_suite()))
             .unwrap();
-        let mut session = SlimSession {
-            initial: suite,
-            first_update: None,
-            last_update: None,
-            stage: Stage::Refused("a test".into()),
-        };
+        let mut session = SlimSession::new(suite, Stage::Refused("a test".into()));
         use crypto::Session as _;
         assert!(session.is_handshaking());
         assert!(session.handshake_data().is_none());
