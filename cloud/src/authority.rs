@@ -6,7 +6,10 @@
 //! by [`watch`], which lists and watches pods and nodes with `kube`'s watcher
 //! (a list, then a watch from its `resourceVersion`; on `410 Gone` or any
 //! failure it backs off and lists again, and the new list replaces the table
-//! atomically). Edge pod reports and hello addresses are only hints checked
+//! atomically). Every list must be done within `--apiserver-sync-timeout`,
+//! every read on the connection within [`APISERVER_READ_TIMEOUT`]: an
+//! apiserver that stops answering is logged and asked again, never waited
+//! for forever. Edge pod reports and hello addresses are only hints checked
 //! against this table by the [`crate::registry`]: a hint naming another node's
 //! pod or address is refused, logged with both nodes and counted.
 //!
@@ -191,68 +194,164 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
              pass --insecure-trust-edge-reports",
         )?,
     };
+    client_of(config)
+}
+
+/// The client of `config`, every read bounded by [`APISERVER_READ_TIMEOUT`]
+/// (kube's default is none), counted from each request sent rather than
+/// from when its pooled connection went idle.
+fn client_of(mut config: kube::Config) -> anyhow::Result<Client> {
+    config.read_timeout = Some(APISERVER_READ_TIMEOUT);
+    config.reset_reader_on_write = true;
     Client::try_from(config).context("building the apiserver client")
+}
+
+/// Longest silence on a connection to the apiserver before its request
+/// fails: above the watch's own bound (kube-runtime asks the apiserver to
+/// end a watch after 290 s and gives up on a silent one 5 s later), so an
+/// idle watch is never cut, but no request (a list, a watch being opened)
+/// waits for an apiserver that stopped answering forever.
+const APISERVER_READ_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A watcher of pods or nodes whose every list is bounded.
+///
+/// kube-runtime bounds an idle watch but not the list it starts with (again
+/// after `410 Gone` or an error): an apiserver that takes a list and never
+/// answers it would stall the watch for good, and routing would go on with
+/// the table of the last list without a word. A list not done within
+/// `list_timeout` (`--apiserver-sync-timeout`, the first list's own bound)
+/// is logged as stalled and the watcher started anew; the table keeps the
+/// last complete list meanwhile.
+struct BoundedWatch<K> {
+    api: Api<K>,
+    /// What is watched, for the logs: "pods", "nodes".
+    what: &'static str,
+    list_timeout: Duration,
+    events: futures_util::stream::BoxStream<'static, Result<Event<K>, watcher::Error>>,
+    /// While a list is under way: when it must be done.
+    list_deadline: Option<tokio::time::Instant>,
+}
+
+impl<K> BoundedWatch<K>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    fn new(api: Api<K>, what: &'static str, list_timeout: Duration) -> Self {
+        let events = Self::start(&api);
+        BoundedWatch {
+            api,
+            what,
+            list_timeout,
+            events,
+            list_deadline: None,
+        }
+    }
+
+    fn start(
+        api: &Api<K>,
+    ) -> futures_util::stream::BoxStream<'static, Result<Event<K>, watcher::Error>> {
+        watcher::watcher(api.clone(), watcher::Config::default())
+            .default_backoff()
+            .boxed()
+    }
+
+    /// The next event; errors are logged (and the watcher recovers by
+    /// itself), a stalled list restarts it.
+    async fn next(&mut self) -> Event<K> {
+        let what = self.what;
+        loop {
+            let next = match self.list_deadline {
+                None => self.events.next().await,
+                Some(deadline) => match tokio::time::timeout_at(deadline, self.events.next()).await
+                {
+                    Ok(next) => next,
+                    Err(_) => {
+                        warn!(
+                            timeout = ?self.list_timeout,
+                            "listing {what} from the apiserver stalled: no complete list within \
+                             --apiserver-sync-timeout; routing keeps the last list of {what}; \
+                             listing again"
+                        );
+                        self.list_deadline = None;
+                        self.events = Self::start(&self.api);
+                        continue;
+                    }
+                },
+            };
+            match next {
+                Some(Ok(ev)) => {
+                    match ev {
+                        Event::Init => {
+                            self.list_deadline =
+                                Some(tokio::time::Instant::now() + self.list_timeout)
+                        }
+                        Event::InitDone => self.list_deadline = None,
+                        _ => {}
+                    }
+                    return ev;
+                }
+                Some(Err(e)) => {
+                    // The backoff before the next attempt is not the list's.
+                    self.list_deadline = None;
+                    warn!(error = %e, "watching {what} on the apiserver failed; trying again");
+                }
+                // The watcher's stream does not end; should it, start anew.
+                None => self.events = Self::start(&self.api),
+            }
+        }
+    }
 }
 
 /// Starts watching pods and nodes into a new [`Authority`]; returns once both
 /// first lists are in, or fails after `sync_timeout`. The watches run (and
-/// re-list after errors, `410 Gone` included) until the process ends.
+/// re-list after errors, `410 Gone` included, each list again within
+/// `sync_timeout`: see [`BoundedWatch`]) until the process ends.
 pub async fn watch(client: Client, sync_timeout: Duration) -> anyhow::Result<Arc<Authority>> {
     let authority = Arc::new(Authority::new());
     let (pods_tx, mut pods_rx) = tokio_watch::channel(false);
     let (nodes_tx, mut nodes_rx) = tokio_watch::channel(false);
     let a = authority.clone();
-    let pods: Api<Pod> = Api::all(client.clone());
+    let mut pods = BoundedWatch::new(Api::<Pod>::all(client.clone()), "pods", sync_timeout);
     tokio::spawn(async move {
         let mut buffer = Vec::new();
-        let mut events = watcher::watcher(pods, watcher::Config::default())
-            .default_backoff()
-            .boxed();
-        while let Some(ev) = events.next().await {
-            match ev {
-                Ok(Event::Init) => buffer.clear(),
-                Ok(Event::InitApply(p)) => buffer.push(pod_entry(&p)),
-                Ok(Event::InitDone) => {
+        loop {
+            match pods.next().await {
+                Event::Init => buffer.clear(),
+                Event::InitApply(p) => buffer.push(pod_entry(&p)),
+                Event::InitDone => {
                     info!(pods = buffer.len(), "listed pods from the apiserver");
                     a.replace_pods(std::mem::take(&mut buffer));
                     let _ = pods_tx.send(true);
                 }
-                Ok(Event::Apply(p)) => {
+                Event::Apply(p) => {
                     let (k, n) = pod_entry(&p);
                     a.set_pod(&k.0, &k.1, Some(n));
                 }
-                Ok(Event::Delete(p)) => {
+                Event::Delete(p) => {
                     let (k, _) = pod_entry(&p);
                     a.set_pod(&k.0, &k.1, None);
                 }
-                Err(e) => warn!(error = %e, "watching pods on the apiserver failed; listing again"),
             }
         }
     });
     let a = authority.clone();
-    let nodes: Api<Node> = Api::all(client);
+    let mut nodes = BoundedWatch::new(Api::<Node>::all(client), "nodes", sync_timeout);
     tokio::spawn(async move {
         let mut buffer = Vec::new();
-        let mut events = watcher::watcher(nodes, watcher::Config::default())
-            .default_backoff()
-            .boxed();
-        while let Some(ev) = events.next().await {
-            match ev {
-                Ok(Event::Init) => buffer.clear(),
-                Ok(Event::InitApply(n)) => buffer.push(node_entry(&n)),
-                Ok(Event::InitDone) => {
+        loop {
+            match nodes.next().await {
+                Event::Init => buffer.clear(),
+                Event::InitApply(n) => buffer.push(node_entry(&n)),
+                Event::InitDone => {
                     info!(nodes = buffer.len(), "listed nodes from the apiserver");
                     a.replace_nodes(std::mem::take(&mut buffer));
                     let _ = nodes_tx.send(true);
                 }
-                Ok(Event::Apply(n)) => {
+                Event::Apply(n) => {
                     let (name, addrs) = node_entry(&n);
                     a.set_node(&name, Some(addrs));
                 }
-                Ok(Event::Delete(n)) => a.set_node(&n.name_any(), None),
-                Err(e) => {
-                    warn!(error = %e, "watching nodes on the apiserver failed; listing again")
-                }
+                Event::Delete(n) => a.set_node(&n.name_any(), None),
             }
         }
     });
@@ -308,5 +407,94 @@ mod tests {
         a.replace_nodes([("edge-c".to_string(), vec!["10.0.0.3".to_string()])]);
         assert!(a.address_nodes("10.0.0.2").is_empty());
         assert_eq!(a.address_nodes("10.0.0.3").len(), 1);
+    }
+
+    /// An apiserver stand-in (plain HTTP) for pods and nodes: the first pod
+    /// list puts `default/p1` on `edge-a`; the first pod watch ends with
+    /// `410 Gone`, so the watcher lists again, and that second list is
+    /// taken and never answered; later lists put `p1` on `edge-b`. Node
+    /// lists are empty; every other watch stays open and silent. Returns
+    /// its URL and the count of pod lists asked for.
+    async fn stalling_apiserver() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let pod_lists = Arc::new(AtomicUsize::new(0));
+        let pod_watches = Arc::new(AtomicUsize::new(0));
+        let counted = pod_lists.clone();
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (lists, watches) = (pod_lists.clone(), pod_watches.clone());
+                let service = hyper::service::service_fn(move |req: hyper::Request<_>| {
+                    let (lists, watches) = (lists.clone(), watches.clone());
+                    async move {
+                        let watch = req.uri().query().unwrap_or("").contains("watch=true");
+                        let pods = req.uri().path() == "/api/v1/pods";
+                        let body = match (pods, watch) {
+                            (true, false) => match lists.fetch_add(1, Ordering::SeqCst) {
+                                0 => pod_list("1", "edge-a"),
+                                1 => std::future::pending().await,
+                                _ => pod_list("3", "edge-b"),
+                            },
+                            (true, true) if watches.fetch_add(1, Ordering::SeqCst) == 0 => {
+                                serde_json::json!({"type": "ERROR", "object": {
+                                    "kind": "Status", "apiVersion": "v1", "metadata": {},
+                                    "status": "Failure", "reason": "Expired", "code": 410,
+                                    "message": "too old resource version"}})
+                                .to_string()
+                                    + "\n"
+                            }
+                            (false, false) => serde_json::json!({
+                                "apiVersion": "v1", "kind": "NodeList",
+                                "metadata": {"resourceVersion": "1"}, "items": []})
+                            .to_string(),
+                            (_, true) => std::future::pending().await,
+                        };
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                            http_body_util::Full::new(bytes::Bytes::from(body)),
+                        ))
+                    }
+                });
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tcp), service),
+                );
+            }
+        });
+        (url, counted)
+    }
+
+    fn pod_list(version: &str, node: &str) -> String {
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": version},
+            "items": [{"metadata": {"name": "p1", "namespace": "default"},
+                       "spec": {"nodeName": node, "containers": []}}]
+        })
+        .to_string()
+    }
+
+    /// A re-list the apiserver takes and never answers is given up after
+    /// `--apiserver-sync-timeout` (1 s here) and asked again, and the next
+    /// list's answer is used; before, the watcher waited on it for good and
+    /// routing kept `edge-a`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_relist_is_abandoned_and_asked_again() {
+        let (url, pod_lists) = stalling_apiserver().await;
+        let client = client_of(kube::Config::new(url.parse().unwrap())).unwrap();
+        let authority = watch(client, Duration::from_secs(1)).await.unwrap();
+        assert_eq!(
+            authority.pod("default", "p1"),
+            PodPlacement::On("edge-a".into())
+        );
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while authority.pod("default", "p1") != PodPlacement::On("edge-b".into()) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the stalled re-list was never asked again ({} pod lists)",
+                pod_lists.load(std::sync::atomic::Ordering::SeqCst)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(pod_lists.load(std::sync::atomic::Ordering::SeqCst) >= 3);
     }
 }

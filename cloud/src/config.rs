@@ -125,7 +125,8 @@ pub struct CloudArgs {
         conflicts_with = "apiserver_kubeconfig"
     )]
     pub insecure_trust_edge_reports: bool,
-    /// How long the first list of pods and nodes from the apiserver may take at start.
+    /// How long the first list of pods and nodes from the apiserver may take at start;
+    /// a later list that takes longer is logged as stalled and asked again.
     #[arg(long, env = "TETHER_APISERVER_SYNC_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub apiserver_sync_timeout: Duration,
     /// How long to wait for the kubelet's response head before answering 504.
@@ -137,7 +138,8 @@ pub struct CloudArgs {
     /// Time allowed for an edge's QUIC handshake and hello.
     #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handshake_timeout: Duration,
-    /// Time allowed for an apiserver's TLS handshake and request head.
+    /// Time allowed for an apiserver's TLS handshake and request head (on
+    /// HTTP/2, its preface and first request).
     #[arg(long, env = "TETHER_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub http_header_timeout: Duration,
     /// Largest HTTP request head from the apiserver (at least 8KiB).
@@ -146,6 +148,11 @@ pub struct CloudArgs {
     /// Concurrent apiserver connections.
     #[arg(long, env = "TETHER_MAX_APISERVER_CONNECTIONS", default_value_t = 4096)]
     pub max_apiserver_connections: usize,
+    /// Keep-alive of apiserver connections: an HTTP/2 PING this often (the
+    /// connection is closed when one goes unanswered this long), and TCP
+    /// keep-alive probes after this long of silence, then this often.
+    #[arg(long, env = "TETHER_APISERVER_KEEP_ALIVE", default_value = "30s", value_parser = parse_duration)]
+    pub apiserver_keep_alive: Duration,
     /// Address of the operations listener (`/metrics`, `/healthz`, `/readyz`, `/status`).
     #[arg(long, env = "TETHER_METRICS_LISTEN", default_value = "0.0.0.0:9090")]
     pub metrics_listen: SocketAddr,
@@ -379,6 +386,8 @@ pub struct CloudConfig {
     pub http_header_timeout: Duration,
     pub max_http_header_bytes: usize,
     pub max_apiserver_connections: usize,
+    /// HTTP/2 PING interval and timeout, TCP keep-alive idle time and interval.
+    pub apiserver_keep_alive: Duration,
     pub max_edges: usize,
     pub max_departed_pods: usize,
     /// `None`: one per available CPU.
@@ -508,6 +517,7 @@ impl CloudArgs {
             ("--response-timeout", self.response_timeout),
             ("--handshake-timeout", self.handshake_timeout),
             ("--http-header-timeout", self.http_header_timeout),
+            ("--apiserver-keep-alive", self.apiserver_keep_alive),
             ("--join-cert-validity", self.join_cert_validity),
         ] {
             if d.is_zero() {
@@ -582,6 +592,7 @@ impl CloudArgs {
             http_header_timeout: self.http_header_timeout,
             max_http_header_bytes: self.max_http_header_bytes as usize,
             max_apiserver_connections: self.max_apiserver_connections,
+            apiserver_keep_alive: self.apiserver_keep_alive,
             max_edges: self.max_edges,
             max_departed_pods: self.max_departed_pods,
             worker_threads: self.worker_threads,
@@ -675,6 +686,7 @@ mod tests {
             ("--response-timeout", "0s"),
             ("--handshake-timeout", "0s"),
             ("--http-header-timeout", "0s"),
+            ("--apiserver-keep-alive", "0s"),
             ("--join-cert-validity", "0s"),
             ("--worker-threads", "0"),
         ] {

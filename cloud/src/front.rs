@@ -6,13 +6,16 @@
 //! HTTP/1.1 by ALPN (HTTP/1.1 when the client offered none, as the kubelet),
 //! upgrades allowed. The SNI of each connection is kept for routing. A slow
 //! or broken client affects its own connection only: the TLS handshake and
-//! request head are bounded in time and size, connections in number.
+//! request head (on HTTP/2, the preface and first request) are bounded in
+//! time and size, connections in number, and a peer that went away without a
+//! word is found by keep-alives (HTTP/2 PINGs and TCP's own probes).
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use hyper::server::conn::{http1, http2};
@@ -20,7 +23,7 @@ use hyper::service::service_fn;
 use hyper::Response;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn};
 
@@ -105,6 +108,9 @@ impl Front {
                 continue;
             };
             let _ = tcp.set_nodelay(true);
+            if let Err(e) = tcp_keep_alive(&tcp, self.cfg.apiserver_keep_alive) {
+                debug!(%peer, error = %e, "setting TCP keep-alive on an apiserver connection");
+            }
             let conn = Conn {
                 acceptor: self.acceptor.clone(),
                 cfg: self.cfg.clone(),
@@ -170,16 +176,28 @@ impl Conn {
         // the connection's whole life; the handler's is several KiB and a
         // streamed response outlives it, so it lives in a box of its own
         // only while a request is being answered.
-        let service = service_fn(move |req| -> Handling {
-            let ctx = ctx.clone();
-            let info = info.clone();
-            Box::pin(async move { Ok(ctx.handle(req, info).await) })
-        });
+        let service = |first: Option<Arc<Notify>>| {
+            service_fn(move |req| -> Handling {
+                if let Some(first) = &first {
+                    first.notify_one();
+                }
+                let ctx = ctx.clone();
+                let info = info.clone();
+                Box::pin(async move { Ok(ctx.handle(req, info).await) })
+            })
+        };
         let io = TokioIo::new(tls);
         if h2 {
-            let conn = http2_builder(&cfg).serve_connection(io, service);
+            // hyper bounds neither HTTP/2's preface nor the first request
+            // (its header-read timer is HTTP/1's), and keep-alive PINGs
+            // start only after the preface: the first request must come
+            // within `--http-header-timeout` as on HTTP/1.
+            let first = Arc::new(Notify::new());
+            let conn = http2_builder(&cfg).serve_connection(io, service(Some(first.clone())));
+            let conn = first_request_within(conn, first, cfg.http_header_timeout, peer);
             tokio::spawn(serve(Box::pin(conn), peer, permit));
         } else {
+            let service = service(None);
             let conn = http1_builder(&cfg).serve_connection(io, service);
             tokio::spawn(serve(Box::pin(conn.with_upgrades()), peer, permit));
         }
@@ -198,6 +216,43 @@ where
     drop(permit);
 }
 
+/// Serves an HTTP/2 connection, or ends it (and frees its slot) when its
+/// first request (`first`, notified by the service) has not come within
+/// `timeout` of the TLS handshake: a client that sends no preface, or a
+/// preface and nothing more.
+async fn first_request_within<F, E>(
+    conn: F,
+    first: Arc<Notify>,
+    timeout: Duration,
+    peer: SocketAddr,
+) -> Result<(), E>
+where
+    F: Future<Output = Result<(), E>>,
+{
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        r = &mut conn => return r,
+        _ = first.notified() => {}
+        _ = tokio::time::sleep(timeout) => {
+            info!(%peer, "apiserver HTTP/2 connection sent no request within --http-header-timeout; closing it");
+            return Ok(());
+        }
+    }
+    drop(first);
+    conn.await
+}
+
+/// TCP keep-alive on an accepted apiserver connection: probes after
+/// `every` of silence, then every `every`, so a peer gone without a FIN or
+/// RST (a half-open connection under a quiet `logs -f`) is found and its
+/// slot freed.
+fn tcp_keep_alive(tcp: &TcpStream, every: Duration) -> std::io::Result<()> {
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(every)
+        .with_interval(every);
+    socket2::SockRef::from(tcp).set_tcp_keepalive(&ka)
+}
+
 /// HTTP/1.1: request heads bounded in size and time (`--max-http-header-bytes`,
 /// `--http-header-timeout`). The size is checked on the parsed head
 /// (`max_header_size`): the read buffer's bound alone (`max_buf_size`) is
@@ -212,9 +267,32 @@ fn http1_builder(cfg: &CloudConfig) -> http1::Builder {
     b
 }
 
-/// HTTP/2: header lists bounded in size (`--max-http-header-bytes`).
+/// HTTP/2: header lists bounded in size (`--max-http-header-bytes`); a
+/// PING every `--apiserver-keep-alive`, and the connection closed when one
+/// goes unanswered that long.
 fn http2_builder(cfg: &CloudConfig) -> http2::Builder<TokioExecutor> {
     let mut b = http2::Builder::new(TokioExecutor::new());
-    b.max_header_list_size(cfg.max_http_header_bytes as u32);
+    b.max_header_list_size(cfg.max_http_header_bytes as u32)
+        .keep_alive_interval(cfg.apiserver_keep_alive)
+        .keep_alive_timeout(cfg.apiserver_keep_alive)
+        .timer(hyper_util::rt::TokioTimer::new());
     b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An accepted apiserver connection probes a silent peer (TCP's own
+    /// keep-alive is off by default).
+    #[tokio::test]
+    async fn accepted_connections_get_tcp_keep_alive() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _client = TcpStream::connect(addr).await.unwrap();
+        let (tcp, _) = listener.accept().await.unwrap();
+        assert!(!socket2::SockRef::from(&tcp).keepalive().unwrap());
+        tcp_keep_alive(&tcp, Duration::from_secs(7)).unwrap();
+        assert!(socket2::SockRef::from(&tcp).keepalive().unwrap());
+    }
 }
