@@ -69,6 +69,11 @@ pub struct EdgeArgs {
     /// Time allowed for one read of the kubelet's pod list (`GET /pods`).
     #[arg(long, env = "TETHER_KUBELET_PODS_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub kubelet_pods_timeout: Duration,
+    /// Time allowed for the cloud's request head on a new stream (the cloud
+    /// sends it right behind the stream's attach). A stream whose head does
+    /// not come is reset, freeing its slot.
+    #[arg(long, env = "TETHER_REQUEST_HEAD_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub request_head_timeout: Duration,
     /// Addresses the apiserver may know this node by (repeatable; default: the host's IPs).
     #[arg(
         long = "announce-address",
@@ -187,6 +192,7 @@ pub struct EdgeConfig {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub kubelet: KubeletConfig,
+    pub request_head_timeout: Duration,
     pub announce_addresses: Option<Vec<String>>,
     pub pods_refresh: Duration,
     /// The adaptive keep-alive's bounds.
@@ -268,6 +274,7 @@ impl EdgeArgs {
             ("--pods-refresh", self.pods_refresh),
             ("--kubelet-connect-timeout", self.kubelet_connect_timeout),
             ("--kubelet-pods-timeout", self.kubelet_pods_timeout),
+            ("--request-head-timeout", self.request_head_timeout),
             ("--handshake-timeout", self.handshake_timeout),
             ("--silence-timeout", self.silence_timeout),
         ] {
@@ -295,6 +302,7 @@ impl EdgeArgs {
                 connect_timeout: self.kubelet_connect_timeout,
                 pods_timeout: self.kubelet_pods_timeout,
             },
+            request_head_timeout: self.request_head_timeout,
             announce_addresses: if self.announce_addresses.is_empty() {
                 None
             } else {
@@ -390,6 +398,7 @@ mod tests {
             "--pods-refresh",
             "--kubelet-connect-timeout",
             "--kubelet-pods-timeout",
+            "--request-head-timeout",
             "--handshake-timeout",
             "--silence-timeout",
         ] {

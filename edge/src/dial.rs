@@ -168,6 +168,7 @@ impl Dialer {
         let forward = Arc::new(Forward {
             target: target.clone(),
             limits: cfg.limits,
+            head_timeout: cfg.request_head_timeout,
         });
         let streams = EdgeStreams::new(node.clone(), cfg.limits, forward, metrics.clone());
         Ok(Dialer {

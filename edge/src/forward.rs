@@ -10,6 +10,7 @@
 //! unreachable → 502).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, StreamBody};
@@ -30,6 +31,9 @@ use crate::kubelet::{KubeletIo, KubeletTarget};
 pub struct Forward {
     pub target: Arc<KubeletTarget>,
     pub limits: Limits,
+    /// How long a new stream waits for the cloud's request head
+    /// (`--request-head-timeout`).
+    pub head_timeout: Duration,
 }
 
 /// The task driving one kubelet HTTP connection; dropping it closes the
@@ -49,12 +53,27 @@ impl Forward {
     pub async fn run(self: Arc<Self>, io: ResumableIo) {
         let shared = io.shared().clone();
         let (mut rd, mut wr) = tokio::io::split(io);
-        let head: RequestHead = match read_head(&mut rd, self.limits.max_head_bytes as usize).await
-        {
-            Ok(h) => h,
-            Err(e) => {
+        // Bounded: a cloud that attaches a stream and never sends its head
+        // must not hold the stream's slot (and this task) until the session
+        // ends.
+        let head = tokio::time::timeout(
+            self.head_timeout,
+            read_head::<RequestHead, _>(&mut rd, self.limits.max_head_bytes as usize),
+        );
+        let head = match head.await {
+            Ok(Ok(h)) => h,
+            Ok(Err(e)) => {
                 warn!(error = %e, "bad request head from the cloud");
                 shared.reset(ResetCode::ProtocolError, format!("bad request head: {e}"));
+                return;
+            }
+            Err(_) => {
+                let why = format!(
+                    "no request head from the cloud within {:?} (--request-head-timeout)",
+                    self.head_timeout
+                );
+                warn!("{why}; resetting the stream");
+                shared.reset(ResetCode::ProtocolError, why);
                 return;
             }
         };
@@ -273,7 +292,7 @@ impl Forward {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
     use tether_proto::frame::Frame;
     use tether_proto::io::SharedStream;
     use tether_proto::stream::StreamState;
@@ -327,6 +346,7 @@ mod tests {
         let forward = Arc::new(Forward {
             target: Arc::new(KubeletTarget::new(&cfg).unwrap()),
             limits,
+            head_timeout: Duration::from_secs(30),
         });
         let shared = SharedStream::new(StreamState::new(7, (&limits).into()));
         (forward, shared, limits)
@@ -401,6 +421,99 @@ mod tests {
             took < Duration::from_secs(2),
             "closed {took:?} after the reset"
         );
+    }
+
+    /// Waits (bounded) for `task` to end, and returns how stream 7 was reset.
+    async fn reset_of(
+        task: tokio::task::JoinHandle<()>,
+        shared: &SharedStream,
+    ) -> (ResetCode, String) {
+        tokio::time::timeout(Duration::from_secs(20), task)
+            .await
+            .expect("the forward did not end")
+            .unwrap();
+        shared
+            .with_state(|s| s.reset_reason().map(|(c, m)| (c, m.to_string())))
+            .expect("the stream was not reset")
+    }
+
+    /// Item 4 of the control-stream audit: a cloud that attaches a stream
+    /// and never sends its request head held the stream (and its task)
+    /// until the session ended. Now the stream is reset after
+    /// `--request-head-timeout`, naming it.
+    #[tokio::test]
+    async fn a_stream_whose_head_never_comes_is_reset_after_the_head_timeout() {
+        const TIMEOUT: Duration = Duration::from_millis(500);
+        // Never dialled: the head never comes.
+        let (forward, shared, _) = forward_to("127.0.0.1:9");
+        let forward = Arc::new(Forward {
+            target: forward.target.clone(),
+            limits: forward.limits,
+            head_timeout: TIMEOUT,
+        });
+        let start = Instant::now();
+        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone())));
+        let (code, message) = reset_of(task, &shared).await;
+        assert_eq!(code, ResetCode::ProtocolError, "{message}");
+        assert!(message.contains("--request-head-timeout"), "{message}");
+        assert!(
+            start.elapsed() >= TIMEOUT,
+            "reset after {:?}",
+            start.elapsed()
+        );
+    }
+
+    /// `--kubelet-connect-timeout` bounds the TLS handshake too: a kubelet
+    /// that accepts the TCP connection and never answers the handshake ends
+    /// the stream with `KubeletUnreachable` (the cloud's 502), naming the
+    /// timeout.
+    #[tokio::test]
+    async fn a_kubelet_that_never_finishes_tls_is_given_up_on_after_the_connect_timeout() {
+        const TIMEOUT: Duration = Duration::from_secs(1);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let kubelet = tokio::spawn(async move {
+            // Accepts and reads the ClientHello; never answers it.
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            while s.read(&mut buf).await.map(|n| n > 0).unwrap_or(false) {}
+        });
+        let cfg = crate::config::KubeletConfig {
+            url: format!("https://{addr}").parse().unwrap(),
+            ca: None,
+            insecure_skip_tls_verify: true,
+            client_cert: None,
+            connect_timeout: TIMEOUT,
+            pods_timeout: Duration::from_secs(2),
+        };
+        let limits = Limits::default();
+        let forward = Arc::new(Forward {
+            target: Arc::new(KubeletTarget::new(&cfg).unwrap()),
+            limits,
+            head_timeout: Duration::from_secs(30),
+        });
+        let shared = SharedStream::new(StreamState::new(7, (&limits).into()));
+        deliver_head(
+            &shared,
+            &limits,
+            RequestHead {
+                method: "GET".into(),
+                path_and_query: "/containerLogs/default/p1/c".into(),
+                headers: vec![],
+                has_body: false,
+            },
+        );
+        let start = Instant::now();
+        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone())));
+        let (code, message) = reset_of(task, &shared).await;
+        assert_eq!(code, ResetCode::KubeletUnreachable, "{message}");
+        assert!(message.contains("timed out after 1s"), "{message}");
+        assert!(
+            start.elapsed() >= TIMEOUT,
+            "reset after {:?}",
+            start.elapsed()
+        );
+        kubelet.abort();
     }
 
     /// A kubelet that answers an upgrade with `101` and, in the same write,

@@ -398,6 +398,7 @@ mod tests {
         let forward = Arc::new(Forward {
             target: Arc::new(crate::kubelet::KubeletTarget::new(&cfg).unwrap()),
             limits,
+            head_timeout: Duration::from_secs(30),
         });
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = crate::metrics::EdgeMetrics::register(&mut registry);
