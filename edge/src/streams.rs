@@ -208,7 +208,7 @@ impl EdgeStreams {
     /// copy path, if it has one.
     pub async fn accept(
         self: Arc<Self>,
-        mut send: quinn::SendStream,
+        send: quinn::SendStream,
         mut recv: quinn::RecvStream,
         copies: Option<Arc<dyn CopySink>>,
     ) {
@@ -252,14 +252,33 @@ impl EdgeStreams {
             }
             None if delivered == 0 && !fin_received && !ended => {
                 let shared = SharedStream::new(StreamState::new(id, StreamLimits::from(&limits)));
-                self.map().live.insert(
-                    id,
-                    Live {
-                        shared: shared.clone(),
-                        driver: None,
-                        attaches: 0,
-                    },
-                );
+                // Detached streams count too: they hold their slot until
+                // re-attached or expired, and QUIC's stream credit (the
+                // other bound) does not see them.
+                let held = {
+                    let mut t = self.map();
+                    let held = t.live.len();
+                    if held < limits.max_streams_per_edge as usize {
+                        t.live.insert(
+                            id,
+                            Live {
+                                shared: shared.clone(),
+                                driver: None,
+                                attaches: 0,
+                            },
+                        );
+                    }
+                    held
+                };
+                if held >= limits.max_streams_per_edge as usize {
+                    warn!(node = %self.node, stream = id, held, max = limits.max_streams_per_edge, "refusing a new stream: the edge holds --max-streams-per-edge streams (open or waiting for a re-attach)");
+                    let why = format!(
+                        "edge {} holds {held} streams, its --max-streams-per-edge ({})",
+                        self.node, limits.max_streams_per_edge
+                    );
+                    refuse(send, id, ResetCode::LimitExceeded, why, max).await;
+                    return;
+                }
                 let io = ResumableIo::new(shared.clone()).with_counters(self.metrics.bytes.clone());
                 self.metrics.streams_total.inc();
                 self.metrics.streams_open.set(self.len() as i64);
@@ -269,26 +288,11 @@ impl EdgeStreams {
             }
             None => {
                 info!(node = %self.node, stream = id, "cloud re-attached a stream this edge does not hold; resetting it");
-                let _ = write_frame(
-                    &mut send,
-                    &Frame::Attach {
-                        stream: id,
-                        delivered: 0,
-                        fin_received: false,
-                    },
-                    max,
-                )
-                .await;
-                let reset = Frame::Reset {
-                    stream: id,
-                    code: ResetCode::UnknownStream,
-                    message: format!(
-                        "edge {} does not hold stream {id} (it restarted or the stream ended)",
-                        self.node
-                    ),
-                };
-                let _ = write_frame(&mut send, &reset, max).await;
-                let _ = send.finish();
+                let why = format!(
+                    "edge {} does not hold stream {id} (it restarted or the stream ended)",
+                    self.node
+                );
+                refuse(send, id, ResetCode::UnknownStream, why, max).await;
                 return;
             }
         };
@@ -344,6 +348,31 @@ impl EdgeStreams {
     }
 }
 
+/// Answers a stream the edge does not take: an attach (nothing delivered),
+/// then a reset with `code` and `why`, and the end of the QUIC stream. Best
+/// effort: the cloud may be gone already.
+async fn refuse(
+    mut send: quinn::SendStream,
+    id: StreamId,
+    code: ResetCode,
+    why: String,
+    max: usize,
+) {
+    let attach = Frame::Attach {
+        stream: id,
+        delivered: 0,
+        fin_received: false,
+    };
+    let _ = write_frame(&mut send, &attach, max).await;
+    let reset = Frame::Reset {
+        stream: id,
+        code,
+        message: why,
+    };
+    let _ = write_frame(&mut send, &reset, max).await;
+    let _ = send.finish();
+}
+
 /// Whether a transport failure is the splicing replica saying the stream's
 /// owner is gone.
 fn owner_gone(e: &tether_proto::io::TransportError) -> bool {
@@ -377,6 +406,107 @@ mod tests {
         let lost: std::io::Error =
             quinn::ReadError::ConnectionLost(quinn::ConnectionError::TimedOut).into();
         assert!(!owner_gone(&tether_proto::io::TransportError::Io(lost)));
+    }
+
+    /// Item 5 of the control-stream audit: a new stream was added to the
+    /// table without a count, and a detached stream (waiting for its owner,
+    /// no QUIC stream open) did not count against QUIC's stream credit, so
+    /// a cloud that opened and detached streams grew the table without
+    /// bound. Streams held, attached or detached, now count against
+    /// `--max-streams-per-edge`: one more is refused with `LimitExceeded`.
+    #[tokio::test]
+    async fn streams_over_the_limit_are_refused_counting_detached_ones() {
+        let limits = Limits {
+            max_streams_per_edge: 2,
+            ..Limits::default()
+        };
+        let max = limits.max_frame_bytes as usize;
+        let cfg = crate::config::KubeletConfig {
+            url: "http://127.0.0.1:9".parse().unwrap(),
+            ca: None,
+            insecure_skip_tls_verify: false,
+            client_cert: None,
+            connect_timeout: Duration::from_secs(2),
+            pods_timeout: Duration::from_secs(2),
+        };
+        let forward = Arc::new(Forward {
+            target: Arc::new(crate::kubelet::KubeletTarget::new(&cfg).unwrap()),
+            limits,
+            head_timeout: Duration::from_secs(60),
+        });
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = crate::metrics::EdgeMetrics::register(&mut registry);
+        let streams = EdgeStreams::new("edge-t".into(), limits, forward, metrics);
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let (accepted_tx, mut accepted) = tokio::sync::mpsc::unbounded_channel();
+        let acceptor = {
+            let streams = streams.clone();
+            tokio::spawn(async move {
+                while let Ok((s, r)) = edge.accept_bi().await {
+                    let _ = accepted_tx.send(tokio::spawn(streams.clone().accept(s, r, None)));
+                }
+            })
+        };
+        // The cloud opens a stream and attaches it as new; reads the edge's attach.
+        let open = |id: StreamId| {
+            let cloud = cloud.clone();
+            async move {
+                let (mut send, mut recv) = cloud.open_bi().await.unwrap();
+                let attach = Frame::Attach {
+                    stream: id,
+                    delivered: 0,
+                    fin_received: false,
+                };
+                write_frame(&mut send, &attach, max).await.unwrap();
+                let mut reader = FrameReader::new(max);
+                let first = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv))
+                    .await
+                    .expect("the edge's attach within 10 s")
+                    .unwrap();
+                assert!(
+                    matches!(first, Some(Frame::Attach { stream, .. }) if stream == id),
+                    "{first:?}"
+                );
+                (send, recv, reader)
+            }
+        };
+        let (_send1, _recv1, _) = open(1).await;
+        let (mut send2, mut recv2, _) = open(2).await;
+        let _first = accepted.recv().await.unwrap();
+        let second = accepted.recv().await.unwrap();
+        // Stream 2's transport breaks (the owner only detached it): the
+        // edge keeps it for the grace period.
+        send2
+            .reset(quinn::VarInt::from_u32(stream_code::DETACHED))
+            .unwrap();
+        recv2
+            .stop(quinn::VarInt::from_u32(stream_code::DETACHED))
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), second)
+            .await
+            .expect("the edge noticed the detach")
+            .unwrap();
+        assert_eq!(streams.len(), 2, "the detached stream is still held");
+
+        // A third is over the limit: attach, then a reset saying why.
+        let (_send3, mut recv3, mut reader) = open(3).await;
+        let reset = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv3))
+            .await
+            .expect("the edge's answer to stream 3 within 10 s")
+            .unwrap();
+        let Some(Frame::Reset {
+            stream,
+            code,
+            message,
+        }) = reset
+        else {
+            panic!("stream 3 was not refused: {reset:?}");
+        };
+        assert_eq!((stream, code), (3, ResetCode::LimitExceeded), "{message}");
+        assert!(message.contains("--max-streams-per-edge (2)"), "{message}");
+        assert_eq!(streams.len(), 2);
+        assert!(streams.stream(3).is_none());
+        acceptor.abort();
     }
 
     /// Issue 14 item 5: a stream whose transport broke, and that no cloud replica
