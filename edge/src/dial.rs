@@ -414,13 +414,16 @@ impl Dialer {
                 return Ended::Failed(e);
             }
         };
+        // Control frames from here on are ones the cloud accepts: within the
+        // agreed frame bound (checked when the welcome arrived), not ours.
+        let max = self.cfg.limits.agree(&welcome.limits).max_frame_bytes as usize;
         // Commit to this connection: only now does the cloud attach it.
         if let Err(e) = write_frame(
             &mut send,
             &Frame::Commit {
                 session: welcome.session,
             },
-            self.cfg.limits.max_frame_bytes as usize,
+            max,
         )
         .await
         {
@@ -454,7 +457,6 @@ impl Dialer {
             "tether-edge connected node={} session={} resumed={resumed}",
             self.node, welcome.session
         );
-        let max = self.cfg.limits.max_frame_bytes as usize;
         let (out_tx, out_rx) = tokio::sync::mpsc::channel::<Frame>(4);
         let (renewed_tx, renewed_rx) = tokio::sync::mpsc::channel::<Result<String, String>>(1);
         // The pod reads and the keep-alives count their deadlines from the
@@ -466,6 +468,7 @@ impl Dialer {
             (epoch, self.cfg.pods_refresh),
             max,
             out_rx,
+            &self.node,
         );
         let control = read_control(recv, renewed_tx, &self.node, &self.ticket);
         let renewer = renew_certificate(&self.cfg, &self.node, out_tx.clone(), renewed_rx);
@@ -722,45 +725,66 @@ impl Attempt {
                     .into())
             }
         };
-        let (mut send, mut recv) = conn.open_bi().await.context("opening the control stream")?;
-        write_frame(&mut send, &Frame::Hello(self.hello), self.max)
-            .await
-            .context("sending the hello")?;
-        let mut reader = FrameReader::new(self.max);
-        match reader
-            .next(&mut recv)
-            .await
-            .context("reading the welcome")?
-        {
-            Some(Frame::Welcome(w)) => Ok((conn, send, ControlReader { recv, reader }, w)),
-            Some(Frame::Refused(r)) => {
-                let e =
-                    anyhow::anyhow!("the cloud refused this edge ({:?}): {}", r.code, r.message);
-                match r.code {
-                    RefusalCode::Superseded => Err(AttemptError::Transient(e)),
-                    RefusalCode::Ticket => Err(AttemptError::Definite(e.context(TicketRefused))),
-                    // A draining replica: the round's other attempts share its
-                    // source port and so reach it too; the next round dials
-                    // from a new port.
-                    RefusalCode::Shutdown
-                    | RefusalCode::Version
-                    | RefusalCode::NodeMismatch
-                    | RefusalCode::BadHello => Err(AttemptError::Definite(e)),
-                }
-            }
-            Some(other) => Err(AttemptError::Definite(anyhow::anyhow!(
-                "expected a welcome, got a {} frame",
-                other.kind()
-            ))),
-            None => {
-                Err(anyhow::anyhow!("the cloud closed the control stream before welcoming").into())
-            }
-        }
+        hello_and_welcome(conn, self.hello, self.max).await
     }
 }
 
-/// Reads the kubelet's pods every `every` and reports them when they change
-/// (and at once on a new connection). Returns only on a control-stream error.
+/// The control stream of a new connection: the hello out, the welcome (or
+/// a refusal) in. A welcome whose limits cannot be agreed with ours (the
+/// edge could send no data, or no frame the cloud accepts) refuses the
+/// cloud: the connection is closed and the round ends, so the next one
+/// comes after the backoff.
+async fn hello_and_welcome(
+    conn: quinn::Connection,
+    hello: Hello,
+    max: usize,
+) -> Result<Established, AttemptError> {
+    let ours = hello.limits;
+    let (mut send, mut recv) = conn.open_bi().await.context("opening the control stream")?;
+    write_frame(&mut send, &Frame::Hello(hello), max)
+        .await
+        .context("sending the hello")?;
+    let mut reader = FrameReader::new(max);
+    match reader
+        .next(&mut recv)
+        .await
+        .context("reading the welcome")?
+    {
+        Some(Frame::Welcome(w)) => {
+            if let Err(why) = ours.agree_checked(&w.limits) {
+                conn.close(
+                    close_code::PROTOCOL.into(),
+                    b"edge: the welcome's limits are unusable",
+                );
+                return Err(AttemptError::Definite(anyhow::anyhow!(
+                    "refusing the cloud's welcome: {why} (the cloud's --max-frame-bytes, \
+                     --max-data-payload and --max-head-bytes must be consistent)"
+                )));
+            }
+            Ok((conn, send, ControlReader { recv, reader }, w))
+        }
+        Some(Frame::Refused(r)) => {
+            let e = anyhow::anyhow!("the cloud refused this edge ({:?}): {}", r.code, r.message);
+            match r.code {
+                RefusalCode::Superseded => Err(AttemptError::Transient(e)),
+                RefusalCode::Ticket => Err(AttemptError::Definite(e.context(TicketRefused))),
+                // A draining replica: the round's other attempts share its
+                // source port and so reach it too; the next round dials
+                // from a new port.
+                RefusalCode::Shutdown
+                | RefusalCode::Version
+                | RefusalCode::NodeMismatch
+                | RefusalCode::BadHello => Err(AttemptError::Definite(e)),
+            }
+        }
+        Some(other) => Err(AttemptError::Definite(anyhow::anyhow!(
+            "expected a welcome, got a {} frame",
+            other.kind()
+        ))),
+        None => Err(anyhow::anyhow!("the cloud closed the control stream before welcoming").into()),
+    }
+}
+
 /// Reads the cloud's control frames: renewal answers go to the renewer,
 /// go-aways are logged. Returns at the end of the stream or on an error.
 async fn read_control(
@@ -1046,12 +1070,21 @@ async fn keep_alive(
     }
 }
 
-async fn report_pods(
+/// Reads the kubelet's pods every `every` and reports them when they change
+/// (and at once on a new connection), with the other control frames `extra`
+/// brings. `max` is the frame bound agreed with the cloud: a pod list that
+/// does not fit in one frame is cut to the pods that do (see [`fit_report`]),
+/// and a control frame that does not fit is dropped, both with a warning
+/// naming the node: a frame the cloud would refuse must not close the
+/// connection (and every stream on it), as it would again on every
+/// reconnect. Returns only on a control-stream error.
+async fn report_pods<W: tokio::io::AsyncWrite + Unpin>(
     target: Arc<KubeletTarget>,
-    send: &mut quinn::SendStream,
+    send: &mut W,
     (epoch, every): (tokio::time::Instant, Duration),
     max: usize,
     mut extra: tokio::sync::mpsc::Receiver<Frame>,
+    node: &str,
 ) -> anyhow::Result<()> {
     let mut last: Option<Vec<tether_proto::handshake::PodRef>> = None;
     let mut failing = false;
@@ -1061,26 +1094,34 @@ async fn report_pods(
         match reader.pods().await {
             Ok(pods) => {
                 if failing {
-                    info!("kubelet /pods readable again");
+                    info!(node, "kubelet /pods readable again");
                     failing = false;
                 }
                 if last.as_ref() != Some(&pods) {
-                    debug!(pods = pods.len(), "reporting pods");
-                    write_frame(
-                        send,
-                        &Frame::PodReport(tether_proto::handshake::PodReport {
-                            pods: pods.clone(),
-                        }),
-                        max,
-                    )
-                    .await
-                    .context("sending a pod report")?;
+                    let (report, reported) = fit_report(&pods, max);
+                    if reported < pods.len() {
+                        warn!(
+                            node,
+                            pods = pods.len(),
+                            reported,
+                            max_frame_bytes = max,
+                            max_pods = tether_proto::limits::MAX_POD_REPORT,
+                            "the kubelet's pod list does not fit in one pod report: reporting the first {reported} of {} pods (sorted by namespace and name); the cloud answers 404 for the rest. Raise --max-frame-bytes on both the edge and the cloud",
+                            pods.len()
+                        );
+                    } else {
+                        debug!(node, pods = pods.len(), "reporting pods");
+                    }
+                    send_control(send, &report, max, node)
+                        .await
+                        .context("sending a pod report")?;
                     last = Some(pods);
                 }
             }
             Err(e) => {
                 if !failing {
                     warn!(
+                        node,
                         error = format!("{e:#}"),
                         "cannot read the kubelet's pods; keeping the last report"
                     );
@@ -1098,7 +1139,7 @@ async fn report_pods(
             tokio::select! {
                 () = timer.sleep_until(next) => break,
                 f = extra.recv() => match f {
-                    Some(f) => write_frame(send, &f, max).await.context("sending a control frame")?,
+                    Some(f) => send_control(send, &f, max, node).await.context("sending a control frame")?,
                     None => {
                         timer.sleep_until(next).await;
                         break;
@@ -1109,10 +1150,319 @@ async fn report_pods(
     }
 }
 
+/// Writes one control frame within the agreed bound `max`. A frame larger
+/// than that is not sent (logged, naming the node): the cloud would take it
+/// for a protocol error and close the connection. Only a failure of the
+/// stream itself is an error.
+async fn send_control<W: tokio::io::AsyncWrite + Unpin>(
+    send: &mut W,
+    frame: &Frame,
+    max: usize,
+    node: &str,
+) -> anyhow::Result<()> {
+    let bytes = match tether_proto::frame::encode_to_bytes(frame, max) {
+        Ok(b) => b,
+        Err(e) => {
+            warn!(node, frame = frame.kind(), max_frame_bytes = max, error = %e, "a control frame does not fit in the frame bound agreed with the cloud; not sending it (raise --max-frame-bytes on both the edge and the cloud)");
+            return Ok(());
+        }
+    };
+    tokio::io::AsyncWriteExt::write_all(send, &bytes).await?;
+    Ok(())
+}
+
+/// The pod report of `pods` (sorted) that the cloud accepts: every pod if
+/// they fit in one frame of `max` bytes and number at most
+/// [`MAX_POD_REPORT`](tether_proto::limits::MAX_POD_REPORT), else the
+/// longest leading run that does; and how many pods it carries. The cloud
+/// then knows those pods (a truncated report is still a report: it is
+/// better than none, and the log says what was cut).
+fn fit_report(pods: &[tether_proto::handshake::PodRef], max: usize) -> (Frame, usize) {
+    let report = |n: usize| {
+        Frame::PodReport(tether_proto::handshake::PodReport {
+            pods: pods[..n].to_vec(),
+        })
+    };
+    let fits = |n: usize| tether_proto::frame::encode_to_bytes(&report(n), max).is_ok();
+    // Every pod takes at least 3 bytes (three string lengths): no more than
+    // max / 3 of them can fit.
+    let cap = pods
+        .len()
+        .min(tether_proto::limits::MAX_POD_REPORT)
+        .min(max / 3);
+    // The largest count that fits: `lo` fits (an empty report always does,
+    // the agreed bound being at least 65 bytes), `hi` does not.
+    let (mut lo, mut hi) = if fits(cap) { (cap, cap + 1) } else { (0, cap) };
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    (report(lo), lo)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::keepalive::{Bounds, Learner, Phase};
+    use tether_proto::handshake::{PodRef, PodReport};
+    use tether_proto::Limits;
+
+    fn many_pods(n: usize) -> Vec<PodRef> {
+        let mut pods: Vec<PodRef> = (0..n)
+            .map(|i| PodRef {
+                namespace: "default".into(),
+                name: format!("pod-with-a-longish-name-{i:06}"),
+                uid: format!("00000000-0000-0000-0000-{i:012}"),
+            })
+            .collect();
+        pods.sort();
+        pods
+    }
+
+    /// A pod list larger than one frame is cut to the longest leading run
+    /// of pods that fits: the report encodes within the bound, and one pod
+    /// more would not.
+    #[test]
+    fn a_pod_list_larger_than_a_frame_is_cut_to_what_fits() {
+        const MAX: usize = 64 * 1024;
+        let pods = many_pods(5_000);
+        let whole = Frame::PodReport(PodReport { pods: pods.clone() });
+        assert!(
+            tether_proto::frame::encode_to_bytes(&whole, MAX).is_err(),
+            "the test's list must not fit"
+        );
+        let (report, n) = fit_report(&pods, MAX);
+        assert!(n > 0 && n < pods.len(), "{n} of {}", pods.len());
+        let Frame::PodReport(PodReport { pods: got }) = &report else {
+            panic!("not a pod report: {}", report.kind());
+        };
+        assert_eq!(got[..], pods[..n]);
+        assert!(tether_proto::frame::encode_to_bytes(&report, MAX).is_ok());
+        let one_more = Frame::PodReport(PodReport {
+            pods: pods[..n + 1].to_vec(),
+        });
+        assert!(tether_proto::frame::encode_to_bytes(&one_more, MAX).is_err());
+        // A list that fits is reported whole.
+        let (_, n) = fit_report(&pods[..10], MAX);
+        assert_eq!(n, 10);
+        // Never more pods than the cloud accepts in one report.
+        let tiny: Vec<PodRef> = (0..tether_proto::limits::MAX_POD_REPORT + 5)
+            .map(|i| PodRef {
+                namespace: String::new(),
+                name: format!("{i}"),
+                uid: String::new(),
+            })
+            .collect();
+        let (_, n) = fit_report(&tiny, 16 << 20);
+        assert_eq!(n, tether_proto::limits::MAX_POD_REPORT);
+    }
+
+    /// A kubelet that answers every `GET /pods` with `body`.
+    async fn pods_kubelet(body: String) -> String {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let body = Arc::new(body);
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let mut s = BufReader::new(s);
+                    loop {
+                        loop {
+                            let mut line = String::new();
+                            if s.read_line(&mut line).await.unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                        }
+                        let head =
+                            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+                        let w = s.get_mut();
+                        if w.write_all(head.as_bytes()).await.is_err()
+                            || w.write_all(body.as_bytes()).await.is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    /// Item 1 of the control-stream audit: a kubelet whose pod list is
+    /// larger than one frame made the report's `write_frame` fail, which
+    /// closed the whole connection (and again on every reconnect). The
+    /// report is now cut to what fits in the bound agreed with the cloud,
+    /// and the control stream goes on carrying frames.
+    #[tokio::test]
+    async fn a_pod_list_too_large_for_a_frame_keeps_the_control_stream() {
+        const MAX: usize = 64 * 1024;
+        let pods = many_pods(5_000);
+        let items: Vec<String> = pods
+            .iter()
+            .map(|p| {
+                format!(
+                    r#"{{"metadata":{{"name":"{}","namespace":"{}","uid":"{}"}}}}"#,
+                    p.name, p.namespace, p.uid
+                )
+            })
+            .collect();
+        let addr = pods_kubelet(format!(r#"{{"items":[{}]}}"#, items.join(","))).await;
+        let target = Arc::new(
+            KubeletTarget::new(&crate::config::KubeletConfig {
+                url: format!("http://{addr}").parse().unwrap(),
+                ca: None,
+                insecure_skip_tls_verify: false,
+                client_cert: None,
+                connect_timeout: Duration::from_secs(5),
+                pods_timeout: Duration::from_secs(5),
+            })
+            .unwrap(),
+        );
+        let (mut ours, mut cloud) = tokio::io::duplex(1 << 20);
+        let (extra_tx, extra_rx) = tokio::sync::mpsc::channel(4);
+        let reporter = tokio::spawn(async move {
+            report_pods(
+                target,
+                &mut ours,
+                (tokio::time::Instant::now(), Duration::from_secs(3600)),
+                MAX,
+                extra_rx,
+                "edge-t",
+            )
+            .await
+        });
+        // The cloud reads with its own (the agreed) bound.
+        let mut reader = FrameReader::new(MAX);
+        let first = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut cloud))
+            .await
+            .expect("no pod report within 10 s")
+            .expect("a frame the cloud accepts");
+        let Some(Frame::PodReport(PodReport { pods: got })) = first else {
+            panic!("expected a pod report, got {first:?}");
+        };
+        assert!(!got.is_empty() && got.len() < pods.len(), "{}", got.len());
+        assert_eq!(got[..], pods[..got.len()]);
+        // The control stream still carries frames.
+        extra_tx.send(Frame::KeepAlive).await.unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut cloud))
+            .await
+            .expect("no keep-alive within 10 s")
+            .expect("a frame the cloud accepts");
+        assert_eq!(next, Some(Frame::KeepAlive));
+        // A control frame larger than the bound is dropped, not fatal.
+        extra_tx
+            .send(Frame::RenewCert {
+                csr_pem: "x".repeat(MAX),
+            })
+            .await
+            .unwrap();
+        extra_tx.send(Frame::KeepAlive).await.unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut cloud))
+            .await
+            .expect("no keep-alive within 10 s")
+            .expect("a frame the cloud accepts");
+        assert_eq!(next, Some(Frame::KeepAlive));
+        assert!(
+            !reporter.is_finished(),
+            "the reporter gave up: {reporter:?}"
+        );
+        reporter.abort();
+    }
+
+    /// Item 2 of the control-stream audit: limits in the welcome that the
+    /// edge cannot use (no data at all, or payloads that cannot fit in the
+    /// cloud's frames) were taken as they came, and every stream then sent
+    /// only `End` or failed to encode on every re-attach. They now refuse
+    /// the cloud: a definite error naming its values, the connection closed.
+    #[tokio::test]
+    async fn a_welcome_with_unusable_limits_is_refused() {
+        let bad = [
+            Limits {
+                max_data_payload: 0,
+                ..Limits::default()
+            },
+            Limits {
+                max_frame_bytes: 16 * 1024,
+                max_data_payload: 16 * 1024,
+                max_head_bytes: 8 * 1024,
+                ..Limits::default()
+            },
+        ];
+        for cloud_limits in bad {
+            let (edge, cloud, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+            let token = ResumeToken::generate().unwrap();
+            let hello = Hello {
+                versions: vec![PROTOCOL_VERSION],
+                node: "edge-t".into(),
+                addresses: vec![],
+                resume: token,
+                instance: 1,
+                attempt: 1,
+                limits: Limits::default(),
+                ticket: None,
+            };
+            let max = Limits::default().max_frame_bytes as usize;
+            let welcome = Welcome {
+                version: PROTOCOL_VERSION,
+                session: SessionId(7),
+                resumed: false,
+                gen: 1,
+                ticket: tether_proto::ticket::TicketKey::random().unwrap().issue(
+                    "edge-t",
+                    SessionId(7),
+                    1,
+                    u64::MAX,
+                    &token,
+                ),
+                grace_ms: 1000,
+                limits: cloud_limits,
+            };
+            let cloud_side = tokio::spawn(async move {
+                let (mut send, mut recv) = cloud.accept_bi().await.unwrap();
+                let mut reader = FrameReader::new(max);
+                let hello = reader.next(&mut recv).await.unwrap();
+                assert!(matches!(hello, Some(Frame::Hello(_))), "{hello:?}");
+                write_frame(&mut send, &Frame::Welcome(welcome), max)
+                    .await
+                    .unwrap();
+                // The edge closes the connection.
+                tokio::time::timeout(Duration::from_secs(10), cloud.closed())
+                    .await
+                    .expect("the edge did not close the connection")
+            });
+            let got =
+                tokio::time::timeout(Duration::from_secs(10), hello_and_welcome(edge, hello, max))
+                    .await
+                    .expect("no answer within 10 s");
+            let e = match got {
+                Ok(_) => panic!("unusable limits {cloud_limits:?} were accepted"),
+                Err(AttemptError::Transient(e)) => panic!("transient: {e:#}"),
+                Err(AttemptError::Definite(e)) => format!("{e:#}"),
+            };
+            assert!(
+                e.contains(&format!(
+                    "max-frame-bytes {}, max-data-payload {}",
+                    cloud_limits.max_frame_bytes, cloud_limits.max_data_payload
+                )),
+                "{e}"
+            );
+            let closed = cloud_side.await.unwrap();
+            assert!(
+                matches!(&closed, quinn::ConnectionError::ApplicationClosed(c)
+                    if c.error_code == quinn::VarInt::from_u32(close_code::PROTOCOL)),
+                "{closed:?}"
+            );
+        }
+    }
 
     /// On a link with a sub-millisecond RTT (loopback) the cloud's delayed
     /// ACK of a probing keep-alive (quinn's 25 ms) came after the verdict was

@@ -8,6 +8,11 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Most pods one pod report may carry: the cloud closes the connection of an
+/// edge that reports more (a protocol violation), so an edge caps its report
+/// here as it caps it to what fits in one frame.
+pub const MAX_POD_REPORT: usize = 100_000;
+
 /// Size and count bounds of the wire protocol and of each stream's buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
@@ -56,6 +61,28 @@ impl Limits {
             max_head_bytes: self.max_head_bytes.min(peer.max_head_bytes),
             ..*self
         }
+    }
+
+    /// [`Limits::agree`] with a peer's announced limits, checked: the agreed
+    /// bounds must be consistent ([`Limits::validate`]), or this side could
+    /// send no data (a payload of 0) or no frame the peer accepts (a payload
+    /// or head that cannot fit in its frames). Our own limits were validated
+    /// at start, so an error is the peer's: it names the peer's values.
+    pub fn agree_checked(&self, peer: &Limits) -> Result<Limits, String> {
+        let agreed = self.agree(peer);
+        agreed.validate().map_err(|why| {
+            format!(
+                "the peer announced max-frame-bytes {}, max-data-payload {} and max-head-bytes {}; \
+                 agreed with ours ({}, {}, {}) they are unusable: {why}",
+                peer.max_frame_bytes,
+                peer.max_data_payload,
+                peer.max_head_bytes,
+                self.max_frame_bytes,
+                self.max_data_payload,
+                self.max_head_bytes,
+            )
+        })?;
+        Ok(agreed)
     }
 
     /// Checks that the bounds are consistent with each other.
@@ -119,6 +146,50 @@ mod tests {
             (b.max_frame_bytes, b.max_data_payload, b.max_head_bytes),
             (a.max_frame_bytes, a.max_data_payload, a.max_head_bytes)
         );
+    }
+
+    /// A peer's announced limits that would leave this side unable to send
+    /// data (a payload of 0) or whose payload cannot fit in its frames are
+    /// refused, naming the peer's values; consistent ones agree as before.
+    #[test]
+    fn unusable_announced_limits_are_refused_naming_the_peer_values() {
+        let ours = Limits::default();
+        let no_data = Limits {
+            max_data_payload: 0,
+            ..Limits::default()
+        };
+        let e = ours.agree_checked(&no_data).unwrap_err();
+        assert!(e.contains("max-data-payload 0"), "{e}");
+        assert!(e.contains("must be positive"), "{e}");
+        // The payload plus framing does not fit in the peer's frames.
+        let too_big = Limits {
+            max_frame_bytes: 4096,
+            max_data_payload: 4096,
+            max_head_bytes: 1024,
+            ..Limits::default()
+        };
+        let e = ours.agree_checked(&too_big).unwrap_err();
+        assert!(e.contains("max-frame-bytes 4096"), "{e}");
+        assert!(e.contains("must fit in max-frame-bytes (4096)"), "{e}");
+        // A head bound the peer's frames cannot carry.
+        let head = Limits {
+            max_frame_bytes: 8192,
+            max_data_payload: 1024,
+            max_head_bytes: 8192,
+            ..Limits::default()
+        };
+        assert!(ours
+            .agree_checked(&head)
+            .unwrap_err()
+            .contains("max-head-bytes"));
+        // A smaller but consistent peer agrees as `agree` does.
+        let small = Limits {
+            max_frame_bytes: 8192,
+            max_data_payload: 4096,
+            max_head_bytes: 4096,
+            ..Limits::default()
+        };
+        assert_eq!(ours.agree_checked(&small), Ok(ours.agree(&small)));
     }
 
     #[test]

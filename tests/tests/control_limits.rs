@@ -1,0 +1,89 @@
+//! The edge's control stream stays within the frame bound it agreed with the
+//! cloud, end to end. The cloud runs with `--max-frame-bytes 64KiB`, the edge
+//! with the default 1 MiB, and the edge's kubelet lists 3,000 pods (a pod
+//! report of about 230 KB). Before, the edge wrote its pod report with its own
+//! bound: the cloud took the frame for a protocol error and closed the
+//! connection, and the edge sent the same report on every reconnect (and had
+//! the report exceeded the edge's own bound, the edge closed the connection
+//! itself). Now the report is cut to the pods that fit in the agreed 64 KiB,
+//! with a warning naming the node, the pods and the bound, and the connection
+//! stays up: the first pods route, the last ones get 404.
+//!
+//! The binaries must be built first (`cargo build --workspace --bins`).
+
+mod support;
+
+use std::time::Duration;
+
+use hyper::StatusCode;
+use support::{Env, Kubelet};
+
+/// The one node: the certificate every [`Env`] mints besides its specs'.
+const NODE: &str = "edge-intruder";
+const PODS: usize = 3_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_list_larger_than_the_agreed_frame_is_cut_and_the_connection_kept() {
+    let env = Env::start(
+        &[],
+        &["--max-frame-bytes", "64KiB", "--max-head-bytes", "32KiB"],
+    )
+    .await
+    .unwrap();
+    // Sorted as the edge sorts them (by namespace, then name).
+    let pods: Vec<String> = (0..PODS)
+        .map(|i| format!("default/pod-with-a-longish-name-{i:05}"))
+        .collect();
+    let names: Vec<&str> = pods.iter().map(String::as_str).collect();
+    let kubelet = Kubelet::start(NODE, &names).await.unwrap();
+    let edge_log = {
+        let edge = env
+            .spawn_edge(NODE, &format!("http://{}", kubelet.addr), &[], &[])
+            .await
+            .unwrap();
+        // The first pod is reported: the cut report reached the cloud.
+        env.wait_routable(&pods[0]).await.unwrap();
+        // Several pod reads later (every 200 ms), still the first connection.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let connects = edge
+            .lines()
+            .iter()
+            .filter(|l| l.starts_with("tether-edge connected"))
+            .count();
+        let log = std::fs::read_to_string(edge.log_path()).unwrap_or_default();
+        assert_eq!(
+            connects,
+            1,
+            "the edge reconnected; its log:\n{}\ncloud log:\n{}",
+            edge.stderr_tail(40),
+            env.cloud_log()
+        );
+        log
+    };
+    assert!(
+        !env.cloud_log().contains("control stream failed"),
+        "the cloud refused a control frame:\n{}",
+        env.cloud_log()
+    );
+    // The warning names the node, the pods and the bound.
+    let warning = edge_log
+        .lines()
+        .find(|l| l.contains("does not fit in one pod report"))
+        .unwrap_or_else(|| panic!("no warning about the cut report in:\n{edge_log}"));
+    for part in [NODE, &format!("of {PODS} pods"), "max_frame_bytes=65536"] {
+        assert!(warning.contains(part), "{part:?} not in {warning}");
+    }
+    // The pods past the cut are unknown to the cloud.
+    let last = pods[PODS - 1].split_once('/').unwrap().1;
+    let r = env
+        .client
+        .get(
+            &format!("/containerLogs/default/{last}/c"),
+            "apiserver.example:6443",
+            None,
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::NOT_FOUND, "{}", r.body);
+}
