@@ -69,9 +69,10 @@ pub struct EdgeArgs {
     /// Time allowed for one read of the kubelet's pod list (`GET /pods`).
     #[arg(long, env = "TETHER_KUBELET_PODS_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub kubelet_pods_timeout: Duration,
-    /// Time allowed for the cloud's request head on a new stream (the cloud
-    /// sends it right behind the stream's attach). A stream whose head does
-    /// not come is reset, freeing its slot.
+    /// Time allowed for the cloud's attach and request head on a new stream
+    /// (the cloud sends the head right behind the attach). A stream whose
+    /// attach does not come is dropped, one whose head does not come is
+    /// reset, freeing its slot.
     #[arg(long, env = "TETHER_REQUEST_HEAD_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub request_head_timeout: Duration,
     /// Addresses the apiserver may know this node by (repeatable; default: the host's IPs).

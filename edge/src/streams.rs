@@ -215,7 +215,10 @@ impl EdgeStreams {
         let limits = self.limits();
         let max = limits.max_frame_bytes as usize;
         let mut reader = FrameReader::new(max);
-        let first = tokio::time::timeout(Duration::from_secs(30), reader.next(&mut recv)).await;
+        // The attach comes first on every stream the cloud opens (the
+        // request head right behind it): bounded like the head.
+        let wait = self.forward.head_timeout;
+        let first = tokio::time::timeout(wait, reader.next(&mut recv)).await;
         let (id, delivered, fin_received) = match first {
             Ok(Ok(Some(Frame::Attach {
                 stream,
@@ -232,7 +235,7 @@ impl EdgeStreams {
                 return;
             }
             Err(_) => {
-                warn!(node = %self.node, "no attach within 30s; dropping the stream");
+                warn!(node = %self.node, ?wait, "no attach within --request-head-timeout; dropping the stream");
                 return;
             }
         };
@@ -406,6 +409,45 @@ mod tests {
         let lost: std::io::Error =
             quinn::ReadError::ConnectionLost(quinn::ConnectionError::TimedOut).into();
         assert!(!owner_gone(&tether_proto::io::TransportError::Io(lost)));
+    }
+
+    /// A stream the cloud opens and whose attach never comes (here: one
+    /// byte of a frame, then nothing) is dropped after
+    /// `--request-head-timeout`, not held for a fixed 30 s.
+    #[tokio::test]
+    async fn a_stream_whose_attach_never_comes_is_dropped_after_the_head_timeout() {
+        const TIMEOUT: Duration = Duration::from_millis(500);
+        let limits = Limits::default();
+        let cfg = crate::config::KubeletConfig {
+            url: "http://127.0.0.1:9".parse().unwrap(),
+            ca: None,
+            insecure_skip_tls_verify: false,
+            client_cert: None,
+            connect_timeout: Duration::from_secs(2),
+            pods_timeout: Duration::from_secs(2),
+        };
+        let forward = Arc::new(Forward {
+            target: Arc::new(crate::kubelet::KubeletTarget::new(&cfg).unwrap()),
+            limits,
+            head_timeout: TIMEOUT,
+        });
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = crate::metrics::EdgeMetrics::register(&mut registry);
+        let streams = EdgeStreams::new("edge-t".into(), limits, forward, metrics);
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let (mut send, _recv) = cloud.open_bi().await.unwrap();
+        // Part of a frame's length prefix: the stream exists, no frame does.
+        send.write_all(&[0x00]).await.unwrap();
+        let (s, r) = tokio::time::timeout(Duration::from_secs(10), edge.accept_bi())
+            .await
+            .expect("the edge sees the stream")
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        tokio::time::timeout(Duration::from_secs(10), streams.clone().accept(s, r, None))
+            .await
+            .expect("a stream without its attach is dropped within 10 s, not after 30");
+        assert!(started.elapsed() >= TIMEOUT, "{:?}", started.elapsed());
+        assert_eq!(streams.len(), 0);
     }
 
     /// Item 5 of the control-stream audit: a new stream was added to the
