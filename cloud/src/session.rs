@@ -177,7 +177,9 @@ pub struct Timeouts {
     /// A new stream that has no transport to the edge within this is reset
     /// (the apiserver gets a 502 naming the reason), rather than waiting for
     /// the edge to come back the way an established stream does
-    /// (`--route-wait`).
+    /// (`--route-wait`). It also bounds a re-attach on a live link: the
+    /// edge's QUIC stream for it and its `Attach` answer; past it the stream
+    /// is reset.
     pub first_attach: Duration,
 }
 
@@ -703,11 +705,36 @@ impl Session {
                 continue;
             }
             last_epoch = link.epoch();
+            let fresh = matches!(peer, PeerAttach::Fresh);
+            // A re-attach is answered within `--route-wait` (below), its QUIC
+            // stream included.
+            let reattach_by = tokio::time::Instant::now() + timeouts.first_attach;
             let opened = match &link {
-                Link::Connected { conn, .. } => conn
-                    .open_bi()
-                    .await
-                    .map_err(|e| format!("opening a QUIC stream to the edge: {e}")),
+                // Opening waits for the edge's stream credit: an edge that
+                // grants none holds the stream (and its place among
+                // `--max-streams-per-edge`) only until the stream ends, or
+                // until its deadline.
+                Link::Connected { conn, .. } => tokio::select! {
+                    opened = conn.open_bi() => {
+                        opened.map_err(|e| format!("opening a QUIC stream to the edge: {e}"))
+                    }
+                    _ = shared.wait_done() => break,
+                    _ = shared.wait_reset(), if fresh => {
+                        // Reset here (the apiserver's request was answered
+                        // or gone) before the edge heard of it: nothing to
+                        // tell the edge.
+                        shared.with_state(|s| s.abandon());
+                        break;
+                    }
+                    () = tokio::time::sleep_until(first_deadline), if fresh => Err(
+                        "the edge granted no QUIC stream for it (every stream it allows is open)"
+                            .to_string(),
+                    ),
+                    () = tokio::time::sleep_until(reattach_by), if !fresh => {
+                        self.unanswered_reattach(&shared, timeouts.first_attach, "granted no QUIC stream");
+                        break;
+                    }
+                },
                 Link::Relayed { replica, conn, .. } => {
                     let header = crate::relay::SpliceHeader {
                         node: self.node.clone(),
@@ -750,7 +777,27 @@ impl Session {
                 Link::Relayed { copies, .. } => Some(copies.relayed(self.via())),
                 _ => None,
             };
-            match drive(shared.clone(), recv, send, attach, max_frame, copies).await {
+            let driven = drive(shared.clone(), recv, send, attach, max_frame, copies);
+            tokio::pin!(driven);
+            // The edge's `Attach` answering a re-attach comes within the
+            // same deadline; once attached, the transport's own end rules.
+            let unanswered = async {
+                if fresh {
+                    return std::future::pending().await;
+                }
+                tokio::time::sleep_until(reattach_by).await;
+                if shared.with_state(|s| s.is_attached()) {
+                    std::future::pending::<()>().await;
+                }
+            };
+            let driven = tokio::select! {
+                r = &mut driven => r,
+                () = unanswered => {
+                    self.unanswered_reattach(&shared, timeouts.first_attach, "sent no Attach");
+                    break;
+                }
+            };
+            match driven {
                 Ok(()) => break,
                 Err(e) => {
                     if shared.is_done() {
@@ -773,6 +820,21 @@ impl Session {
             shared.reset(ResetCode::SessionLost, reason);
         }
         debug!("stream closed");
+    }
+}
+
+impl Session {
+    /// A stream the edge knows did not get its re-attach answered by the
+    /// edge within `within` (`--route-wait`): it is reset and its slot freed.
+    /// (Nothing can tell the edge: it has no transport for the stream.)
+    fn unanswered_reattach(&self, shared: &SharedStream, within: Duration, what: &str) {
+        let why = format!(
+            "edge {} {what} for the stream's re-attach within {within:?} (--route-wait)",
+            self.node
+        );
+        warn!(%why, "giving up on a stream");
+        shared.reset(ResetCode::SessionLost, why);
+        shared.with_state(|s| s.abandon());
     }
 }
 
@@ -841,6 +903,103 @@ mod tests {
         }
         rx.recv().await.unwrap();
         (here, rx, endpoints)
+    }
+
+    /// Waits (at most 10 s) until `s` owns no stream.
+    async fn slots_freed(s: &Session) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while s.open_streams() > 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the stream still holds its slot after 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// An edge that grants the cloud no QUIC stream holds a new stream only
+    /// until the stream is reset here (the apiserver was answered 504, or
+    /// left) or until `--route-wait`, which resets it naming the cause: its
+    /// place among `--max-streams-per-edge` is freed either way.
+    #[tokio::test]
+    async fn a_new_stream_the_edge_grants_no_quic_stream_frees_its_slot() {
+        let mut t = quinn::TransportConfig::default();
+        t.max_concurrent_bidi_streams(0u32.into());
+        let (conn, _edge, _endpoints) = tether_proto::testing::quic_pair_with(Arc::new(t))
+            .await
+            .unwrap();
+        let s = session("edge-1");
+        s.set_timeouts(Timeouts {
+            relay: Duration::from_secs(60),
+            first_attach: Duration::from_secs(60),
+        });
+        s.attach_connection(conn, None, &testing::claim(), 1)
+            .unwrap();
+
+        // Reset here, as the forwarder does on its 504.
+        let (_, io) = s.open_stream(StreamKind::Logs).unwrap();
+        assert_eq!(s.open_streams(), 1);
+        io.shared()
+            .reset(ResetCode::Cancelled, "no response head in time");
+        slots_freed(&s).await;
+
+        // Not reset here: the first-attach deadline ends it.
+        s.set_timeouts(Timeouts {
+            relay: Duration::from_secs(60),
+            first_attach: Duration::from_millis(300),
+        });
+        let (_, io) = s.open_stream(StreamKind::Logs).unwrap();
+        slots_freed(&s).await;
+        let (code, why) = io.shared().wait_reset().await;
+        assert_eq!(code, ResetCode::SessionLost);
+        assert!(
+            why.contains("--route-wait") && why.contains("granted no QUIC stream"),
+            "{why}"
+        );
+    }
+
+    /// A stream the edge knows, re-attached on the edge's new connection,
+    /// whose `Attach` the edge never answers, is reset after `--route-wait`
+    /// and frees its slot (it used to wait for the answer for as long as the
+    /// connection lived).
+    #[tokio::test]
+    async fn a_re_attach_the_edge_never_answers_is_reset_and_frees_its_slot() {
+        let (first, edge_first, _e1) = tether_proto::testing::quic_pair().await.unwrap();
+        let (second, edge_second, _e2) = tether_proto::testing::quic_pair().await.unwrap();
+        let s = session("edge-1");
+        s.set_timeouts(Timeouts {
+            relay: Duration::from_secs(60),
+            first_attach: Duration::from_millis(300),
+        });
+        let claim = testing::claim();
+        s.attach_connection(first, None, &claim, 1).unwrap();
+        let (_, io) = s.open_stream(StreamKind::Logs).unwrap();
+        // The stream reached the edge (its Attach went out on a new QUIC
+        // stream), then the edge's connection dies.
+        let wait = Duration::from_secs(10);
+        let _held = tokio::time::timeout(wait, edge_first.accept_bi())
+            .await
+            .unwrap()
+            .unwrap();
+        edge_first.close(0u32.into(), b"gone");
+        // The edge is back on a new connection, takes the stream's QUIC
+        // stream, and never answers it.
+        let again = Claim {
+            attempt: claim.attempt + 1,
+            ..claim
+        };
+        s.attach_connection(second, None, &again, 2).unwrap();
+        let _silent = tokio::time::timeout(wait, edge_second.accept_bi())
+            .await
+            .unwrap()
+            .unwrap();
+        slots_freed(&s).await;
+        let (code, why) = io.shared().wait_reset().await;
+        assert_eq!(code, ResetCode::SessionLost);
+        assert!(
+            why.contains("--route-wait") && why.contains("sent no Attach"),
+            "{why}"
+        );
     }
 
     fn copy(stream: StreamId, via: Option<Via>) -> ReceivedCopy {
