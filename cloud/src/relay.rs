@@ -253,8 +253,7 @@ pub async fn serve(
                     )),
                     "ended",
                 );
-                let _ = send.write_all(&a).await;
-                let _ = send.finish();
+                send_refusal(&mut send, &a, timeout).await;
                 return;
             }
             Some(s) => s.connection(),
@@ -269,24 +268,38 @@ pub async fn serve(
                 )),
                 "not_here",
             );
-            let _ = send.write_all(&a).await;
-            let _ = send.finish();
+            send_refusal(&mut send, &a, timeout).await;
             return;
         };
-        let (edge_send, edge_recv) = match conn.open_bi().await {
+        // Waiting for the edge's stream credit, within what the owner waits
+        // for the answer: past it the owner has given up, and the peer-link
+        // stream (one of its `--peer-max-streams`) is let go.
+        let opened = match tokio::time::timeout(timeout, conn.open_bi()).await {
+            Ok(Ok(p)) => Ok(p),
+            Ok(Err(e)) => Err(format!("edge {}'s connection: {e}", header.node)),
+            Err(_) => {
+                info!(?timeout, "the edge granted no stream for a splice in time");
+                Err(format!(
+                    "edge {} granted no QUIC stream within {timeout:?} (--peer-timeout)",
+                    header.node
+                ))
+            }
+        };
+        let (edge_send, edge_recv) = match opened {
             Ok(p) => p,
-            Err(e) => {
-                let a = refuse(
-                    Answer::NotHere(format!("edge {}'s connection: {e}", header.node)),
-                    "not_here",
-                );
-                let _ = send.write_all(&a).await;
-                let _ = send.finish();
+            Err(m) => {
+                let a = refuse(Answer::NotHere(m), "not_here");
+                send_refusal(&mut send, &a, timeout).await;
                 return;
             }
         };
-        if send.write_all(&Answer::Open.encode()).await.is_err() {
-            return;
+        match tokio::time::timeout(timeout, send.write_all(&Answer::Open.encode())).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return,
+            Err(_) => {
+                let _ = send.reset(stream_code::DETACHED.into());
+                return;
+            }
         }
         metrics
             .relayed_streams
@@ -304,6 +317,20 @@ pub async fn serve(
     }
     .instrument(span)
     .await
+}
+
+/// Writes a refusal and ends the stream, within `timeout`: an owner that
+/// gave up reads nothing more, and the stream is let go either way.
+async fn send_refusal(send: &mut quinn::SendStream, answer: &[u8], timeout: Duration) {
+    match tokio::time::timeout(timeout, send.write_all(answer)).await {
+        Ok(Ok(())) => {
+            let _ = send.finish();
+        }
+        Ok(Err(_)) => {}
+        Err(_) => {
+            let _ = send.reset(stream_code::DETACHED.into());
+        }
+    }
 }
 
 /// Whether a read error means the peer link to the owner died (not closed by
@@ -488,6 +515,65 @@ mod tests {
             t0.elapsed()
         );
         silent.abort();
+    }
+
+    /// A holder whose edge grants no QUIC stream answers the owner within
+    /// `--peer-timeout`, naming it, and lets the peer link's stream go (it
+    /// used to wait for the edge's credit for as long as the connection
+    /// lived, holding one of the owner's `--peer-max-streams`).
+    #[tokio::test]
+    async fn a_holder_whose_edge_grants_no_stream_answers_in_time_and_frees_the_peer_stream() {
+        use tether_proto::copies::{CopyCounters, CopySettings};
+        let mut none = quinn::TransportConfig::default();
+        none.max_concurrent_bidi_streams(0u32.into());
+        let (to_edge, _edge, _e1) =
+            tether_proto::testing::quic_pair_with(std::sync::Arc::new(none))
+                .await
+                .unwrap();
+        let session = crate::session::testing::session("edge-1");
+        session
+            .attach_connection(to_edge, None, &crate::session::testing::claim(), 1)
+            .unwrap();
+        let registry = std::sync::Arc::new(Registry::new(Duration::from_secs(60)));
+        registry.insert(session.clone());
+        let metrics = CloudMetrics::register(&mut prometheus_client::registry::Registry::default());
+        let mut one = quinn::TransportConfig::default();
+        one.max_concurrent_bidi_streams(1u32.into());
+        let (owner, holder, _e2) = tether_proto::testing::quic_pair_with(std::sync::Arc::new(one))
+            .await
+            .unwrap();
+        let bound = Duration::from_millis(300);
+        let serving = tokio::spawn(async move {
+            let (send, mut recv) = holder.accept_bi().await.unwrap();
+            let mut magic = [0u8; 4];
+            recv.read_exact(&mut magic).await.unwrap();
+            assert_eq!(&magic, RELAY_MAGIC);
+            let copies = CopyLink::new(
+                holder.clone(),
+                CopySettings::default(),
+                CopyCounters::default(),
+            );
+            serve(send, recv, registry, metrics, copies, "r0".into(), bound).await;
+            holder
+        });
+        let header = SpliceHeader {
+            node: "edge-1".into(),
+            session: session.id.0,
+            stream: 1,
+        };
+        let wait = Duration::from_secs(10);
+        let got = splice_open(&owner, "r0", &header, wait).await.unwrap();
+        assert!(
+            matches!(&got, Err(Answer::NotHere(m)) if m.contains("--peer-timeout")),
+            "{:?}",
+            got.map(|_| ())
+        );
+        let _holder = tokio::time::timeout(wait, serving)
+            .await
+            .expect("the holder let the splice go")
+            .unwrap();
+        let next = tokio::time::timeout(wait, owner.open_bi()).await;
+        assert!(matches!(next, Ok(Ok(_))), "no stream credit back: {next:?}");
     }
 
     /// When the owner lets a spliced stream go, the holder lets the owner's
