@@ -497,35 +497,44 @@ async fn refuse(
     conn: &quinn::Connection,
     code: RefusalCode,
     message: String,
-    max: usize,
+    (max, within): (usize, Duration),
 ) {
-    Box::pin(refuse_now(send, conn, code, message, max)).await
+    Box::pin(refuse_now(send, conn, code, message, max, within)).await
 }
 
+/// Writes the refusal within `within` (`--handshake-timeout`: an edge that
+/// grants no stream credit does not hold its `--max-edges` slot), then closes
+/// the connection, whether the refusal left or not.
 async fn refuse_now(
     send: &mut quinn::SendStream,
     conn: &quinn::Connection,
     code: RefusalCode,
     message: String,
     max: usize,
+    within: Duration,
 ) {
     if code == RefusalCode::Superseded {
         info!(?code, ?message, "refusing an obsolete connection attempt");
     } else {
         warn!(?code, ?message, "refusing edge");
     }
-    let _ = write_frame(
-        send,
-        &Frame::Refused(Refusal {
-            code,
-            message: message.clone(),
-        }),
-        max,
-    )
-    .await;
-    let _ = send.finish();
-    // Give the refusal a moment to leave before closing.
-    let _ = tokio::time::timeout(Duration::from_millis(500), send.stopped()).await;
+    let refusal = Frame::Refused(Refusal {
+        code,
+        message: message.clone(),
+    });
+    match tokio::time::timeout(within, write_frame(send, &refusal, max)).await {
+        Ok(_) => {
+            let _ = send.finish();
+            // Give the refusal a moment to leave before closing.
+            let _ = tokio::time::timeout(Duration::from_millis(500), send.stopped()).await;
+        }
+        Err(_) => {
+            info!(
+                ?within,
+                "the edge took no refusal within --handshake-timeout; closing"
+            );
+        }
+    }
     conn.close(close_code::REFUSED.into(), message.as_bytes());
 }
 
@@ -710,13 +719,21 @@ async fn attach(
                     )
                 })??;
         tracing::Span::current().record("node", node.as_str());
+        let bounds = (max, cfg.handshake_timeout);
         if let Some(why) = check_hello(&hello, &node) {
             let code = if hello.node != node {
                 RefusalCode::NodeMismatch
             } else {
                 RefusalCode::BadHello
             };
-            refuse(&mut send, &conn, code, format!("node {node}: {why}"), max).await;
+            refuse(
+                &mut send,
+                &conn,
+                code,
+                format!("node {node}: {why}"),
+                bounds,
+            )
+            .await;
             return Ok(None);
         }
         let Some(version) = negotiate_version(&hello.versions) else {
@@ -725,7 +742,7 @@ async fn attach(
                 &conn,
                 RefusalCode::Version,
                 format!("no common protocol version in {:?}", hello.versions),
-                max,
+                bounds,
             )
             .await;
             return Ok(None);
@@ -739,7 +756,7 @@ async fn attach(
                 &conn,
                 RefusalCode::Shutdown,
                 format!("node {node}: this replica is draining; connect to another"),
-                max,
+                bounds,
             )
             .await;
             return Ok(None);
@@ -758,7 +775,7 @@ async fn attach(
                         &conn,
                         RefusalCode::Ticket,
                         format!("node {node}: resume ticket refused: {e}"),
-                        max,
+                        bounds,
                     )
                     .await;
                     return Ok(None);
@@ -772,7 +789,14 @@ async fn attach(
                 if code == RefusalCode::Ticket {
                     metrics.refuse_edge("ticket");
                 }
-                refuse(&mut send, &conn, code, format!("node {node}: {why}"), max).await;
+                refuse(
+                    &mut send,
+                    &conn,
+                    code,
+                    format!("node {node}: {why}"),
+                    bounds,
+                )
+                .await;
                 return Ok(None);
             }
         };
@@ -799,9 +823,24 @@ async fn attach(
             grace_ms: cfg.grace.as_millis() as u64,
             limits: cfg.limits,
         };
-        Box::pin(write_frame(&mut send, &Frame::Welcome(welcome), max))
-            .await
-            .context("sending the welcome")?;
+        // The hello's time is up: the welcome gets `--handshake-timeout` of
+        // its own, so an edge that grants no stream credit does not hold its
+        // `--max-edges` slot.
+        match Box::pin(tokio::time::timeout(
+            cfg.handshake_timeout,
+            write_frame(&mut send, &Frame::Welcome(welcome), max),
+        ))
+        .await
+        {
+            Ok(r) => r.context("sending the welcome")?,
+            Err(_) => {
+                conn.close(close_code::REPLACED.into(), b"welcome not taken in time");
+                anyhow::bail!(
+                    "node {node} took no welcome within --handshake-timeout ({:?})",
+                    cfg.handshake_timeout
+                );
+            }
+        }
         debug!(node = %node, session = %session.id, resumed, attempt = claim.attempt, "welcome sent; waiting for the edge to commit");
         // Nothing is attached until the edge commits to this connection: an
         // attempt it abandoned (it took another welcome, or gave up) is dropped
@@ -957,6 +996,7 @@ async fn serve_attached(
             renew_for,
             conn: conn.clone(),
             metrics,
+            refusal_within: cfg.handshake_timeout,
         },
         max,
         tickets_for_control,
@@ -1274,6 +1314,9 @@ struct Renewal<'a> {
     /// The edge's connection: closed when its certificate turns out revoked.
     conn: quinn::Connection,
     metrics: &'a CloudMetrics,
+    /// How long the refusal of a revoked certificate may take to leave
+    /// (`--handshake-timeout`); the connection is closed after it either way.
+    refusal_within: Duration,
 }
 
 /// Serves the control stream: pod reports, certificate renewals, keep-alive
@@ -1408,16 +1451,25 @@ async fn renew(
         // and the connection ends now (its next handshake is refused too).
         warn!(node = %session.node, reason = %why, "refusing certificate renewal: the presented certificate is revoked; closing the connection");
         renewal.metrics.refuse_edge("revoked");
-        let mut send = send.lock().await;
-        let _ = write_frame(
-            &mut *send,
-            &Frame::RenewedCert {
-                result: Err(format!("certificate revoked: {why}")),
-            },
-            max,
-        )
-        .await;
-        let _ = send.finish();
+        let refusal = async {
+            let mut send = send.lock().await;
+            let _ = write_frame(
+                &mut *send,
+                &Frame::RenewedCert {
+                    result: Err(format!("certificate revoked: {why}")),
+                },
+                max,
+            )
+            .await;
+            let _ = send.finish();
+        };
+        // An edge that grants no stream credit does not stay connected.
+        if tokio::time::timeout(renewal.refusal_within, refusal)
+            .await
+            .is_err()
+        {
+            info!(node = %session.node, within = ?renewal.refusal_within, "the revoked edge took no refusal within --handshake-timeout; closing");
+        }
         renewal
             .conn
             .close(close_code::REFUSED.into(), b"certificate revoked");

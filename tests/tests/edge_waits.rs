@@ -1,0 +1,310 @@
+//! The cloud's limits and waits on an edge that misbehaves before or right
+//! after it is attached: `--max-edges`, and `--handshake-timeout` for an edge
+//! that sends no hello, never commits, or grants no stream credit for the
+//! cloud's welcome, refusal or answer to a revoked certificate's renewal.
+//! Each such edge is hand-driven over QUIC; each must be closed within its
+//! bound, and give its `--max-edges` slot back.
+//!
+//! Needs the binaries built first: `cargo build --workspace --bins`.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::Env;
+use tether_proto::handshake::{close_code, Hello, ALPN_TUNNEL, PROTOCOL_VERSION};
+use tether_proto::io::{write_frame, FrameReader};
+use tether_proto::Frame;
+
+/// The node every hand-driven edge here has a certificate of.
+const NODE: &str = "edge-intruder";
+
+/// Generous bound on anything that should happen after a 2 s handshake timeout.
+const BOUND: Duration = Duration::from_secs(20);
+
+/// A cloud with no edges of its own, `--handshake-timeout 2s`, and `extra` flags.
+async fn cloud(extra: &[&str]) -> Env {
+    let mut flags = vec!["--handshake-timeout", "2s"];
+    flags.extend_from_slice(extra);
+    Env::start(&[], &flags).await.unwrap()
+}
+
+/// An endpoint with `NODE`'s certificate whose streams receive at most
+/// `window` bytes unread (quinn's default when `None`).
+fn endpoint(env: &Env, window: Option<u32>) -> quinn::Endpoint {
+    let pair = &env.pki.edges[NODE];
+    let mut roots = rustls::RootCertStore::empty();
+    for c in tether_certs::pem::certs_from_pem(&env.pki.tether_ca_pem, "ca").unwrap() {
+        roots.add(c).unwrap();
+    }
+    let mut tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_client_auth_cert(
+        tether_certs::pem::certs_from_pem(&pair.cert_pem, "edge certificate").unwrap(),
+        tether_certs::pem::key_from_pem(&pair.key_pem, "edge key").unwrap(),
+    )
+    .unwrap();
+    tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+    if let Some(w) = window {
+        let mut t = quinn::TransportConfig::default();
+        t.stream_receive_window(w.into());
+        config.transport_config(Arc::new(t));
+    }
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(config);
+    ep
+}
+
+/// A QUIC connection to the cloud from `ep`, dialled again while the cloud
+/// refuses it (the `--max-edges` slot of an edge it just closed is given back
+/// as that edge's task ends, a moment after the close).
+async fn dial(env: &Env, ep: &quinn::Endpoint) -> quinn::Connection {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    loop {
+        let attempt = tokio::time::timeout(
+            Duration::from_secs(10),
+            ep.connect(env.tunnel, tether_tests::pki::CLOUD_SERVER_NAME)
+                .unwrap(),
+        )
+        .await;
+        match attempt {
+            Ok(Ok(conn)) => return conn,
+            Ok(Err(e)) if tokio::time::Instant::now() < deadline => {
+                eprintln!("dialling again: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => panic!("no connection to the cloud within {BOUND:?}: {other:?}"),
+        }
+    }
+}
+
+/// Opens the control stream and says hello as `node`.
+async fn hello(conn: &quinn::Connection, node: &str) -> (quinn::SendStream, quinn::RecvStream) {
+    let (mut send, recv) = conn.open_bi().await.unwrap();
+    let hello = Hello {
+        versions: vec![PROTOCOL_VERSION],
+        node: node.into(),
+        addresses: vec![],
+        resume: tether_proto::token::ResumeToken(rand::random()),
+        // Another process of the edge each time: never superseded by
+        // an attempt of an earlier one.
+        instance: rand::random(),
+        attempt: 1,
+        limits: tether_proto::Limits::default(),
+        ticket: None,
+    };
+    write_frame(&mut send, &Frame::Hello(hello), 1 << 20)
+        .await
+        .unwrap();
+    (send, recv)
+}
+
+/// Waits for the cloud to close `conn`; returns how it was closed.
+async fn closed(conn: &quinn::Connection, what: &str) -> quinn::ConnectionError {
+    tokio::time::timeout(BOUND, conn.closed())
+        .await
+        .unwrap_or_else(|_| panic!("{what}: still connected after {BOUND:?}"))
+}
+
+/// The application close reason of `e`, or a panic naming `what`.
+fn closed_by_cloud(e: &quinn::ConnectionError, what: &str) -> (u32, String) {
+    match e {
+        quinn::ConnectionError::ApplicationClosed(c) => (
+            u32::try_from(c.error_code.into_inner()).unwrap(),
+            String::from_utf8_lossy(&c.reason).into_owned(),
+        ),
+        other => panic!("{what}: closed otherwise: {other}"),
+    }
+}
+
+/// An edge attached to a session of its own: its connection and control stream.
+type Attached = (quinn::Connection, quinn::SendStream, quinn::RecvStream);
+
+/// Hello, welcome and commit on `conn`.
+async fn attach(conn: quinn::Connection) -> Attached {
+    let (mut send, mut recv) = hello(&conn, NODE).await;
+    let welcome = tokio::time::timeout(BOUND, FrameReader::new(1 << 20).next(&mut recv))
+        .await
+        .expect("a welcome");
+    let Ok(Some(Frame::Welcome(w))) = welcome else {
+        panic!("expected a welcome, got {welcome:?}");
+    };
+    write_frame(&mut send, &Frame::Commit { session: w.session }, 1 << 20)
+        .await
+        .unwrap();
+    (conn, send, recv)
+}
+
+/// A well-behaved edge gets in (the `--max-edges` slot is free).
+async fn a_good_edge_gets_in(env: &Env) -> Attached {
+    attach(dial(env, &endpoint(env, None)).await).await
+}
+
+/// `--max-edges 1`: with one edge attached, the next is refused at its QUIC
+/// handshake and counted (`max_edges`); once the first leaves, a new one gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_edge_past_max_edges_is_refused_and_counted() {
+    let env = cloud(&["--max-edges", "1"]).await;
+    let first = a_good_edge_gets_in(&env).await;
+    let ep = endpoint(&env, None);
+    let second = tokio::time::timeout(
+        BOUND,
+        ep.connect(env.tunnel, tether_tests::pki::CLOUD_SERVER_NAME)
+            .unwrap(),
+    )
+    .await
+    .expect("the cloud answers the edge past --max-edges");
+    match second {
+        Err(quinn::ConnectionError::ConnectionClosed(c)) => assert_eq!(
+            c.error_code,
+            quinn_proto::TransportErrorCode::CONNECTION_REFUSED,
+            "{c}"
+        ),
+        other => panic!("the edge past --max-edges was not refused: {other:?}"),
+    }
+    let (_, m) = support::plain_get(env.metrics, "/metrics").await.unwrap();
+    let refused = support::sample(&m, "tether_cloud_edges_refused_total{reason=\"max_edges\"}");
+    assert_eq!(refused, Some(1.0), "{m}");
+    assert!(
+        env.cloud_log()
+            .contains("refusing edge connection: --max-edges reached"),
+        "the refusal is not logged"
+    );
+    first.0.close(0u32.into(), b"leaving");
+    drop(first);
+    let _next = a_good_edge_gets_in(&env).await;
+}
+
+/// `--handshake-timeout` (2 s) in its hello and commit phases: an edge that
+/// finishes QUIC but says nothing, and one that takes the welcome but never
+/// commits, are each closed after it, and free the only `--max-edges` slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_silent_before_its_hello_or_its_commit_is_closed_after_the_handshake_timeout() {
+    let env = cloud(&["--max-edges", "1"]).await;
+    let ep = endpoint(&env, None);
+
+    let silent = dial(&env, &ep).await;
+    closed(&silent, "an edge that sent no hello").await;
+    assert!(
+        env.cloud_log()
+            .contains("no hello within --handshake-timeout"),
+        "the missing hello is not logged"
+    );
+
+    let uncommitted = dial(&env, &ep).await;
+    let (_send, mut recv) = hello(&uncommitted, NODE).await;
+    let welcome = tokio::time::timeout(BOUND, FrameReader::new(1 << 20).next(&mut recv))
+        .await
+        .expect("a welcome");
+    assert!(
+        matches!(welcome, Ok(Some(Frame::Welcome(_)))),
+        "{welcome:?}"
+    );
+    let e = closed(&uncommitted, "an edge that never committed").await;
+    let (code, reason) = closed_by_cloud(&e, "an edge that never committed");
+    assert_eq!(
+        (code, reason.as_str()),
+        (close_code::REPLACED, "no commit in time")
+    );
+
+    let _good = a_good_edge_gets_in(&env).await;
+}
+
+/// An edge that grants the cloud no stream credit on its control stream (a
+/// receive window of 1 byte, never read) cannot hold its `--max-edges` slot
+/// past `--handshake-timeout`: not with the welcome unsent, nor with a
+/// refusal (here of a hello naming another node) unsent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_that_takes_no_welcome_or_refusal_is_closed_after_the_handshake_timeout() {
+    let env = cloud(&["--max-edges", "1"]).await;
+    let stingy = endpoint(&env, Some(1));
+
+    let conn = dial(&env, &stingy).await;
+    let _control = hello(&conn, NODE).await;
+    let e = closed(&conn, "an edge that took no welcome").await;
+    assert_eq!(
+        closed_by_cloud(&e, "an edge that took no welcome"),
+        (close_code::REPLACED, "welcome not taken in time".into())
+    );
+    assert!(
+        env.cloud_log()
+            .contains("took no welcome within --handshake-timeout"),
+        "the untaken welcome is not logged"
+    );
+
+    let conn = dial(&env, &stingy).await;
+    let _control = hello(&conn, "edge-someone-else").await;
+    let e = closed(&conn, "an edge that took no refusal").await;
+    let (code, reason) = closed_by_cloud(&e, "an edge that took no refusal");
+    assert_eq!(code, close_code::REFUSED, "{reason}");
+    assert!(reason.contains("edge-someone-else"), "{reason}");
+
+    let _good = a_good_edge_gets_in(&env).await;
+}
+
+/// An edge whose certificate is revoked while it is connected asks for a
+/// renewal and reads nothing more (1 byte of receive window): the cloud's
+/// refusal cannot leave, and the connection is closed all the same, after
+/// `--handshake-timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_edge_that_takes_no_refusal_is_closed_all_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let join_ca = tether_certs::Ca::new("join-ca", Duration::from_secs(3600)).unwrap();
+    let (ca_cert, ca_key) = (
+        dir.path().join("join-ca.crt"),
+        dir.path().join("join-ca.key"),
+    );
+    std::fs::write(&ca_cert, &join_ca.cert_pem).unwrap();
+    std::fs::write(&ca_key, join_ca.key_pem()).unwrap();
+    let store_path = dir.path().join("join-store.json");
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (store_arg, cert_arg, key_arg) = (path(&store_path), path(&ca_cert), path(&ca_key));
+    let env = cloud(&[
+        "--join-store",
+        &store_arg,
+        "--join-ca-cert",
+        &cert_arg,
+        "--join-ca-key",
+        &key_arg,
+    ])
+    .await;
+
+    // Connected and committed, reading the welcome a byte at a time.
+    let (conn, mut send, _recv) = attach(dial(&env, &endpoint(&env, Some(1))).await).await;
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while !env.cloud_log().contains("edge connected") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the edge did not attach"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    tether_certs::JoinStore::open(&store_path)
+        .unwrap()
+        .revoke_node(NODE, "stolen laptop", std::time::SystemTime::now())
+        .unwrap();
+    // The cloud looks at the store at most once a second.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let csr = tether_certs::csr::make_edge_csr(NODE).unwrap().csr_pem;
+    write_frame(&mut send, &Frame::RenewCert { csr_pem: csr }, 1 << 20)
+        .await
+        .unwrap();
+    let e = closed(&conn, "a revoked edge that took no refusal").await;
+    assert_eq!(
+        closed_by_cloud(&e, "a revoked edge that took no refusal"),
+        (close_code::REFUSED, "certificate revoked".into())
+    );
+    assert!(
+        env.cloud_log()
+            .contains("the revoked edge took no refusal within --handshake-timeout"),
+        "the untaken refusal is not logged"
+    );
+}
