@@ -303,6 +303,7 @@ impl Members {
             self.registry.clone(),
             self.metrics.clone(),
             self.cfg.max_message_bytes,
+            self.cfg.timeout,
         ));
         // Relayed copies the peer sends back for the streams this replica
         // owns through it, until the link closes.

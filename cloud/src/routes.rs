@@ -25,7 +25,8 @@
 //! each as it is now, so a slow peer never receives a backlog, only the
 //! latest state, and a burst costs work in the changed nodes, not in all. A subscription
 //! that ends (the link closes, a bad message, a message over
-//! `--peer-max-message-bytes`) drops everything learnt from that peer; the
+//! `--peer-max-message-bytes`, one whose body stalls past `--peer-timeout`)
+//! drops everything learnt from that peer; the
 //! subscriber subscribes again while the link lives.
 //! This module owns the wire format, the diff and both loops; the table of
 //! remote edges itself is in [`crate::registry`].
@@ -95,6 +96,13 @@ pub enum RoutesError {
     Connection(#[from] quinn::ConnectionError),
     #[error("the peer did not read an update within {0:?} (--peer-timeout)")]
     Timeout(Duration),
+    #[error(
+        "no stream on the peer link within {0:?} (--peer-timeout): every stream the peer \
+         allows is open (its --peer-max-streams)"
+    )]
+    NoStream(Duration),
+    #[error("the peer sent a message's length, then not its body within {0:?} (--peer-timeout)")]
+    Stalled(Duration),
 }
 
 /// The changes from `sent` to `now`: records to upsert, nodes to remove.
@@ -160,10 +168,13 @@ pub fn encode(
     Ok(out)
 }
 
-/// Reads one length-prefixed update of at most `max` bytes; `None` at a clean end.
+/// Reads one length-prefixed update of at most `max` bytes; `None` at a clean
+/// end. The length may be long in coming (nothing changed); the body must
+/// follow it within `timeout` (`--peer-timeout`).
 pub async fn read_update<R: AsyncRead + Unpin>(
     r: &mut R,
     max: usize,
+    timeout: Duration,
 ) -> Result<Option<Update>, RoutesError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len).await {
@@ -176,7 +187,9 @@ pub async fn read_update<R: AsyncRead + Unpin>(
         return Err(RoutesError::TooLarge { len, max });
     }
     let mut body = vec![0u8; len];
-    r.read_exact(&mut body).await?;
+    tokio::time::timeout(timeout, r.read_exact(&mut body))
+        .await
+        .map_err(|_| RoutesError::Stalled(timeout))??;
     Ok(Some(postcard::from_bytes(&body)?))
 }
 
@@ -240,17 +253,37 @@ pub async fn publish(
     }
 }
 
+/// Opens a subscription on `conn`, within `timeout` (`--peer-timeout`).
+async fn open_subscription(
+    conn: &quinn::Connection,
+    timeout: Duration,
+) -> Result<(quinn::SendStream, quinn::RecvStream), RoutesError> {
+    let (mut send, recv) = tokio::time::timeout(timeout, conn.open_bi())
+        .await
+        .map_err(|_| RoutesError::NoStream(timeout))??;
+    tokio::time::timeout(timeout, send.write_all(SUBSCRIBE_MAGIC))
+        .await
+        .map_err(|_| RoutesError::Timeout(timeout))?
+        .map_err(std::io::Error::from)?;
+    Ok((send, recv))
+}
+
 /// Subscriber: keeps this replica's table of `link`'s edges current while
-/// the link lives; drops them when it closes.
-pub async fn subscribe(link: PeerLink, registry: Arc<Registry>, metrics: CloudMetrics, max: usize) {
+/// the link lives; drops them when it closes. Every wait on the peer but the
+/// one for its next change is bounded by `timeout` (`--peer-timeout`): a
+/// subscription that stalls fails, drops the peer's edges and starts again.
+pub async fn subscribe(
+    link: PeerLink,
+    registry: Arc<Registry>,
+    metrics: CloudMetrics,
+    max: usize,
+    timeout: Duration,
+) {
     let peer = link.replica.name.clone();
     while link.conn.close_reason().is_none() {
         let result = async {
-            let (mut send, mut recv) = link.conn.open_bi().await?;
-            send.write_all(SUBSCRIBE_MAGIC)
-                .await
-                .map_err(std::io::Error::from)?;
-            while let Some(update) = read_update(&mut recv, max).await? {
+            let (_send, mut recv) = open_subscription(&link.conn, timeout).await?;
+            while let Some(update) = read_update(&mut recv, max, timeout).await? {
                 registry.apply_remote(&link, update);
                 metrics.remote_edges.set(registry.remote_len() as i64);
             }
@@ -312,6 +345,67 @@ mod tests {
         assert_eq!(diff(&b, &b), (vec![], vec![]));
     }
 
+    /// A peer that sends a message's length and then stalls does not freeze
+    /// the subscription: it fails after `--peer-timeout` and what was learnt
+    /// from the peer is dropped (not kept, stale, for as long as the link
+    /// lives); a peer that grants no stream for a subscription is told apart.
+    #[tokio::test]
+    async fn a_stalled_subscription_fails_within_the_peer_timeout() {
+        let bound = Duration::from_millis(300);
+        let (conn, publisher, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let link = PeerLink::new(
+            conn.remote_address(),
+            crate::peer::ReplicaId::new("r1"),
+            conn,
+            Default::default(),
+            Default::default(),
+        );
+        let registry = Arc::new(Registry::new(Duration::from_secs(60)));
+        let metrics = CloudMetrics::register(&mut prometheus_client::registry::Registry::default());
+        let subscribing =
+            tokio::spawn(subscribe(link, registry.clone(), metrics, 16 * 1024, bound));
+        let (mut send, mut recv) = publisher.accept_bi().await.unwrap();
+        let mut magic = [0u8; 4];
+        recv.read_exact(&mut magic).await.unwrap();
+        assert_eq!(&magic, SUBSCRIBE_MAGIC);
+        for m in encode(vec![rec("edge-1", 1)], vec![], 16 * 1024).unwrap() {
+            send.write_all(&m).await.unwrap();
+        }
+        let wait = |want: usize| {
+            let registry = registry.clone();
+            async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                while registry.remote_len() != want {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "{} remote edges after 10 s, not {want}",
+                        registry.remote_len()
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+        wait(1).await;
+        // A length, then two bytes of a ten-byte body, then nothing.
+        send.write_all(&[0, 0, 0, 10, 1, 2]).await.unwrap();
+        wait(0).await;
+        subscribing.abort();
+
+        let mut t = quinn::TransportConfig::default();
+        t.max_concurrent_bidi_streams(0u32.into());
+        let (conn, _peer, _endpoints) = tether_proto::testing::quic_pair_with(Arc::new(t))
+            .await
+            .unwrap();
+        let opened = tokio::time::timeout(Duration::from_secs(10), open_subscription(&conn, bound))
+            .await
+            .expect("the open is bounded");
+        assert!(
+            matches!(opened, Err(RoutesError::NoStream(_))),
+            "{:?}",
+            opened.map(|_| ())
+        );
+    }
+
     #[tokio::test]
     async fn updates_are_batched_under_the_limit_and_read_back() {
         let up: Vec<_> = (0..300).map(|i| rec(&format!("edge-{i}"), 20)).collect();
@@ -321,7 +415,10 @@ mod tests {
         let mut got = Vec::new();
         let mut removed = Vec::new();
         let mut r = &all[..];
-        while let Some(u) = read_update(&mut r, 16 * 1024).await.unwrap() {
+        while let Some(u) = read_update(&mut r, 16 * 1024, Duration::from_secs(5))
+            .await
+            .unwrap()
+        {
             match u {
                 Update::Upsert(v) => got.extend(v),
                 Update::Remove(v) => removed.extend(v),
@@ -333,7 +430,7 @@ mod tests {
         all.truncate(4);
         all[..4].copy_from_slice(&(1u32 << 30).to_be_bytes());
         assert!(matches!(
-            read_update(&mut &all[..], 16 * 1024).await,
+            read_update(&mut &all[..], 16 * 1024, Duration::from_secs(5)).await,
             Err(RoutesError::TooLarge { .. })
         ));
         // A record larger than the limit cannot be sent.
@@ -344,7 +441,7 @@ mod tests {
         // Garbage is a decode error.
         let garbage = [0u8, 0, 0, 2, 0xff, 0xff];
         assert!(matches!(
-            read_update(&mut &garbage[..], 1024).await,
+            read_update(&mut &garbage[..], 1024, Duration::from_secs(5)).await,
             Err(RoutesError::Decode(_))
         ));
     }
