@@ -132,7 +132,8 @@ pub struct CloudArgs {
     /// How long to wait for the kubelet's response head before answering 504.
     #[arg(long, env = "TETHER_RESPONSE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub response_timeout: Duration,
-    /// How long a disconnected edge's streams wait for it to resume before they end.
+    /// How long a disconnected edge's streams wait for it to resume before they end
+    /// (and how long a re-attach on a live connection waits for the edge's answer).
     #[arg(long, env = "TETHER_GRACE", default_value = "5m", value_parser = parse_duration)]
     pub grace: Duration,
     /// Time allowed for an edge's QUIC handshake and hello.

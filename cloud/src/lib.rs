@@ -136,6 +136,7 @@ impl Cloud {
                 .as_ref()
                 .map_or(cfg.response_timeout, |p| p.timeout),
             first_attach: cfg.route_wait,
+            reattach: cfg.grace,
         });
         let shutting_down = Arc::new(AtomicBool::new(false));
         let endpoint = tunnel::bind(&cfg).context("starting the QUIC listener for edges")?;

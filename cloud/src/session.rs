@@ -177,10 +177,15 @@ pub struct Timeouts {
     /// A new stream that has no transport to the edge within this is reset
     /// (the apiserver gets a 502 naming the reason), rather than waiting for
     /// the edge to come back the way an established stream does
-    /// (`--route-wait`). It also bounds a re-attach on a live link: the
-    /// edge's QUIC stream for it and its `Attach` answer; past it the stream
-    /// is reset.
+    /// (`--route-wait`).
     pub first_attach: Duration,
+    /// A re-attach on a live link: the edge's QUIC stream for it and its
+    /// `Attach` answer must come within this (`--grace`, the time a stream
+    /// waits for its edge anyway), or the stream is reset. Not
+    /// `first_attach`: a link that came back slowly may take seconds to
+    /// answer every re-attach, and resetting a stream the edge holds loses
+    /// the session.
+    pub reattach: Duration,
 }
 
 impl Default for Timeouts {
@@ -188,6 +193,7 @@ impl Default for Timeouts {
         Timeouts {
             relay: Duration::from_secs(10),
             first_attach: Duration::from_secs(10),
+            reattach: Duration::from_secs(300),
         }
     }
 }
@@ -706,9 +712,9 @@ impl Session {
             }
             last_epoch = link.epoch();
             let fresh = matches!(peer, PeerAttach::Fresh);
-            // A re-attach is answered within `--route-wait` (below), its QUIC
+            // A re-attach is answered within `--grace` (below), its QUIC
             // stream included.
-            let reattach_by = tokio::time::Instant::now() + timeouts.first_attach;
+            let reattach_by = tokio::time::Instant::now() + timeouts.reattach;
             let opened = match &link {
                 // Opening waits for the edge's stream credit: an edge that
                 // grants none holds the stream (and its place among
@@ -731,7 +737,7 @@ impl Session {
                             .to_string(),
                     ),
                     () = tokio::time::sleep_until(reattach_by), if !fresh => {
-                        self.unanswered_reattach(&shared, timeouts.first_attach, "granted no QUIC stream");
+                        self.unanswered_reattach(&shared, timeouts.reattach, "granted no QUIC stream");
                         break;
                     }
                 },
@@ -793,7 +799,7 @@ impl Session {
             let driven = tokio::select! {
                 r = &mut driven => r,
                 () = unanswered => {
-                    self.unanswered_reattach(&shared, timeouts.first_attach, "sent no Attach");
+                    self.unanswered_reattach(&shared, timeouts.reattach, "sent no Attach");
                     break;
                 }
             };
@@ -825,11 +831,11 @@ impl Session {
 
 impl Session {
     /// A stream the edge knows did not get its re-attach answered by the
-    /// edge within `within` (`--route-wait`): it is reset and its slot freed.
+    /// edge within `within` (`--grace`): it is reset and its slot freed.
     /// (Nothing can tell the edge: it has no transport for the stream.)
     fn unanswered_reattach(&self, shared: &SharedStream, within: Duration, what: &str) {
         let why = format!(
-            "edge {} {what} for the stream's re-attach within {within:?} (--route-wait)",
+            "edge {} {what} for the stream's re-attach within {within:?} (--grace)",
             self.node
         );
         warn!(%why, "giving up on a stream");
@@ -932,6 +938,7 @@ mod tests {
         s.set_timeouts(Timeouts {
             relay: Duration::from_secs(60),
             first_attach: Duration::from_secs(60),
+            reattach: Duration::from_secs(60),
         });
         s.attach_connection(conn, None, &testing::claim(), 1)
             .unwrap();
@@ -947,6 +954,7 @@ mod tests {
         s.set_timeouts(Timeouts {
             relay: Duration::from_secs(60),
             first_attach: Duration::from_millis(300),
+            reattach: Duration::from_secs(60),
         });
         let (_, io) = s.open_stream(StreamKind::Logs).unwrap();
         slots_freed(&s).await;
@@ -959,7 +967,7 @@ mod tests {
     }
 
     /// A stream the edge knows, re-attached on the edge's new connection,
-    /// whose `Attach` the edge never answers, is reset after `--route-wait`
+    /// whose `Attach` the edge never answers, is reset after `--grace`
     /// and frees its slot (it used to wait for the answer for as long as the
     /// connection lived).
     #[tokio::test]
@@ -969,7 +977,8 @@ mod tests {
         let s = session("edge-1");
         s.set_timeouts(Timeouts {
             relay: Duration::from_secs(60),
-            first_attach: Duration::from_millis(300),
+            first_attach: Duration::from_secs(60),
+            reattach: Duration::from_millis(300),
         });
         let claim = testing::claim();
         s.attach_connection(first, None, &claim, 1).unwrap();
@@ -997,7 +1006,7 @@ mod tests {
         let (code, why) = io.shared().wait_reset().await;
         assert_eq!(code, ResetCode::SessionLost);
         assert!(
-            why.contains("--route-wait") && why.contains("sent no Attach"),
+            why.contains("--grace") && why.contains("sent no Attach"),
             "{why}"
         );
     }

@@ -39,8 +39,9 @@ use crate::session::Session;
 /// Bounds on what a hello may announce.
 const MAX_ADDRESSES: usize = 64;
 const MAX_ADDRESS_LEN: usize = 253;
-/// Bound on pods in one report.
-const MAX_PODS: usize = 100_000;
+/// Bound on pods in one report: the protocol's, which edges cut their
+/// reports to.
+const MAX_PODS: usize = tether_proto::limits::MAX_POD_REPORT;
 
 /// The key of the connection-ID generator every replica shares, derived from
 /// the reset key (a different HMAC input, so neither reveals the other).
