@@ -1261,42 +1261,6 @@ mod tests {
         assert_eq!(n, tether_proto::limits::MAX_POD_REPORT);
     }
 
-    /// A kubelet that answers every `GET /pods` with `body`.
-    async fn pods_kubelet(body: String) -> String {
-        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let body = Arc::new(body);
-        tokio::spawn(async move {
-            while let Ok((s, _)) = l.accept().await {
-                let body = body.clone();
-                tokio::spawn(async move {
-                    let mut s = BufReader::new(s);
-                    loop {
-                        loop {
-                            let mut line = String::new();
-                            if s.read_line(&mut line).await.unwrap_or(0) == 0 {
-                                return;
-                            }
-                            if line == "\r\n" {
-                                break;
-                            }
-                        }
-                        let head =
-                            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
-                        let w = s.get_mut();
-                        if w.write_all(head.as_bytes()).await.is_err()
-                            || w.write_all(body.as_bytes()).await.is_err()
-                        {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        addr
-    }
-
     /// Item 1 of the control-stream audit: a kubelet whose pod list is
     /// larger than one frame made the report's `write_frame` fail, which
     /// closed the whole connection (and again on every reconnect). The
@@ -1315,7 +1279,11 @@ mod tests {
                 )
             })
             .collect();
-        let addr = pods_kubelet(format!(r#"{{"items":[{}]}}"#, items.join(","))).await;
+        let (addr, _) = crate::kubelet::testing::pods_kubelet(
+            format!(r#"{{"items":[{}]}}"#, items.join(",")),
+            usize::MAX,
+        )
+        .await;
         let target = Arc::new(
             KubeletTarget::new(&crate::config::KubeletConfig {
                 url: format!("http://{addr}").parse().unwrap(),

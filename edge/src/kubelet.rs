@@ -318,6 +318,56 @@ impl rustls::client::danger::ServerCertVerifier for NoVerify {
     }
 }
 
+/// A kubelet stand-in for the crate's tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// A plain-HTTP kubelet that answers every request with `body` (a pod
+    /// list), closing each connection after `per_conn` answers, as a
+    /// kubelet closes an idle one. Returns its address and a count of the
+    /// connections it took.
+    pub(crate) async fn pods_kubelet(body: String, per_conn: usize) -> (String, Arc<AtomicUsize>) {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let conns = Arc::new(AtomicUsize::new(0));
+        let c = conns.clone();
+        let body = Arc::new(body);
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                c.fetch_add(1, Ordering::SeqCst);
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let mut s = BufReader::new(s);
+                    for _ in 0..per_conn {
+                        // Read one request head.
+                        loop {
+                            let mut line = String::new();
+                            if s.read_line(&mut line).await.unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                        }
+                        let head =
+                            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+                        let w = s.get_mut();
+                        if w.write_all(head.as_bytes()).await.is_err()
+                            || w.write_all(body.as_bytes()).await.is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, conns)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,42 +386,8 @@ mod tests {
     /// A minimal kubelet: answers every request on a connection with a pod
     /// list; counts connections; closes each after `per_conn` answers.
     async fn kubelet(per_conn: usize) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
-        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let conns = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let c = conns.clone();
-        tokio::spawn(async move {
-            while let Ok((s, _)) = l.accept().await {
-                c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                tokio::spawn(async move {
-                    let mut s = BufReader::new(s);
-                    for _ in 0..per_conn {
-                        // Read one request head.
-                        loop {
-                            let mut line = String::new();
-                            if s.read_line(&mut line).await.unwrap_or(0) == 0 {
-                                return;
-                            }
-                            if line == "\r\n" {
-                                break;
-                            }
-                        }
-                        let body =
-                            r#"{"items":[{"metadata":{"name":"p","namespace":"ns","uid":"u"}}]}"#;
-                        let resp = format!(
-                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
-                            body.len()
-                        );
-                        if s.get_mut().write_all(resp.as_bytes()).await.is_err() {
-                            return;
-                        }
-                    }
-                    // Closing, as a kubelet closes an idle connection.
-                });
-            }
-        });
-        (addr, conns)
+        let body = r#"{"items":[{"metadata":{"name":"p","namespace":"ns","uid":"u"}}]}"#;
+        testing::pods_kubelet(body.to_string(), per_conn).await
     }
 
     fn target(addr: &str) -> Arc<KubeletTarget> {

@@ -411,13 +411,9 @@ mod tests {
         assert!(!owner_gone(&tether_proto::io::TransportError::Io(lost)));
     }
 
-    /// A stream the cloud opens and whose attach never comes (here: one
-    /// byte of a frame, then nothing) is dropped after
-    /// `--request-head-timeout`, not held for a fixed 30 s.
-    #[tokio::test]
-    async fn a_stream_whose_attach_never_comes_is_dropped_after_the_head_timeout() {
-        const TIMEOUT: Duration = Duration::from_millis(500);
-        let limits = Limits::default();
+    /// The edge's stream table for node `edge-t`, its forwarder pointed at a
+    /// kubelet address no test dials (no request head is ever sent).
+    fn edge_streams(limits: Limits, head_timeout: Duration) -> Arc<EdgeStreams> {
         let cfg = crate::config::KubeletConfig {
             url: "http://127.0.0.1:9".parse().unwrap(),
             ca: None,
@@ -429,11 +425,21 @@ mod tests {
         let forward = Arc::new(Forward {
             target: Arc::new(crate::kubelet::KubeletTarget::new(&cfg).unwrap()),
             limits,
-            head_timeout: TIMEOUT,
+            head_timeout,
         });
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = crate::metrics::EdgeMetrics::register(&mut registry);
-        let streams = EdgeStreams::new("edge-t".into(), limits, forward, metrics);
+        EdgeStreams::new("edge-t".into(), limits, forward, metrics)
+    }
+
+    /// A stream the cloud opens and whose attach never comes (here: one
+    /// byte of a frame, then nothing) is dropped after
+    /// `--request-head-timeout`, not held for a fixed 30 s.
+    #[tokio::test]
+    async fn a_stream_whose_attach_never_comes_is_dropped_after_the_head_timeout() {
+        const TIMEOUT: Duration = Duration::from_millis(500);
+        let limits = Limits::default();
+        let streams = edge_streams(limits, TIMEOUT);
         let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
         let (mut send, _recv) = cloud.open_bi().await.unwrap();
         // Part of a frame's length prefix: the stream exists, no frame does.
@@ -463,22 +469,7 @@ mod tests {
             ..Limits::default()
         };
         let max = limits.max_frame_bytes as usize;
-        let cfg = crate::config::KubeletConfig {
-            url: "http://127.0.0.1:9".parse().unwrap(),
-            ca: None,
-            insecure_skip_tls_verify: false,
-            client_cert: None,
-            connect_timeout: Duration::from_secs(2),
-            pods_timeout: Duration::from_secs(2),
-        };
-        let forward = Arc::new(Forward {
-            target: Arc::new(crate::kubelet::KubeletTarget::new(&cfg).unwrap()),
-            limits,
-            head_timeout: Duration::from_secs(60),
-        });
-        let mut registry = prometheus_client::registry::Registry::default();
-        let metrics = crate::metrics::EdgeMetrics::register(&mut registry);
-        let streams = EdgeStreams::new("edge-t".into(), limits, forward, metrics);
+        let streams = edge_streams(limits, Duration::from_secs(60));
         let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
         let (accepted_tx, mut accepted) = tokio::sync::mpsc::unbounded_channel();
         let acceptor = {
@@ -558,23 +549,7 @@ mod tests {
     async fn a_detached_stream_no_one_reattaches_ends_after_the_grace() {
         const GRACE: Duration = Duration::from_millis(800);
         let limits = Limits::default();
-        // The kubelet is never dialled: no request head is ever sent.
-        let cfg = crate::config::KubeletConfig {
-            url: "http://127.0.0.1:9".parse().unwrap(),
-            ca: None,
-            insecure_skip_tls_verify: false,
-            client_cert: None,
-            connect_timeout: Duration::from_secs(2),
-            pods_timeout: Duration::from_secs(2),
-        };
-        let forward = Arc::new(Forward {
-            target: Arc::new(crate::kubelet::KubeletTarget::new(&cfg).unwrap()),
-            limits,
-            head_timeout: Duration::from_secs(30),
-        });
-        let mut registry = prometheus_client::registry::Registry::default();
-        let metrics = crate::metrics::EdgeMetrics::register(&mut registry);
-        let streams = EdgeStreams::new("edge-t".into(), limits, forward, metrics);
+        let streams = edge_streams(limits, Duration::from_secs(30));
         streams.set_grace(GRACE);
 
         // (the cloud's side, the edge's side)
