@@ -788,9 +788,6 @@ impl Session {
             // The edge's `Attach` answering a re-attach comes within the
             // same deadline; once attached, the transport's own end rules.
             let unanswered = async {
-                if fresh {
-                    return std::future::pending().await;
-                }
                 tokio::time::sleep_until(reattach_by).await;
                 if shared.with_state(|s| s.is_attached()) {
                     std::future::pending::<()>().await;
@@ -798,7 +795,7 @@ impl Session {
             };
             let driven = tokio::select! {
                 r = &mut driven => r,
-                () = unanswered => {
+                () = unanswered, if !fresh => {
                     self.unanswered_reattach(&shared, timeouts.reattach, "sent no Attach");
                     break;
                 }
@@ -827,9 +824,7 @@ impl Session {
         }
         debug!("stream closed");
     }
-}
 
-impl Session {
     /// A stream the edge knows did not get its re-attach answered by the
     /// edge within `within` (`--grace`): it is reset and its slot freed.
     /// (Nothing can tell the edge: it has no transport for the stream.)

@@ -45,7 +45,7 @@ use tether_proto::copies::{self, CopyLink, CopySink};
 use tether_proto::handshake::{
     close_code, Hello, RefusalCode, Welcome, ALPN_TUNNEL, PROTOCOL_VERSION,
 };
-use tether_proto::io::{write_frame, FrameReader};
+use tether_proto::io::{write_frame, FrameReader, TransportError};
 use tether_proto::ticket::Ticket;
 use tether_proto::token::{ResumeToken, SessionId};
 use tether_proto::Frame;
@@ -416,7 +416,8 @@ impl Dialer {
         };
         // Control frames from here on are ones the cloud accepts: within the
         // agreed frame bound (checked when the welcome arrived), not ours.
-        let max = self.cfg.limits.agree(&welcome.limits).max_frame_bytes as usize;
+        let agreed = self.cfg.limits.agree(&welcome.limits);
+        let max = agreed.max_frame_bytes as usize;
         // Commit to this connection: only now does the cloud attach it.
         if let Err(e) = write_frame(
             &mut send,
@@ -431,7 +432,7 @@ impl Dialer {
         }
         self.grace = Duration::from_millis(welcome.grace_ms);
         self.streams.set_grace(self.grace);
-        self.streams.agree_limits(&self.cfg.limits, &welcome.limits);
+        self.streams.set_agreed_limits(agreed);
         *self.ticket.lock().unwrap_or_else(|p| p.into_inner()) = Some(welcome.ticket.clone());
         self.metrics.connected.set(1);
         self.metrics.connects.inc();
@@ -1160,15 +1161,13 @@ async fn send_control<W: tokio::io::AsyncWrite + Unpin>(
     max: usize,
     node: &str,
 ) -> anyhow::Result<()> {
-    let bytes = match tether_proto::frame::encode_to_bytes(frame, max) {
-        Ok(b) => b,
-        Err(e) => {
+    match write_frame(send, frame, max).await {
+        Err(TransportError::Frame(e)) => {
             warn!(node, frame = frame.kind(), max_frame_bytes = max, error = %e, "a control frame does not fit in the frame bound agreed with the cloud; not sending it (raise --max-frame-bytes on both the edge and the cloud)");
-            return Ok(());
+            Ok(())
         }
-    };
-    tokio::io::AsyncWriteExt::write_all(send, &bytes).await?;
-    Ok(())
+        sent => Ok(sent?),
+    }
 }
 
 /// The pod report of `pods` (sorted) that the cloud accepts: every pod if
@@ -1284,17 +1283,7 @@ mod tests {
             usize::MAX,
         )
         .await;
-        let target = Arc::new(
-            KubeletTarget::new(&crate::config::KubeletConfig {
-                url: format!("http://{addr}").parse().unwrap(),
-                ca: None,
-                insecure_skip_tls_verify: false,
-                client_cert: None,
-                connect_timeout: Duration::from_secs(5),
-                pods_timeout: Duration::from_secs(5),
-            })
-            .unwrap(),
-        );
+        let target = crate::kubelet::testing::plain_target(&addr, Duration::from_secs(5));
         let (mut ours, mut cloud) = tokio::io::duplex(1 << 20);
         let (extra_tx, extra_rx) = tokio::sync::mpsc::channel(4);
         let reporter = tokio::spawn(async move {

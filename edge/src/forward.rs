@@ -334,17 +334,9 @@ mod tests {
 
     /// A forwarder to the plain-HTTP kubelet at `addr`, and stream 7's state.
     fn forward_to(addr: &str) -> (Arc<Forward>, Arc<SharedStream>, Limits) {
-        let cfg = crate::config::KubeletConfig {
-            url: format!("http://{addr}").parse().unwrap(),
-            ca: None,
-            insecure_skip_tls_verify: false,
-            client_cert: None,
-            connect_timeout: Duration::from_secs(2),
-            pods_timeout: Duration::from_secs(2),
-        };
         let limits = Limits::default();
         let forward = Arc::new(Forward {
-            target: Arc::new(KubeletTarget::new(&cfg).unwrap()),
+            target: crate::kubelet::testing::plain_target(addr, Duration::from_secs(2)),
             limits,
             head_timeout: Duration::from_secs(30),
         });

@@ -323,6 +323,26 @@ impl rustls::client::danger::ServerCertVerifier for NoVerify {
 pub(crate) mod testing {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::KubeletTarget;
+    use crate::config::KubeletConfig;
+
+    /// A target for the plain-HTTP kubelet at `addr`, reading `/pods` within
+    /// `pods_timeout`.
+    pub(crate) fn plain_target(addr: &str, pods_timeout: Duration) -> Arc<KubeletTarget> {
+        Arc::new(
+            KubeletTarget::new(&KubeletConfig {
+                url: format!("http://{addr}").parse().unwrap(),
+                ca: None,
+                insecure_skip_tls_verify: false,
+                client_cert: None,
+                connect_timeout: Duration::from_secs(5),
+                pods_timeout,
+            })
+            .unwrap(),
+        )
+    }
 
     /// A plain-HTTP kubelet that answers every request with `body` (a pod
     /// list), closing each connection after `per_conn` answers, as a
@@ -391,17 +411,7 @@ mod tests {
     }
 
     fn target(addr: &str) -> Arc<KubeletTarget> {
-        Arc::new(
-            KubeletTarget::new(&KubeletConfig {
-                url: format!("http://{addr}").parse().unwrap(),
-                ca: None,
-                insecure_skip_tls_verify: false,
-                client_cert: None,
-                connect_timeout: std::time::Duration::from_secs(5),
-                pods_timeout: std::time::Duration::from_secs(1),
-            })
-            .unwrap(),
-        )
+        testing::plain_target(addr, std::time::Duration::from_secs(1))
     }
 
     #[tokio::test]

@@ -135,10 +135,11 @@ impl EdgeStreams {
         *self.limits.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Agrees the wire bounds with the cloud's (from the welcome): frames and
-    /// payloads this edge sends are ones the cloud accepts.
-    pub fn agree_limits(&self, ours: &Limits, cloud: &Limits) {
-        *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = ours.agree(cloud);
+    /// The wire bounds agreed with the cloud's (ours and the welcome's,
+    /// [`Limits::agree`]): frames and payloads this edge sends are ones the
+    /// cloud accepts.
+    pub fn set_agreed_limits(&self, agreed: Limits) {
+        *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = agreed;
     }
 
     /// Sets how long a detached stream waits for its owner (the welcome's
@@ -414,16 +415,8 @@ mod tests {
     /// The edge's stream table for node `edge-t`, its forwarder pointed at a
     /// kubelet address no test dials (no request head is ever sent).
     fn edge_streams(limits: Limits, head_timeout: Duration) -> Arc<EdgeStreams> {
-        let cfg = crate::config::KubeletConfig {
-            url: "http://127.0.0.1:9".parse().unwrap(),
-            ca: None,
-            insecure_skip_tls_verify: false,
-            client_cert: None,
-            connect_timeout: Duration::from_secs(2),
-            pods_timeout: Duration::from_secs(2),
-        };
         let forward = Arc::new(Forward {
-            target: Arc::new(crate::kubelet::KubeletTarget::new(&cfg).unwrap()),
+            target: crate::kubelet::testing::plain_target("127.0.0.1:9", Duration::from_secs(2)),
             limits,
             head_timeout,
         });
