@@ -9,11 +9,10 @@
 
 mod support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use support::Env;
-use tether_proto::handshake::{close_code, Hello, ALPN_TUNNEL, PROTOCOL_VERSION};
+use tether_proto::handshake::{close_code, Hello, PROTOCOL_VERSION};
 use tether_proto::io::{write_frame, FrameReader};
 use tether_proto::Frame;
 
@@ -34,32 +33,18 @@ async fn cloud(extra: &[&str]) -> Env {
 /// `window` bytes unread (quinn's default when `None`).
 fn endpoint(env: &Env, window: Option<u32>) -> quinn::Endpoint {
     let pair = &env.pki.edges[NODE];
-    let mut roots = rustls::RootCertStore::empty();
-    for c in tether_certs::pem::certs_from_pem(&env.pki.tether_ca_pem, "ca").unwrap() {
-        roots.add(c).unwrap();
-    }
-    let mut tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_protocol_versions(&[&rustls::version::TLS13])
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_client_auth_cert(
-        tether_certs::pem::certs_from_pem(&pair.cert_pem, "edge certificate").unwrap(),
-        tether_certs::pem::key_from_pem(&pair.key_pem, "edge key").unwrap(),
-    )
-    .unwrap();
-    tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
-    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-    if let Some(w) = window {
+    let transport = window.map(|w| {
         let mut t = quinn::TransportConfig::default();
         t.stream_receive_window(w.into());
-        config.transport_config(Arc::new(t));
-    }
-    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(config);
-    ep
+        t
+    });
+    support::RawEdge::endpoint_with(
+        &env.pki.tether_ca_pem,
+        &pair.cert_pem,
+        &pair.key_pem,
+        transport,
+    )
+    .unwrap()
 }
 
 /// A QUIC connection to the cloud from `ep`, dialled again while the cloud

@@ -917,6 +917,17 @@ impl RawEdge {
     /// An edge's QUIC endpoint (one UDP socket: every connection it dials
     /// comes from the same source address and port).
     pub fn endpoint(ca_pem: &str, cert_pem: &str, key_pem: &str) -> Result<quinn::Endpoint> {
+        Self::endpoint_with(ca_pem, cert_pem, key_pem, None)
+    }
+
+    /// [`RawEdge::endpoint`] whose connections use `transport` (quinn's
+    /// defaults when `None`).
+    pub fn endpoint_with(
+        ca_pem: &str,
+        cert_pem: &str,
+        key_pem: &str,
+        transport: Option<quinn::TransportConfig>,
+    ) -> Result<quinn::Endpoint> {
         use tether_proto::handshake::ALPN_TUNNEL;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut roots = rustls::RootCertStore::empty();
@@ -932,8 +943,12 @@ impl RawEdge {
             )?;
         tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
         let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)?;
+        let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+        if let Some(t) = transport {
+            config.transport_config(Arc::new(t));
+        }
         let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
-        endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+        endpoint.set_default_client_config(config);
         Ok(endpoint)
     }
 }
