@@ -139,6 +139,12 @@ pub struct CloudArgs {
     /// Time allowed for an edge's QUIC handshake and hello.
     #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handshake_timeout: Duration,
+    /// Time a control frame to an attached edge (a fresh resume ticket, the
+    /// answer to a certificate renewal, a nudge after a migration) may take
+    /// to leave: an edge that grants no stream credit on its control stream
+    /// for this long is closed (it reconnects and resumes its streams).
+    #[arg(long, env = "TETHER_CONTROL_WRITE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub control_write_timeout: Duration,
     /// Time allowed for an apiserver's TLS handshake and request head (on
     /// HTTP/2, its preface and first request).
     #[arg(long, env = "TETHER_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
@@ -384,6 +390,8 @@ pub struct CloudConfig {
     pub route_wait: Duration,
     pub grace: Duration,
     pub handshake_timeout: Duration,
+    /// Bound on each control-stream write to an attached edge.
+    pub control_write_timeout: Duration,
     pub http_header_timeout: Duration,
     pub max_http_header_bytes: usize,
     pub max_apiserver_connections: usize,
@@ -517,6 +525,7 @@ impl CloudArgs {
         for (flag, d) in [
             ("--response-timeout", self.response_timeout),
             ("--handshake-timeout", self.handshake_timeout),
+            ("--control-write-timeout", self.control_write_timeout),
             ("--http-header-timeout", self.http_header_timeout),
             ("--apiserver-keep-alive", self.apiserver_keep_alive),
             ("--join-cert-validity", self.join_cert_validity),
@@ -590,6 +599,7 @@ impl CloudArgs {
             route_wait: self.route_wait,
             grace: self.grace,
             handshake_timeout: self.handshake_timeout,
+            control_write_timeout: self.control_write_timeout,
             http_header_timeout: self.http_header_timeout,
             max_http_header_bytes: self.max_http_header_bytes as usize,
             max_apiserver_connections: self.max_apiserver_connections,
@@ -686,6 +696,7 @@ mod tests {
             ("--handshakes-per-source", "0"),
             ("--response-timeout", "0s"),
             ("--handshake-timeout", "0s"),
+            ("--control-write-timeout", "0s"),
             ("--http-header-timeout", "0s"),
             ("--apiserver-keep-alive", "0s"),
             ("--join-cert-validity", "0s"),

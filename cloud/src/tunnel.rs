@@ -10,8 +10,14 @@
 //! connection only when the edge commits to it after the welcome. When a
 //! connection dies its session waits `grace` for a resume, then ends.
 //!
-//! Misbehaviour of one edge (bad hello, bad frames, garbage datagrams) closes
-//! that connection only.
+//! Every write to an edge on its control stream is bounded in time: the
+//! welcome and refusals by `--handshake-timeout`, every frame after the
+//! welcome (resume tickets, renewal answers, migration nudges) by
+//! `--control-write-timeout` ([`ControlOut`]). An edge that grants no stream
+//! credit for them is closed rather than left holding its control loop.
+//!
+//! Misbehaviour of one edge (bad hello, bad frames, garbage datagrams, a
+//! control stream it stops reading) closes that connection only.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -983,23 +989,25 @@ async fn serve_attached(
     };
     // The control stream's sending side, shared with the migration watcher
     // (which answers a NAT rebinding with a frame, see `watch_migration`).
-    let send = Arc::new(tokio::sync::Mutex::new(send));
+    let out = ControlOut {
+        send: Arc::new(tokio::sync::Mutex::new(send)),
+        max,
+        within: cfg.control_write_timeout,
+    };
     let edge_keeps_alive = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let control = std::pin::pin!(control_loop(
         registry.clone(),
         session.clone(),
         recv,
         reader,
-        send.clone(),
+        out.clone(),
         edge_keeps_alive.clone(),
         Renewal {
             join,
             renew_for,
             conn: conn.clone(),
             metrics,
-            refusal_within: cfg.handshake_timeout,
         },
-        max,
         tickets_for_control,
     ));
     let migrations = std::pin::pin!(watch_migration(
@@ -1007,14 +1015,18 @@ async fn serve_attached(
         conn.remote_address(),
         &node,
         metrics,
-        (&send, &edge_keeps_alive, max),
+        (&out, &edge_keeps_alive),
     ));
     // Copies the edge sends, for this connection's life (a clone of the
     // session, so the session itself is free once the connection ends).
     let copy_session = session.clone();
     let copies_in = std::pin::pin!(copies.serve(move |c| copy_session.copy_from_edge(c), &node));
     tokio::select! {
-        () = migrations => {}
+        // Ends only when a nudge found the control stream stalled.
+        within = migrations => {
+            close_stalled(&conn, &node, within);
+            conn.closed().await;
+        }
         // Ends only when the connection does.
         () = copies_in => {
             debug!(node = %node, reason = ?conn.close_reason(), "edge connection closed");
@@ -1023,8 +1035,15 @@ async fn serve_attached(
             // A control stream that fails because the connection closed is
             // not a protocol error: keep the peer's close reason.
             if let (Err(e), None) = (r, conn.close_reason()) {
-                warn!(node = %node, error = format!("{e:#}"), "control stream failed; closing the connection");
-                conn.close(close_code::PROTOCOL.into(), b"control stream protocol error");
+                match e.downcast_ref::<ControlWriteError>() {
+                    Some(ControlWriteError::Stalled(within)) => {
+                        close_stalled(&conn, &node, *within)
+                    }
+                    _ => {
+                        warn!(node = %node, error = format!("{e:#}"), "control stream failed; closing the connection");
+                        conn.close(close_code::PROTOCOL.into(), b"control stream protocol error");
+                    }
+                }
             }
             conn.closed().await;
         }
@@ -1064,17 +1083,16 @@ async fn serve_attached(
 /// them — a stream opened while the binding was dead starts within an RTT of
 /// the edge's next keep-alive instead of at the next backed-off timer. Only
 /// to edges that send keep-alive frames themselves (they know the frame).
+///
+/// Returns only when a nudge did not leave within `--control-write-timeout`
+/// (returned; the caller closes the connection).
 async fn watch_migration(
     mut watch: crate::migration::Watch,
     mut last: std::net::SocketAddr,
     node: &str,
     metrics: &CloudMetrics,
-    (send, edge_keeps_alive, max): (
-        &tokio::sync::Mutex<quinn::SendStream>,
-        &std::sync::atomic::AtomicBool,
-        usize,
-    ),
-) {
+    (out, edge_keeps_alive): (&ControlOut, &std::sync::atomic::AtomicBool),
+) -> Duration {
     loop {
         let now = watch.moved().await;
         if now != last {
@@ -1083,9 +1101,10 @@ async fn watch_migration(
             last = now;
             if edge_keeps_alive.load(std::sync::atomic::Ordering::Relaxed) {
                 // Boxed: only the wait for a migration stays in every edge's task.
-                let nudged = Box::pin(send_control(send, Frame::KeepAlive, max)).await;
-                if let Err(e) = nudged {
-                    debug!(node, error = %e, "cannot nudge the edge after its migration");
+                match Box::pin(out.send(Frame::KeepAlive)).await {
+                    Ok(()) => {}
+                    Err(ControlWriteError::Stalled(within)) => return within,
+                    Err(e) => debug!(node, error = %e, "cannot nudge the edge after its migration"),
                 }
             }
         }
@@ -1315,9 +1334,6 @@ struct Renewal<'a> {
     /// The edge's connection: closed when its certificate turns out revoked.
     conn: quinn::Connection,
     metrics: &'a CloudMetrics,
-    /// How long the refusal of a revoked certificate may take to leave
-    /// (`--handshake-timeout`); the connection is closed after it either way.
-    refusal_within: Duration,
 }
 
 /// Serves the control stream: pod reports, certificate renewals, keep-alive
@@ -1331,10 +1347,9 @@ fn control_loop<'a>(
     session: Arc<Session>,
     mut recv: quinn::RecvStream,
     mut reader: FrameReader,
-    send: Arc<tokio::sync::Mutex<quinn::SendStream>>,
+    out: ControlOut,
     edge_keeps_alive: Arc<std::sync::atomic::AtomicBool>,
     renewal: Renewal<'a>,
-    max: usize,
     tickets: TicketIssuer,
 ) -> impl std::future::Future<Output = anyhow::Result<()>> + 'a {
     async move {
@@ -1364,15 +1379,10 @@ fn control_loop<'a>(
                     if !ticket_due(issued, std::time::Instant::now(), tickets.every) => {}
                 Then::Ticket | Then::KeptAlive => {
                     issued = std::time::Instant::now();
-                    Box::pin(send_control(
-                        &send,
-                        Frame::Ticket(tickets.next(&session)),
-                        max,
-                    ))
-                    .await?
+                    Box::pin(out.send(Frame::Ticket(tickets.next(&session)))).await?
                 }
                 Then::Renew(csr_pem) => {
-                    if Box::pin(renew(&renewal, &session, &send, csr_pem, max)).await? {
+                    if Box::pin(renew(&renewal, &session, &out, csr_pem)).await? {
                         return Ok(());
                     }
                 }
@@ -1439,9 +1449,8 @@ fn on_control_frame(
 async fn renew(
     renewal: &Renewal<'_>,
     session: &Session,
-    send: &tokio::sync::Mutex<quinn::SendStream>,
+    out: &ControlOut,
     csr_pem: String,
-    max: usize,
 ) -> anyhow::Result<bool> {
     if let Some(why) = renewal
         .join
@@ -1452,24 +1461,18 @@ async fn renew(
         // and the connection ends now (its next handshake is refused too).
         warn!(node = %session.node, reason = %why, "refusing certificate renewal: the presented certificate is revoked; closing the connection");
         renewal.metrics.refuse_edge("revoked");
-        let refusal = async {
-            let mut send = send.lock().await;
-            let _ = write_frame(
-                &mut *send,
-                &Frame::RenewedCert {
-                    result: Err(format!("certificate revoked: {why}")),
-                },
-                max,
-            )
+        let refusal = out
+            .send(Frame::RenewedCert {
+                result: Err(format!("certificate revoked: {why}")),
+            })
             .await;
-            let _ = send.finish();
-        };
         // An edge that grants no stream credit does not stay connected.
-        if tokio::time::timeout(renewal.refusal_within, refusal)
-            .await
-            .is_err()
-        {
-            info!(node = %session.node, within = ?renewal.refusal_within, "the revoked edge took no refusal within --handshake-timeout; closing");
+        match refusal {
+            Ok(()) => out.finish().await,
+            Err(ControlWriteError::Stalled(within)) => {
+                info!(node = %session.node, ?within, "the revoked edge took no refusal within --control-write-timeout; closing");
+            }
+            Err(ControlWriteError::Transport(_)) => {}
         }
         renewal
             .conn
@@ -1514,20 +1517,72 @@ async fn renew(
             e.to_string()
         }),
     };
-    send_control(send, Frame::RenewedCert { result }, max).await?;
+    out.send(Frame::RenewedCert { result }).await?;
     Ok(false)
 }
 
-/// Writes `frame` on the control stream's sending side, which the control
-/// loop and the migration watch share. The frame is taken by value: a caller
-/// that boxes this holds it in the box, not across its own await.
-async fn send_control(
-    send: &tokio::sync::Mutex<quinn::SendStream>,
-    frame: Frame,
+/// The sending side of an attached edge's control stream, shared by the
+/// control loop and the migration watch: every frame written to the edge
+/// after the welcome goes through [`ControlOut::send`], bounded by
+/// `--control-write-timeout`.
+#[derive(Clone)]
+struct ControlOut {
+    send: Arc<tokio::sync::Mutex<quinn::SendStream>>,
+    /// The agreed frame bound (`--max-frame-bytes`).
     max: usize,
-) -> Result<(), tether_proto::io::TransportError> {
-    let mut send = send.lock().await;
-    write_frame(&mut *send, &frame, max).await
+    /// `--control-write-timeout`.
+    within: Duration,
+}
+
+/// Why a control frame did not reach an attached edge's control stream.
+#[derive(Debug, thiserror::Error)]
+enum ControlWriteError {
+    /// The edge granted no stream credit (or the connection no room) for
+    /// the frame within `--control-write-timeout`: the stream is stuck
+    /// mid-frame, so the connection must close.
+    #[error(
+        "no control frame taken within --control-write-timeout ({0:?}): \
+         the edge grants no stream credit on its control stream"
+    )]
+    Stalled(Duration),
+    #[error("writing on the control stream: {0}")]
+    Transport(#[from] tether_proto::io::TransportError),
+}
+
+impl ControlOut {
+    /// Writes `frame`, waiting for the other writer and for the edge's
+    /// stream credit at most `--control-write-timeout` in all. The frame is
+    /// taken by value: a caller that boxes this holds it in the box, not
+    /// across its own await.
+    async fn send(&self, frame: Frame) -> Result<(), ControlWriteError> {
+        let write = async {
+            let mut send = self.send.lock().await;
+            write_frame(&mut *send, &frame, self.max).await
+        };
+        match tokio::time::timeout(self.within, write).await {
+            Ok(written) => Ok(written?),
+            Err(_) => Err(ControlWriteError::Stalled(self.within)),
+        }
+    }
+
+    /// Ends the stream after a last frame, waiting for the other writer at
+    /// most `--control-write-timeout`.
+    async fn finish(&self) {
+        if let Ok(mut send) = tokio::time::timeout(self.within, self.send.lock()).await {
+            let _ = send.finish();
+        }
+    }
+}
+
+/// Closes an edge connection whose control stream took no frame within
+/// `--control-write-timeout` (its control loop or migration watch gave up on
+/// a write); the edge reconnects and resumes its session.
+fn close_stalled(conn: &quinn::Connection, node: &str, within: Duration) {
+    warn!(node, ?within, "the edge took no control frame within --control-write-timeout (it grants no stream credit on its control stream); closing its connection, it reconnects and resumes its streams");
+    conn.close(
+        close_code::PROTOCOL.into(),
+        b"control frame not taken in time",
+    );
 }
 
 /// Why the certificate `conn` presented is revoked, if it is.

@@ -1,9 +1,12 @@
-//! The cloud's limits and waits on an edge that misbehaves before or right
-//! after it is attached: `--max-edges`, and `--handshake-timeout` for an edge
-//! that sends no hello, never commits, or grants no stream credit for the
-//! cloud's welcome, refusal or answer to a revoked certificate's renewal.
-//! Each such edge is hand-driven over QUIC; each must be closed within its
-//! bound, and give its `--max-edges` slot back.
+//! The cloud's limits and waits on an edge that misbehaves before or after
+//! it is attached: `--max-edges`; `--handshake-timeout` for an edge that
+//! sends no hello, never commits, or grants no stream credit for the cloud's
+//! welcome or refusal; `--control-write-timeout` for an attached edge that
+//! grants none for a resume ticket or the answer to a revoked certificate's
+//! renewal. Each such edge is hand-driven over QUIC (and keeps its connection
+//! alive with QUIC PINGs, so no idle timeout ends it first); each must be
+//! closed within its bound, and give its `--max-edges` slot back, while an
+//! edge beside it keeps serving.
 //!
 //! Needs the binaries built first: `cargo build --workspace --bins`.
 
@@ -11,7 +14,7 @@ mod support;
 
 use std::time::Duration;
 
-use support::Env;
+use support::{Env, NodeSpec};
 use tether_proto::handshake::{close_code, Hello, PROTOCOL_VERSION};
 use tether_proto::io::{write_frame, FrameReader};
 use tether_proto::Frame;
@@ -22,27 +25,34 @@ const NODE: &str = "edge-intruder";
 /// Generous bound on anything that should happen after a 2 s handshake timeout.
 const BOUND: Duration = Duration::from_secs(20);
 
-/// A cloud with no edges of its own, `--handshake-timeout 2s`, and `extra` flags.
+/// A cloud with no edges of its own, `--handshake-timeout 2s`,
+/// `--control-write-timeout 2s`, and `extra` flags.
 async fn cloud(extra: &[&str]) -> Env {
-    let mut flags = vec!["--handshake-timeout", "2s"];
+    cloud_with(&[], extra).await
+}
+
+/// [`cloud`] with well-behaved edges (real `tether-edge` processes) for `specs`.
+async fn cloud_with(specs: &[NodeSpec<'_>], extra: &[&str]) -> Env {
+    let mut flags = vec!["--handshake-timeout", "2s", "--control-write-timeout", "2s"];
     flags.extend_from_slice(extra);
-    Env::start(&[], &flags).await.unwrap()
+    Env::start(specs, &flags).await.unwrap()
 }
 
 /// An endpoint with `NODE`'s certificate whose streams receive at most
-/// `window` bytes unread (quinn's default when `None`).
+/// `window` bytes unread (quinn's default when `None`). Its connections send
+/// a QUIC PING every second: only the cloud's own bounds close them.
 fn endpoint(env: &Env, window: Option<u32>) -> quinn::Endpoint {
     let pair = &env.pki.edges[NODE];
-    let transport = window.map(|w| {
-        let mut t = quinn::TransportConfig::default();
-        t.stream_receive_window(w.into());
-        t
-    });
+    let mut transport = quinn::TransportConfig::default();
+    transport.keep_alive_interval(Some(Duration::from_secs(1)));
+    if let Some(w) = window {
+        transport.stream_receive_window(w.into());
+    }
     support::RawEdge::endpoint_with(
         &env.pki.tether_ca_pem,
         &pair.cert_pem,
         &pair.key_pem,
-        transport,
+        Some(transport),
     )
     .unwrap()
 }
@@ -237,7 +247,7 @@ async fn an_edge_that_takes_no_welcome_or_refusal_is_closed_after_the_handshake_
 /// An edge whose certificate is revoked while it is connected asks for a
 /// renewal and reads nothing more (1 byte of receive window): the cloud's
 /// refusal cannot leave, and the connection is closed all the same, after
-/// `--handshake-timeout`.
+/// `--control-write-timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_edge_that_takes_no_refusal_is_closed_all_the_same() {
     let dir = tempfile::tempdir().unwrap();
@@ -289,7 +299,61 @@ async fn a_revoked_edge_that_takes_no_refusal_is_closed_all_the_same() {
     );
     assert!(
         env.cloud_log()
-            .contains("the revoked edge took no refusal within --handshake-timeout"),
+            .contains("the revoked edge took no refusal within --control-write-timeout"),
         "the untaken refusal is not logged"
     );
+}
+
+/// The pod the well-behaved edge beside a misbehaving one serves.
+const POD: &str = "default/p1";
+
+/// The well-behaved edge `edge-good` answers a request for its pod [`POD`].
+async fn good_edge_serves(env: &Env, when: &str) {
+    let r = env
+        .client
+        .get(
+            "/containerLogs/default/p1/c",
+            "apiserver.example:6443",
+            None,
+            &[],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{when}: {e:#}"));
+    assert_eq!(r.status, 200, "{when}: {}", r.body);
+    assert_eq!(r.node(), Some("edge-good"), "{when}");
+}
+
+/// `--control-write-timeout` (2 s) after the welcome: an attached edge that
+/// stops granting stream credit on its control stream (1 byte of receive
+/// window, never read again) while the cloud has resume tickets for it
+/// (`--grace 2s`: a fresh one every second to an edge that sends no
+/// keep-alive frames) is closed, with a log line naming the node and the
+/// flag; a well-behaved edge on the same cloud serves before and after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_that_takes_no_control_frame_is_closed_after_the_control_write_timeout() {
+    let good = NodeSpec {
+        name: "edge-good",
+        pods: &[POD],
+        announce: &[],
+    };
+    let env = cloud_with(&[good], &["--grace", "2s"]).await;
+    // Attached, having read the welcome a byte at a time; nothing more.
+    let (conn, _send, _recv) = attach(dial(&env, &endpoint(&env, Some(1))).await).await;
+    good_edge_serves(&env, "while the stingy edge is attached").await;
+
+    let e = closed(&conn, "an edge that took no resume ticket").await;
+    assert_eq!(
+        closed_by_cloud(&e, "an edge that took no resume ticket"),
+        (
+            close_code::PROTOCOL,
+            "control frame not taken in time".into()
+        )
+    );
+    let log = env.cloud_log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("the edge took no control frame within --control-write-timeout"))
+        .unwrap_or_else(|| panic!("the stalled control stream is not logged:\n{log}"));
+    assert!(line.contains(NODE), "the log line names no node: {line}");
+    good_edge_serves(&env, "after the stingy edge was closed").await;
 }
