@@ -209,6 +209,11 @@ pub struct CloudArgs {
     /// waiting for a handshake slot is not counted yet).
     #[arg(long, env = "TETHER_MAX_EDGES", default_value_t = 20000)]
     pub max_edges: usize,
+    /// Addresses one edge may announce in its hello (the names the
+    /// apiserver may know its node by); a hello with more is refused
+    /// (`BadHello`, naming this flag). Edges announce at most 64.
+    #[arg(long, env = "TETHER_MAX_ANNOUNCED_ADDRESSES", default_value_t = 64)]
+    pub max_announced_addresses: usize,
     /// Pods remembered for nodes that went away (so that a request for one is "its
     /// node is not connected", 502, rather than "unknown pod", 404). Beyond this, the
     /// nodes that left first are forgotten first.
@@ -398,6 +403,8 @@ pub struct CloudConfig {
     /// HTTP/2 PING interval and timeout, TCP keep-alive idle time and interval.
     pub apiserver_keep_alive: Duration,
     pub max_edges: usize,
+    /// Addresses a hello may announce (`--max-announced-addresses`).
+    pub max_announced_addresses: usize,
     pub max_departed_pods: usize,
     /// `None`: one per available CPU.
     pub worker_threads: Option<usize>,
@@ -510,6 +517,7 @@ impl CloudArgs {
         // A zero limit or timeout would refuse everything or spin: refuse it.
         for (flag, n) in [
             ("--max-edges", self.max_edges),
+            ("--max-announced-addresses", self.max_announced_addresses),
             ("--max-departed-pods", self.max_departed_pods),
             ("--max-pending-handshakes", self.max_pending_handshakes),
             ("--max-waiting-handshakes", self.max_waiting_handshakes),
@@ -605,6 +613,7 @@ impl CloudArgs {
             max_apiserver_connections: self.max_apiserver_connections,
             apiserver_keep_alive: self.apiserver_keep_alive,
             max_edges: self.max_edges,
+            max_announced_addresses: self.max_announced_addresses,
             max_departed_pods: self.max_departed_pods,
             worker_threads: self.worker_threads,
             max_pending_handshakes: self.max_pending_handshakes,
@@ -690,6 +699,7 @@ mod tests {
         assert!(config(&[]).is_ok());
         for (flag, zero) in [
             ("--max-edges", "0"),
+            ("--max-announced-addresses", "0"),
             ("--max-departed-pods", "0"),
             ("--max-pending-handshakes", "0"),
             ("--max-apiserver-connections", "0"),

@@ -42,8 +42,8 @@ use crate::metrics::CloudMetrics;
 use crate::registry::{Admitted, Registry};
 use crate::session::Session;
 
-/// Bounds on what a hello may announce.
-const MAX_ADDRESSES: usize = 64;
+/// Bound on the length of one announced address (a DNS name's; the number
+/// of addresses is `--max-announced-addresses`).
 const MAX_ADDRESS_LEN: usize = 253;
 /// Bound on pods in one report: the protocol's, which edges cut their
 /// reports to.
@@ -727,7 +727,7 @@ async fn attach(
                 })??;
         tracing::Span::current().record("node", node.as_str());
         let bounds = (max, cfg.handshake_timeout);
-        if let Some(why) = check_hello(&hello, &node) {
+        if let Some(why) = check_hello(&hello, &node, cfg.max_announced_addresses) {
             let code = if hello.node != node {
                 RefusalCode::NodeMismatch
             } else {
@@ -1111,16 +1111,20 @@ async fn watch_migration(
     }
 }
 
-fn check_hello(hello: &Hello, node: &str) -> Option<String> {
+/// Why `hello` (on a connection whose certificate names `node`) is refused,
+/// if it is: another node's name, more than `max_addresses` addresses
+/// (`--max-announced-addresses`), an empty or overlong address, limits out
+/// of bounds.
+fn check_hello(hello: &Hello, node: &str, max_addresses: usize) -> Option<String> {
     if hello.node != node {
         return Some(format!(
             "hello names node {:?} but the certificate is for {node:?}",
             hello.node
         ));
     }
-    if hello.addresses.len() > MAX_ADDRESSES {
+    if hello.addresses.len() > max_addresses {
         return Some(format!(
-            "{} addresses announced, at most {MAX_ADDRESSES}",
+            "{} addresses announced, at most {max_addresses} (--max-announced-addresses)",
             hello.addresses.len()
         ));
     }
@@ -1818,5 +1822,37 @@ mod renewal_tests {
         // Other nodes are not affected; the node may renew again later.
         assert!(l.try_renew("edge-2", t).is_ok());
         assert!(l.try_renew("edge-1", t + Duration::from_secs(600)).is_ok());
+    }
+}
+
+#[cfg(test)]
+mod hello_tests {
+    use super::*;
+
+    fn hello_announcing(n: usize) -> Hello {
+        Hello {
+            versions: vec![tether_proto::handshake::PROTOCOL_VERSION],
+            node: "edge-1".into(),
+            addresses: (0..n).map(|i| format!("10.0.0.{i}")).collect(),
+            resume: tether_proto::token::ResumeToken([1; 16]),
+            instance: 1,
+            attempt: 1,
+            limits: tether_proto::Limits::default(),
+            ticket: None,
+        }
+    }
+
+    /// `--max-announced-addresses`: a hello at the bound passes; one more
+    /// address is refused with a reason naming the bound and the flag.
+    #[test]
+    fn a_hello_announces_at_most_max_announced_addresses() {
+        assert_eq!(check_hello(&hello_announcing(3), "edge-1", 3), None);
+        let why = check_hello(&hello_announcing(4), "edge-1", 3).expect("refused");
+        assert_eq!(
+            why,
+            "4 addresses announced, at most 3 (--max-announced-addresses)"
+        );
+        // The default still takes what an edge announces at most.
+        assert_eq!(check_hello(&hello_announcing(64), "edge-1", 64), None);
     }
 }

@@ -1,5 +1,7 @@
+//! Bounds on what an edge says on its control stream, end to end.
+//!
 //! The edge's control stream stays within the frame bound it agreed with the
-//! cloud, end to end. The cloud runs with `--max-frame-bytes 64KiB`, the edge
+//! cloud. The cloud runs with `--max-frame-bytes 64KiB`, the edge
 //! with the default 1 MiB, and the edge's kubelet lists 3,000 pods (a pod
 //! report of about 230 KB). Before, the edge wrote its pod report with its own
 //! bound: the cloud took the frame for a protocol error and closed the
@@ -8,6 +10,10 @@
 //! itself). Now the report is cut to the pods that fit in the agreed 64 KiB,
 //! with a warning naming the node, the pods and the bound, and the connection
 //! stays up: the first pods route, the last ones get 404.
+//!
+//! A hello announces at most `--max-announced-addresses` addresses: one more
+//! is refused with a reason naming the bound and the flag, and a hello at the
+//! bound is welcomed.
 //!
 //! The binaries must be built first (`cargo build --workspace --bins`).
 
@@ -86,4 +92,47 @@ async fn a_pod_list_larger_than_the_agreed_frame_is_cut_and_the_connection_kept(
         .await
         .unwrap();
     assert_eq!(r.status, StatusCode::NOT_FOUND, "{}", r.body);
+}
+
+/// `--max-announced-addresses 3`: a hand-driven edge announcing 4 addresses
+/// is refused (`BadHello`, naming the bound and the flag, logged with the
+/// node); announcing 3 it is welcomed and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_announcing_more_than_max_announced_addresses_is_refused() {
+    let env = Env::start(&[], &["--max-announced-addresses", "3"])
+        .await
+        .unwrap();
+    let pair = &env.pki.edges[NODE];
+    let announcing = |n: usize| {
+        let addresses = (1..=n).map(|i| format!("10.9.0.{i}")).collect();
+        support::RawEdge::connect_announcing(
+            env.tunnel,
+            &env.pki.tether_ca_pem,
+            &pair.cert_pem,
+            &pair.key_pem,
+            NODE,
+            addresses,
+        )
+    };
+    let refusal = match announcing(4).await {
+        Ok(_) => panic!("a hello announcing 4 addresses was welcomed"),
+        Err(e) => format!("{e:#}"),
+    };
+    for part in [
+        "BadHello",
+        NODE,
+        "4 addresses announced, at most 3 (--max-announced-addresses)",
+    ] {
+        assert!(refusal.contains(part), "{part:?} not in {refusal}");
+    }
+    assert!(
+        env.cloud_log()
+            .contains("4 addresses announced, at most 3 (--max-announced-addresses)"),
+        "the refusal is not logged:\n{}",
+        env.cloud_log()
+    );
+    let edge = announcing(3)
+        .await
+        .expect("a hello at the bound is welcomed");
+    assert!(edge.conn.close_reason().is_none());
 }

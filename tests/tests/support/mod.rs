@@ -864,6 +864,20 @@ impl RawEdge {
         key_pem: &str,
         node: &str,
     ) -> Result<RawEdge> {
+        Self::connect_announcing(tunnel, ca_pem, cert_pem, key_pem, node, vec![]).await
+    }
+
+    /// [`RawEdge::connect`] with `addresses` announced in the hello; an
+    /// answer other than a welcome (a refusal) is the error, with its code
+    /// and message.
+    pub async fn connect_announcing(
+        tunnel: SocketAddr,
+        ca_pem: &str,
+        cert_pem: &str,
+        key_pem: &str,
+        node: &str,
+        addresses: Vec<String>,
+    ) -> Result<RawEdge> {
         use tether_proto::handshake::{Hello, PROTOCOL_VERSION};
         use tether_proto::io::{write_frame, FrameReader};
         use tether_proto::Frame as Wire;
@@ -872,7 +886,7 @@ impl RawEdge {
         let hello = Hello {
             versions: vec![PROTOCOL_VERSION],
             node: node.into(),
-            addresses: vec![],
+            addresses,
             resume: tether_proto::token::ResumeToken(rand::random()),
             instance: 1,
             attempt: 1,
