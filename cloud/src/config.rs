@@ -155,6 +155,16 @@ pub struct CloudArgs {
     /// Concurrent apiserver connections.
     #[arg(long, env = "TETHER_MAX_APISERVER_CONNECTIONS", default_value_t = 4096)]
     pub max_apiserver_connections: usize,
+    /// Concurrent HTTP/2 streams (requests) one apiserver connection may
+    /// have open (its SETTINGS_MAX_CONCURRENT_STREAMS); a stream opened past
+    /// it is refused (REFUSED_STREAM) and may be retried: Go's HTTP/2 client
+    /// (the apiserver's) waits for a free stream or dials another connection.
+    #[arg(
+        long,
+        env = "TETHER_MAX_APISERVER_STREAMS_PER_CONNECTION",
+        default_value_t = 200
+    )]
+    pub max_apiserver_streams_per_connection: u32,
     /// Keep-alive of apiserver connections: an HTTP/2 PING this often (the
     /// connection is closed when one goes unanswered this long), and TCP
     /// keep-alive probes after this long of silence, then this often.
@@ -400,6 +410,8 @@ pub struct CloudConfig {
     pub http_header_timeout: Duration,
     pub max_http_header_bytes: usize,
     pub max_apiserver_connections: usize,
+    /// HTTP/2 streams one apiserver connection may have open at once.
+    pub max_apiserver_streams_per_connection: u32,
     /// HTTP/2 PING interval and timeout, TCP keep-alive idle time and interval.
     pub apiserver_keep_alive: Duration,
     pub max_edges: usize,
@@ -525,6 +537,10 @@ impl CloudArgs {
                 "--max-apiserver-connections",
                 self.max_apiserver_connections,
             ),
+            (
+                "--max-apiserver-streams-per-connection",
+                self.max_apiserver_streams_per_connection as usize,
+            ),
         ] {
             if n == 0 {
                 return Err(format!("{flag} must be at least 1"));
@@ -611,6 +627,7 @@ impl CloudArgs {
             http_header_timeout: self.http_header_timeout,
             max_http_header_bytes: self.max_http_header_bytes as usize,
             max_apiserver_connections: self.max_apiserver_connections,
+            max_apiserver_streams_per_connection: self.max_apiserver_streams_per_connection,
             apiserver_keep_alive: self.apiserver_keep_alive,
             max_edges: self.max_edges,
             max_announced_addresses: self.max_announced_addresses,
@@ -703,6 +720,7 @@ mod tests {
             ("--max-departed-pods", "0"),
             ("--max-pending-handshakes", "0"),
             ("--max-apiserver-connections", "0"),
+            ("--max-apiserver-streams-per-connection", "0"),
             ("--handshakes-per-source", "0"),
             ("--response-timeout", "0s"),
             ("--handshake-timeout", "0s"),
@@ -715,6 +733,27 @@ mod tests {
             let e = config(&[flag, zero]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
         }
+    }
+
+    #[test]
+    fn bounds_on_edges_and_apiserver_connections_have_their_defaults() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.control_write_timeout, Duration::from_secs(30));
+        assert_eq!(c.max_announced_addresses, 64);
+        // hyper's own default, made explicit.
+        assert_eq!(c.max_apiserver_streams_per_connection, 200);
+        let c = config(&[
+            "--control-write-timeout",
+            "2s",
+            "--max-announced-addresses",
+            "3",
+            "--max-apiserver-streams-per-connection",
+            "8",
+        ])
+        .unwrap();
+        assert_eq!(c.control_write_timeout, Duration::from_secs(2));
+        assert_eq!(c.max_announced_addresses, 3);
+        assert_eq!(c.max_apiserver_streams_per_connection, 8);
     }
 
     #[test]

@@ -7,8 +7,9 @@
 //! upgrades allowed. The SNI of each connection is kept for routing. A slow
 //! or broken client affects its own connection only: the TLS handshake and
 //! request head (on HTTP/2, the preface and first request) are bounded in
-//! time and size, connections in number, and a peer that went away without a
-//! word is found by keep-alives (HTTP/2 PINGs and TCP's own probes).
+//! time and size, connections in number, HTTP/2 streams per connection in
+//! number, and a peer that went away without a word is found by keep-alives
+//! (HTTP/2 PINGs and TCP's own probes).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -267,12 +268,15 @@ fn http1_builder(cfg: &CloudConfig) -> http1::Builder {
     b
 }
 
-/// HTTP/2: header lists bounded in size (`--max-http-header-bytes`); a
-/// PING every `--apiserver-keep-alive`, and the connection closed when one
-/// goes unanswered that long.
+/// HTTP/2: header lists bounded in size (`--max-http-header-bytes`),
+/// streams open at once in number (`--max-apiserver-streams-per-connection`,
+/// announced in SETTINGS; h2 refuses one more with REFUSED_STREAM); a PING
+/// every `--apiserver-keep-alive`, and the connection closed when one goes
+/// unanswered that long.
 fn http2_builder(cfg: &CloudConfig) -> http2::Builder<TokioExecutor> {
     let mut b = http2::Builder::new(TokioExecutor::new());
     b.max_header_list_size(cfg.max_http_header_bytes as u32)
+        .max_concurrent_streams(cfg.max_apiserver_streams_per_connection)
         .keep_alive_interval(cfg.apiserver_keep_alive)
         .keep_alive_timeout(cfg.apiserver_keep_alive)
         .timer(hyper_util::rt::TokioTimer::new());

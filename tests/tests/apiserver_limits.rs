@@ -3,8 +3,9 @@
 //! slot serves again), `--http-header-timeout` on an HTTP/2 connection that
 //! sends no request, `--apiserver-keep-alive` (unanswered HTTP/2 PINGs close
 //! the connection; accepted sockets carry TCP keep-alive),
-//! `--response-timeout` (504 naming it) and `--max-streams-per-edge` in the
-//! cloud (503 naming it).
+//! `--response-timeout` (504 naming it), `--max-streams-per-edge` in the
+//! cloud (503 naming it) and `--max-apiserver-streams-per-connection` (the
+//! HTTP/2 stream past it refused, a freed one served).
 //!
 //! Needs the binaries built first: `cargo build --workspace --bins`.
 
@@ -145,16 +146,17 @@ async fn http2_without_a_request_is_closed_after_the_header_timeout_and_frees_it
     );
 }
 
-/// The next HTTP/2 frame on `io`: (type, flags, payload).
+/// The next HTTP/2 frame on `io`: (type, flags, stream, payload).
 async fn read_frame<R: tokio::io::AsyncRead + Unpin>(
     io: &mut R,
-) -> std::io::Result<(u8, u8, Vec<u8>)> {
+) -> std::io::Result<(u8, u8, u32, Vec<u8>)> {
     let mut head = [0u8; 9];
     io.read_exact(&mut head).await?;
     let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+    let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
     let mut payload = vec![0u8; len];
     io.read_exact(&mut payload).await?;
-    Ok((head[3], head[4], payload))
+    Ok((head[3], head[4], stream, payload))
 }
 
 /// The front PINGs an HTTP/2 client every `--apiserver-keep-alive` (1 s
@@ -179,7 +181,7 @@ async fn an_http2_client_that_stops_answering_pings_is_closed() {
     let started = Instant::now();
     let ping = tokio::time::timeout(Duration::from_secs(15), async {
         loop {
-            let (kind, flags, _) = read_frame(&mut tls).await.expect("reading frames");
+            let (kind, flags, _, _) = read_frame(&mut tls).await.expect("reading frames");
             if kind == PING && flags & 1 == 0 {
                 return;
             }
@@ -281,6 +283,116 @@ async fn max_apiserver_connections_refuses_the_one_over_and_frees_slots() {
         .await
         .unwrap();
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+}
+
+/// A HEADERS frame opening HTTP/2 stream `id`: `GET {path}` to `edge-1`,
+/// with no body (END_STREAM). HPACK by hand: `:method GET` and
+/// `:scheme https` from the static table, `:path` and `:authority` as
+/// literals with indexed names, not indexed.
+fn h2_get_frame(id: u32, path: &str) -> Vec<u8> {
+    const END_STREAM_AND_HEADERS: u8 = 0x1 | 0x4;
+    let mut block = vec![0x82, 0x87];
+    for (name_index, value) in [(4u8, path), (1, "edge-1")] {
+        assert!(value.len() < 127, "{value}: a one-byte HPACK length");
+        block.push(name_index);
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    h2_frame(H2_HEADERS, END_STREAM_AND_HEADERS, id, &block)
+}
+
+/// HTTP/2 frame types and error codes the stream-limit test speaks.
+const H2_HEADERS: u8 = 1;
+const H2_RST_STREAM: u8 = 3;
+const H2_SETTINGS: u8 = 4;
+const H2_SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 3;
+const H2_REFUSED_STREAM: u32 = 7;
+const H2_CANCEL: u32 = 8;
+
+/// One HTTP/2 frame.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut frame = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    frame.extend([kind, flags]);
+    frame.extend(stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// Reads frames from `io` until one of type `kind` on `stream` comes (for
+/// at most 15 s); returns it as (flags, payload), and panics on a
+/// RST_STREAM of `stream` when that is not what was asked for.
+async fn h2_await<R: tokio::io::AsyncRead + Unpin>(
+    io: &mut R,
+    kind: u8,
+    stream: u32,
+) -> (u8, Vec<u8>) {
+    tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            let (k, flags, s, payload) = read_frame(io).await.expect("reading frames");
+            if s == stream && k == kind {
+                return (flags, payload);
+            }
+            assert!(
+                !(s == stream && k == H2_RST_STREAM),
+                "stream {stream} reset ({payload:?}) while waiting for a frame of type {kind}"
+            );
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no frame of type {kind} on stream {stream} within 15 s"))
+}
+
+/// `--max-apiserver-streams-per-connection 2`: the front announces 2 in its
+/// SETTINGS (hyper's 200 before the flag); with two `logs -f` streams open
+/// on one connection, a third stream the client opens anyway is refused
+/// (RST_STREAM REFUSED_STREAM, h2's answer: the request was not processed
+/// and may be retried); once the client cancels one of the two, a new
+/// stream on the same connection is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http2_stream_past_max_apiserver_streams_per_connection_is_refused() {
+    let env = Env::start(ONE, &["--max-apiserver-streams-per-connection", "2"])
+        .await
+        .unwrap();
+    let follow = "/containerLogs/default/p1/c?follow=true";
+    let mut tls = env.client.connect(None, true).await.unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    tls.write_all(PREFACE_AND_SETTINGS).await.unwrap();
+
+    // The server's SETTINGS (not an ACK) announce the bound.
+    let settings = loop {
+        let (flags, payload) = h2_await(&mut tls, H2_SETTINGS, 0).await;
+        if flags & 1 == 0 {
+            break payload;
+        }
+    };
+    let announced = settings.chunks(6).find_map(|p| {
+        (u16::from_be_bytes([p[0], p[1]]) == H2_SETTINGS_MAX_CONCURRENT_STREAMS)
+            .then(|| u32::from_be_bytes([p[2], p[3], p[4], p[5]]))
+    });
+    assert_eq!(announced, Some(2), "SETTINGS {settings:?}");
+    tls.write_all(&h2_frame(H2_SETTINGS, 1, 0, &[]))
+        .await
+        .unwrap();
+
+    // Two follows, each answered (response HEADERS), then a third at once.
+    for id in [1, 3] {
+        tls.write_all(&h2_get_frame(id, follow)).await.unwrap();
+        h2_await(&mut tls, H2_HEADERS, id).await;
+    }
+    tls.write_all(&h2_get_frame(5, follow)).await.unwrap();
+    let (_, code) = h2_await(&mut tls, H2_RST_STREAM, 5).await;
+    assert_eq!(
+        code,
+        H2_REFUSED_STREAM.to_be_bytes(),
+        "stream 5 reset otherwise"
+    );
+
+    // One follow ends: the next stream is served.
+    tls.write_all(&h2_frame(H2_RST_STREAM, 0, 1, &H2_CANCEL.to_be_bytes()))
+        .await
+        .unwrap();
+    tls.write_all(&h2_get_frame(7, follow)).await.unwrap();
+    h2_await(&mut tls, H2_HEADERS, 7).await;
 }
 
 /// A kubelet that lists `pods` and answers nothing else: every other
