@@ -20,6 +20,9 @@ const MIN_PEER_STREAMS: u32 = 4;
 const MAX_PEER_STREAMS: u32 = 1 << 20;
 /// Most runtime threads `--worker-threads` accepts.
 const MAX_WORKER_THREADS: usize = 1024;
+/// Most TCP keep-alive probes `--apiserver-keep-alive-probes` accepts
+/// (Linux's bound on `TCP_KEEPCNT`).
+const MAX_KEEP_ALIVE_PROBES: u32 = 127;
 
 /// Command-line flags of `tether-cloud`.
 #[derive(Debug, Parser)]
@@ -170,6 +173,13 @@ pub struct CloudArgs {
     /// keep-alive probes after this long of silence, then this often.
     #[arg(long, env = "TETHER_APISERVER_KEEP_ALIVE", default_value = "30s", value_parser = parse_duration)]
     pub apiserver_keep_alive: Duration,
+    /// Unanswered TCP keep-alive probes (one every --apiserver-keep-alive)
+    /// after which an apiserver connection is dropped (1 to 127); the same
+    /// span, --apiserver-keep-alive × (1 + this), is its TCP_USER_TIMEOUT:
+    /// sent data unacknowledged that long, or a receive window the client
+    /// keeps shut that long, also drops it.
+    #[arg(long, env = "TETHER_APISERVER_KEEP_ALIVE_PROBES", default_value_t = 3)]
+    pub apiserver_keep_alive_probes: u32,
     /// Address of the operations listener (`/metrics`, `/healthz`, `/readyz`, `/status`).
     #[arg(long, env = "TETHER_METRICS_LISTEN", default_value = "0.0.0.0:9090")]
     pub metrics_listen: SocketAddr,
@@ -414,6 +424,8 @@ pub struct CloudConfig {
     pub max_apiserver_streams_per_connection: u32,
     /// HTTP/2 PING interval and timeout, TCP keep-alive idle time and interval.
     pub apiserver_keep_alive: Duration,
+    /// TCP keep-alive probes before an apiserver connection is dropped.
+    pub apiserver_keep_alive_probes: u32,
     pub max_edges: usize,
     /// Addresses a hello may announce (`--max-announced-addresses`).
     pub max_announced_addresses: usize,
@@ -558,6 +570,11 @@ impl CloudArgs {
                 return Err(format!("{flag} must be more than 0"));
             }
         }
+        if !(1..=MAX_KEEP_ALIVE_PROBES).contains(&self.apiserver_keep_alive_probes) {
+            return Err(format!(
+                "--apiserver-keep-alive-probes must be 1 to {MAX_KEEP_ALIVE_PROBES}"
+            ));
+        }
         if self.max_http_header_bytes < 8192 {
             return Err("--max-http-header-bytes must be at least 8KiB".into());
         }
@@ -629,6 +646,7 @@ impl CloudArgs {
             max_apiserver_connections: self.max_apiserver_connections,
             max_apiserver_streams_per_connection: self.max_apiserver_streams_per_connection,
             apiserver_keep_alive: self.apiserver_keep_alive,
+            apiserver_keep_alive_probes: self.apiserver_keep_alive_probes,
             max_edges: self.max_edges,
             max_announced_addresses: self.max_announced_addresses,
             max_departed_pods: self.max_departed_pods,
@@ -742,6 +760,14 @@ mod tests {
         assert_eq!(c.max_announced_addresses, 64);
         // hyper's own default, made explicit.
         assert_eq!(c.max_apiserver_streams_per_connection, 200);
+        assert_eq!(c.apiserver_keep_alive_probes, 3);
+        for bad in ["0", "128"] {
+            let e = config(&["--apiserver-keep-alive-probes", bad]).unwrap_err();
+            assert!(
+                e.contains("--apiserver-keep-alive-probes must be 1 to 127"),
+                "{e}"
+            );
+        }
         let c = config(&[
             "--control-write-timeout",
             "2s",

@@ -109,7 +109,11 @@ impl Front {
                 continue;
             };
             let _ = tcp.set_nodelay(true);
-            if let Err(e) = tcp_keep_alive(&tcp, self.cfg.apiserver_keep_alive) {
+            let keep_alive = (
+                self.cfg.apiserver_keep_alive,
+                self.cfg.apiserver_keep_alive_probes,
+            );
+            if let Err(e) = tcp_keep_alive(&tcp, keep_alive) {
                 debug!(%peer, error = %e, "setting TCP keep-alive on an apiserver connection");
             }
             let conn = Conn {
@@ -243,15 +247,32 @@ where
     conn.await
 }
 
-/// TCP keep-alive on an accepted apiserver connection: probes after
-/// `every` of silence, then every `every`, so a peer gone without a FIN or
-/// RST (a half-open connection under a quiet `logs -f`) is found and its
-/// slot freed.
-fn tcp_keep_alive(tcp: &TcpStream, every: Duration) -> std::io::Result<()> {
+/// TCP keep-alive on an accepted apiserver connection, so that a peer gone
+/// without a FIN or RST (a half-open connection under a quiet `logs -f`) is
+/// found and its slot freed: probes after `every` of silence, then every
+/// `every`, and the connection dropped after `probes` unanswered ones
+/// (`--apiserver-keep-alive-probes`; the kernel's own count, 9, kept a dead
+/// connection 5 minutes at 30 s).
+///
+/// TCP_USER_TIMEOUT is that same span, `every` × (1 + `probes`) (2 minutes
+/// by default). Linux lets it, when set, decide the keep-alive's verdict in
+/// place of the count, so the two agree; it also drops a connection whose
+/// sent data has gone unacknowledged that long (a peer that vanished while
+/// a `logs -f` was writing to it, which keep-alive never probes: without it,
+/// retransmissions went on for about 15 minutes). A live peer acknowledges
+/// data within round trips, and answers probes on an idle connection, so
+/// neither is cut. What it does cut: a client that keeps its receive window
+/// shut (reads nothing) that long while data waits for it (Linux applies
+/// the user timeout to zero-window probing); on HTTP/2 the unanswered PING
+/// closes such a connection sooner anyway.
+fn tcp_keep_alive(tcp: &TcpStream, (every, probes): (Duration, u32)) -> std::io::Result<()> {
     let ka = socket2::TcpKeepalive::new()
         .with_time(every)
-        .with_interval(every);
-    socket2::SockRef::from(tcp).set_tcp_keepalive(&ka)
+        .with_interval(every)
+        .with_retries(probes);
+    let sock = socket2::SockRef::from(tcp);
+    sock.set_tcp_keepalive(&ka)?;
+    sock.set_tcp_user_timeout(Some(every * (1 + probes)))
 }
 
 /// HTTP/1.1: request heads bounded in size and time (`--max-http-header-bytes`,
@@ -288,15 +309,27 @@ mod tests {
     use super::*;
 
     /// An accepted apiserver connection probes a silent peer (TCP's own
-    /// keep-alive is off by default).
+    /// keep-alive is off by default) every `--apiserver-keep-alive`, gives
+    /// up after `--apiserver-keep-alive-probes` unanswered probes (not the
+    /// kernel's 9), and has a TCP_USER_TIMEOUT (none by default) of the
+    /// same span.
     #[tokio::test]
     async fn accepted_connections_get_tcp_keep_alive() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let _client = TcpStream::connect(addr).await.unwrap();
         let (tcp, _) = listener.accept().await.unwrap();
-        assert!(!socket2::SockRef::from(&tcp).keepalive().unwrap());
-        tcp_keep_alive(&tcp, Duration::from_secs(7)).unwrap();
-        assert!(socket2::SockRef::from(&tcp).keepalive().unwrap());
+        let sock = socket2::SockRef::from(&tcp);
+        assert!(!sock.keepalive().unwrap());
+        assert_eq!(sock.tcp_user_timeout().unwrap(), None);
+        tcp_keep_alive(&tcp, (Duration::from_secs(7), 3)).unwrap();
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.keepalive_time().unwrap(), Duration::from_secs(7));
+        assert_eq!(sock.keepalive_interval().unwrap(), Duration::from_secs(7));
+        assert_eq!(sock.keepalive_retries().unwrap(), 3);
+        assert_eq!(
+            sock.tcp_user_timeout().unwrap(),
+            Some(Duration::from_secs(28))
+        );
     }
 }
