@@ -174,10 +174,7 @@ pub struct CloudArgs {
     #[arg(long, env = "TETHER_APISERVER_KEEP_ALIVE", default_value = "30s", value_parser = parse_duration)]
     pub apiserver_keep_alive: Duration,
     /// Unanswered TCP keep-alive probes (one every --apiserver-keep-alive)
-    /// after which an apiserver connection is dropped (1 to 127); the same
-    /// span, --apiserver-keep-alive × (1 + this), is its TCP_USER_TIMEOUT:
-    /// sent data unacknowledged that long, or a receive window the client
-    /// keeps shut that long, also drops it.
+    /// after which an idle apiserver connection is dropped (1 to 127).
     #[arg(long, env = "TETHER_APISERVER_KEEP_ALIVE_PROBES", default_value_t = 3)]
     pub apiserver_keep_alive_probes: u32,
     /// Address of the operations listener (`/metrics`, `/healthz`, `/readyz`, `/status`).

@@ -254,25 +254,19 @@ where
 /// (`--apiserver-keep-alive-probes`; the kernel's own count, 9, kept a dead
 /// connection 5 minutes at 30 s).
 ///
-/// TCP_USER_TIMEOUT is that same span, `every` × (1 + `probes`) (2 minutes
-/// by default). Linux lets it, when set, decide the keep-alive's verdict in
-/// place of the count, so the two agree; it also drops a connection whose
-/// sent data has gone unacknowledged that long (a peer that vanished while
-/// a `logs -f` was writing to it, which keep-alive never probes: without it,
-/// retransmissions went on for about 15 minutes). A live peer acknowledges
-/// data within round trips, and answers probes on an idle connection, so
-/// neither is cut. What it does cut: a client that keeps its receive window
-/// shut (reads nothing) that long while data waits for it (Linux applies
-/// the user timeout to zero-window probing); on HTTP/2 the unanswered PING
-/// closes such a connection sooner anyway.
+/// No TCP_USER_TIMEOUT is set. Linux applies it to zero-window probing
+/// too, so it would cut a client that stops reading for a while as data
+/// waits for it (an HTTP/1.1 exec or port-forward whose terminal is paused),
+/// which a kubelet never does. A peer that vanished while data was in flight
+/// is left to the kernel's retransmission limit (`tcp_retries2`, about 15
+/// minutes), as on a kubelet; on HTTP/2 the unanswered PING finds it sooner.
 fn tcp_keep_alive(tcp: &TcpStream, (every, probes): (Duration, u32)) -> std::io::Result<()> {
     let ka = socket2::TcpKeepalive::new()
         .with_time(every)
         .with_interval(every)
         .with_retries(probes);
     let sock = socket2::SockRef::from(tcp);
-    sock.set_tcp_keepalive(&ka)?;
-    sock.set_tcp_user_timeout(Some(every * (1 + probes)))
+    sock.set_tcp_keepalive(&ka)
 }
 
 /// HTTP/1.1: request heads bounded in size and time (`--max-http-header-bytes`,
@@ -311,8 +305,8 @@ mod tests {
     /// An accepted apiserver connection probes a silent peer (TCP's own
     /// keep-alive is off by default) every `--apiserver-keep-alive`, gives
     /// up after `--apiserver-keep-alive-probes` unanswered probes (not the
-    /// kernel's 9), and has a TCP_USER_TIMEOUT (none by default) of the
-    /// same span.
+    /// kernel's 9), and sets no TCP_USER_TIMEOUT (it would cut a paused
+    /// reader).
     #[tokio::test]
     async fn accepted_connections_get_tcp_keep_alive() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -327,9 +321,6 @@ mod tests {
         assert_eq!(sock.keepalive_time().unwrap(), Duration::from_secs(7));
         assert_eq!(sock.keepalive_interval().unwrap(), Duration::from_secs(7));
         assert_eq!(sock.keepalive_retries().unwrap(), 3);
-        assert_eq!(
-            sock.tcp_user_timeout().unwrap(),
-            Some(Duration::from_secs(28))
-        );
+        assert_eq!(sock.tcp_user_timeout().unwrap(), None);
     }
 }
