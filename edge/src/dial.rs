@@ -167,7 +167,6 @@ impl Dialer {
         let target = Arc::new(KubeletTarget::new(&cfg.kubelet)?);
         let forward = Arc::new(Forward {
             target: target.clone(),
-            limits: cfg.limits,
             head_timeout: cfg.request_head_timeout,
         });
         let streams = EdgeStreams::new(node.clone(), cfg.limits, forward, metrics.clone());

@@ -8,6 +8,13 @@
 //! ends cleanly only when the kubelet's body did. Every failure resets the
 //! stream with a code the cloud turns into an HTTP status (kubelet
 //! unreachable → 502).
+//!
+//! Heads are read and written within the head bound agreed with the cloud
+//! (the smaller `--max-head-bytes` of the two, [`Limits::agree`]), which the
+//! stream table hands to [`Forward::run`]: a kubelet response head larger
+//! than that resets the stream with `LimitExceeded`, naming the bound (the
+//! cloud answers 502 with it), instead of reaching a cloud that would refuse
+//! it as a bad head.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,8 +24,10 @@ use http_body_util::{BodyExt, Empty, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
 use tether_proto::frame::ResetCode;
-use tether_proto::head::{encode_head, is_hop_by_hop, read_head, RequestHead, ResponseHead};
-use tether_proto::io::ResumableIo;
+use tether_proto::head::{
+    encode_head, is_hop_by_hop, read_head, HeadError, RequestHead, ResponseHead,
+};
+use tether_proto::io::{ResumableIo, SharedStream};
 use tether_proto::route::classify;
 use tether_proto::Limits;
 use tokio::io::AsyncWriteExt;
@@ -30,7 +39,6 @@ use crate::kubelet::{KubeletIo, KubeletTarget};
 /// Replays streams against the kubelet.
 pub struct Forward {
     pub target: Arc<KubeletTarget>,
-    pub limits: Limits,
     /// How long a new stream waits for the cloud's request head
     /// (`--request-head-timeout`).
     pub head_timeout: Duration,
@@ -49,8 +57,10 @@ impl Drop for KubeletConn {
 type ReqBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
 
 impl Forward {
-    /// Serves one stream to its end.
-    pub async fn run(self: Arc<Self>, io: ResumableIo) {
+    /// Serves one stream to its end, reading and writing heads within
+    /// `limits`: the wire bounds agreed with the cloud.
+    pub async fn run(self: Arc<Self>, io: ResumableIo, limits: Limits) {
+        let max_head = limits.max_head_bytes as usize;
         let shared = io.shared().clone();
         let (mut rd, mut wr) = tokio::io::split(io);
         // Bounded: a cloud that attaches a stream and never sends its head
@@ -58,7 +68,7 @@ impl Forward {
         // ends.
         let head = tokio::time::timeout(
             self.head_timeout,
-            read_head::<RequestHead, _>(&mut rd, self.limits.max_head_bytes as usize),
+            read_head::<RequestHead, _>(&mut rd, max_head),
         );
         let head = match head.await {
             Ok(Ok(h)) => h,
@@ -103,7 +113,9 @@ impl Forward {
             }
         };
         let (mut sender, conn) = match hyper::client::conn::http1::Builder::new()
-            .max_buf_size((self.limits.max_head_bytes as usize).max(8192))
+            // hyper's least buffer is 8 KiB; a head that fits in it but not
+            // in `max_head` is caught when it is encoded below.
+            .max_buf_size(max_head.max(MIN_HYPER_BUF))
             .handshake(TokioIo::new(kubelet))
             .await
         {
@@ -174,6 +186,10 @@ impl Forward {
         drop(sender);
         let mut resp = match sent {
             Ok(r) => r,
+            Err(e) if e.is_parse_too_large() => {
+                head_too_large(&shared, None, max_head);
+                return;
+            }
             Err(e) => {
                 shared.reset(
                     ResetCode::KubeletUnreachable,
@@ -198,8 +214,12 @@ impl Forward {
             status: status.as_u16(),
             headers,
         };
-        let bytes = match encode_head(&rh, self.limits.max_head_bytes as usize) {
+        let bytes = match encode_head(&rh, max_head) {
             Ok(b) => b,
+            Err(HeadError::TooLarge { len, .. }) => {
+                head_too_large(&shared, Some(len), max_head);
+                return;
+            }
             Err(e) => {
                 shared.reset(
                     ResetCode::LimitExceeded,
@@ -289,6 +309,31 @@ impl Forward {
     }
 }
 
+/// hyper's smallest read buffer (it refuses less).
+const MIN_HYPER_BUF: usize = 8192;
+
+/// Ends a stream whose kubelet response head is larger than `max`, the head
+/// bound agreed with the cloud: `len` is the encoded head's size, `None` when
+/// the kubelet's head did not even fit in hyper's read buffer. Logged (the
+/// stream's span names the node) and reset with `LimitExceeded`, whose
+/// message the cloud puts in its 502.
+fn head_too_large(shared: &SharedStream, len: Option<usize>, max: usize) {
+    let size = match len {
+        Some(len) => format!("{len} bytes"),
+        None => format!("over {} bytes", max.max(MIN_HYPER_BUF)),
+    };
+    let why = format!(
+        "the kubelet's response head ({size}) exceeds the head bound agreed with the cloud \
+         (--max-head-bytes, the smaller of the edge's and the cloud's: {max} bytes)"
+    );
+    warn!(
+        head_bytes = len,
+        max_head_bytes = max,
+        "{why}; resetting the stream"
+    );
+    shared.reset(ResetCode::LimitExceeded, why);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -337,7 +382,6 @@ mod tests {
         let limits = Limits::default();
         let forward = Arc::new(Forward {
             target: crate::kubelet::testing::plain_target(addr, Duration::from_secs(2)),
-            limits,
             head_timeout: Duration::from_secs(30),
         });
         let shared = SharedStream::new(StreamState::new(7, (&limits).into()));
@@ -373,7 +417,7 @@ mod tests {
                 has_body: false,
             },
         );
-        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone())));
+        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone()), limits));
         tokio::time::sleep(Duration::from_millis(500)).await;
         // The cloud gives up (504, or the apiserver left): its Reset arrives.
         let reset_at = Instant::now();
@@ -440,11 +484,10 @@ mod tests {
         let (forward, shared, _) = forward_to("127.0.0.1:9");
         let forward = Arc::new(Forward {
             target: forward.target.clone(),
-            limits: forward.limits,
             head_timeout: TIMEOUT,
         });
         let start = Instant::now();
-        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone())));
+        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone()), Limits::default()));
         let (code, message) = reset_of(task, &shared).await;
         assert_eq!(code, ResetCode::ProtocolError, "{message}");
         assert!(message.contains("--request-head-timeout"), "{message}");
@@ -453,6 +496,46 @@ mod tests {
             "reset after {:?}",
             start.elapsed()
         );
+    }
+
+    /// A kubelet response head over the head bound `run` is given ends the
+    /// stream with `LimitExceeded` naming the bound: one that hyper parses
+    /// (6 KB, in its 8 KiB buffer) and is too large to encode, and one too
+    /// large for hyper's buffer (20 KB), which was a vague `KubeletUnreachable`
+    /// ("kubelet request failed: message head is too large").
+    #[tokio::test]
+    async fn a_kubelet_response_head_over_the_bound_is_a_limit_error_naming_it() {
+        let limits = Limits {
+            max_head_bytes: 4096,
+            ..Limits::default()
+        };
+        for (header, size) in [(6000, "bytes)"), (20_000, "(over 8192 bytes)")] {
+            let addr = crate::kubelet::testing::answering_kubelet(
+                crate::kubelet::testing::big_head_response(header),
+            )
+            .await;
+            let (forward, shared, _) = forward_to(&addr);
+            deliver_head(
+                &shared,
+                &limits,
+                RequestHead {
+                    method: "GET".into(),
+                    path_and_query: "/containerLogs/default/p1/c".into(),
+                    headers: vec![],
+                    has_body: false,
+                },
+            );
+            let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone()), limits));
+            let (code, message) = reset_of(task, &shared).await;
+            assert_eq!(code, ResetCode::LimitExceeded, "{header}: {message}");
+            assert!(message.contains(size), "{header}: {message}");
+            assert!(
+                message.contains(
+                    "(--max-head-bytes, the smaller of the edge's and the cloud's: 4096 bytes)"
+                ),
+                "{header}: {message}"
+            );
+        }
     }
 
     /// `--kubelet-connect-timeout` bounds the TLS handshake too: a kubelet
@@ -481,7 +564,6 @@ mod tests {
         let limits = Limits::default();
         let forward = Arc::new(Forward {
             target: Arc::new(KubeletTarget::new(&cfg).unwrap()),
-            limits,
             head_timeout: Duration::from_secs(30),
         });
         let shared = SharedStream::new(StreamState::new(7, (&limits).into()));
@@ -496,7 +578,7 @@ mod tests {
             },
         );
         let start = Instant::now();
-        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone())));
+        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone()), limits));
         let (code, message) = reset_of(task, &shared).await;
         assert_eq!(code, ResetCode::KubeletUnreachable, "{message}");
         assert!(message.contains("timed out after 1s"), "{message}");
@@ -571,7 +653,7 @@ mod tests {
                 has_body: false,
             },
         );
-        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone())));
+        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone()), limits));
         // Bounded: 5 s for the answer and the early bytes.
         let mut out = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(5);

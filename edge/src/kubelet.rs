@@ -344,6 +344,43 @@ pub(crate) mod testing {
         )
     }
 
+    /// A kubelet response whose head carries one header of `header_bytes`
+    /// bytes; no body.
+    pub(crate) fn big_head_response(header_bytes: usize) -> Vec<u8> {
+        format!(
+            "HTTP/1.1 200 OK\r\nx-big: {}\r\ncontent-length: 0\r\n\r\n",
+            "a".repeat(header_bytes)
+        )
+        .into_bytes()
+    }
+
+    /// A plain-HTTP kubelet that answers the first request of every
+    /// connection with the bytes `answer` (a whole HTTP response), then
+    /// closes it. Returns its address.
+    pub(crate) async fn answering_kubelet(answer: Vec<u8>) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let answer = Arc::new(answer);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let answer = answer.clone();
+                tokio::spawn(async move {
+                    let mut got = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut buf).await {
+                            Ok(n) if n > 0 => got.extend_from_slice(&buf[..n]),
+                            _ => return,
+                        }
+                    }
+                    let _ = s.write_all(&answer).await;
+                });
+            }
+        });
+        addr
+    }
+
     /// A plain-HTTP kubelet that answers every request with `body` (a pod
     /// list), closing each connection after `per_conn` answers, as a
     /// kubelet closes an idle one. Returns its address and a count of the

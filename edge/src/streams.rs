@@ -68,7 +68,8 @@ pub struct EdgeStreams {
     streams: Mutex<Table>,
     /// How long a detached stream waits for its owner, ms.
     grace_ms: std::sync::atomic::AtomicU64,
-    /// Our limits, agreed with the cloud's once welcomed ([`Limits::agree`]).
+    /// Our limits, agreed with the cloud's once welcomed ([`Limits::agree`]):
+    /// new streams' frames, buffers and heads (handed to the forwarder).
     limits: Mutex<Limits>,
     forward: Arc<Forward>,
     node: String,
@@ -136,8 +137,8 @@ impl EdgeStreams {
     }
 
     /// The wire bounds agreed with the cloud's (ours and the welcome's,
-    /// [`Limits::agree`]): frames and payloads this edge sends are ones the
-    /// cloud accepts.
+    /// [`Limits::agree`]): frames, payloads and heads this edge sends are
+    /// ones the cloud accepts.
     pub fn set_agreed_limits(&self, agreed: Limits) {
         *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = agreed;
     }
@@ -287,7 +288,9 @@ impl EdgeStreams {
                 self.metrics.streams_total.inc();
                 self.metrics.streams_open.set(self.len() as i64);
                 let span = tracing::info_span!("stream", node = %self.node, stream = id);
-                tokio::spawn(self.forward.clone().run(io).instrument(span));
+                // The forwarder reads and writes heads within the agreed
+                // bounds too, not the edge's own.
+                tokio::spawn(self.forward.clone().run(io, limits).instrument(span));
                 shared
             }
             None => {
@@ -415,14 +418,98 @@ mod tests {
     /// The edge's stream table for node `edge-t`, its forwarder pointed at a
     /// kubelet address no test dials (no request head is ever sent).
     fn edge_streams(limits: Limits, head_timeout: Duration) -> Arc<EdgeStreams> {
+        edge_streams_to("127.0.0.1:9", limits, head_timeout)
+    }
+
+    /// [`edge_streams`] with its forwarder pointed at the kubelet at `addr`.
+    fn edge_streams_to(addr: &str, limits: Limits, head_timeout: Duration) -> Arc<EdgeStreams> {
         let forward = Arc::new(Forward {
-            target: crate::kubelet::testing::plain_target("127.0.0.1:9", Duration::from_secs(2)),
-            limits,
+            target: crate::kubelet::testing::plain_target(addr, Duration::from_secs(2)),
             head_timeout,
         });
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = crate::metrics::EdgeMetrics::register(&mut registry);
         EdgeStreams::new("edge-t".into(), limits, forward, metrics)
+    }
+
+    /// The forwarder reads and writes heads within the bounds the stream
+    /// table agreed with the cloud ([`EdgeStreams::set_agreed_limits`]), not
+    /// the edge's own: it used its own `--max-head-bytes`, so a kubelet
+    /// response head within the edge's bound but over the cloud's went out
+    /// and the cloud refused it as a bad head. Now the edge resets the stream
+    /// with `LimitExceeded`, naming the agreed bound.
+    #[tokio::test]
+    async fn new_streams_use_the_head_bound_agreed_with_the_cloud() {
+        const AGREED: u32 = 4096;
+        let ours = Limits::default();
+        let agreed = Limits {
+            max_head_bytes: AGREED,
+            ..ours
+        };
+        let max = ours.max_frame_bytes as usize;
+        // 6 KB: over the agreed bound, far under the edge's own 256 KiB.
+        let kubelet = crate::kubelet::testing::answering_kubelet(
+            crate::kubelet::testing::big_head_response(6000),
+        )
+        .await;
+        let streams = edge_streams_to(&kubelet, ours, Duration::from_secs(30));
+        streams.set_agreed_limits(agreed);
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let acceptor = {
+            let streams = streams.clone();
+            tokio::spawn(async move {
+                while let Ok((s, r)) = edge.accept_bi().await {
+                    tokio::spawn(streams.clone().accept(s, r, None));
+                }
+            })
+        };
+        // The cloud attaches stream 1 and sends its request head.
+        let (mut send, mut recv) = cloud.open_bi().await.unwrap();
+        let head = tether_proto::head::encode_head(
+            &tether_proto::head::RequestHead {
+                method: "GET".into(),
+                path_and_query: "/containerLogs/default/p1/c".into(),
+                headers: vec![],
+                has_body: false,
+            },
+            AGREED as usize,
+        )
+        .unwrap();
+        for f in [
+            Frame::Attach {
+                stream: 1,
+                delivered: 0,
+                fin_received: false,
+            },
+            Frame::Data {
+                stream: 1,
+                offset: 0,
+                payload: head.into(),
+            },
+        ] {
+            write_frame(&mut send, &f, max).await.unwrap();
+        }
+        // The edge answers with its attach, then a reset: no head is sent.
+        let mut reader = FrameReader::new(max);
+        let (code, message) = loop {
+            let f = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv))
+                .await
+                .expect("the edge's frames within 10 s")
+                .unwrap();
+            match f {
+                Some(Frame::Reset { code, message, .. }) => break (code, message),
+                Some(Frame::Attach { .. } | Frame::Ack { .. }) => continue,
+                other => panic!("expected the edge's reset, got {other:?}"),
+            }
+        };
+        assert_eq!(code, ResetCode::LimitExceeded, "{message}");
+        assert!(
+            message.contains(&format!(
+                "--max-head-bytes, the smaller of the edge's and the cloud's: {AGREED} bytes"
+            )),
+            "{message}"
+        );
+        acceptor.abort();
     }
 
     /// A stream the cloud opens and whose attach never comes (here: one

@@ -1,6 +1,7 @@
 //! Shared pieces of the tunnel integration tests: an in-process kubelet
-//! stand-in, an HTTPS client holding the apiserver's client certificate, and
-//! a small environment that starts `tether-cloud` and `tether-edge` as real
+//! stand-in (a `head-bytes=N` query pads its response head by N bytes), an
+//! HTTPS client holding the apiserver's client certificate, and a small
+//! environment that starts `tether-cloud` and `tether-edge` as real
 //! processes on loopback.
 
 #![allow(dead_code)]
@@ -102,6 +103,12 @@ async fn serve(
             .unwrap()
     } else if path == "/pods" {
         Response::new(full(tether_tests::netns::pod_list_json(&pods)))
+    } else if let Some(n) = padded_head(&req) {
+        // `?head-bytes=N`: a response head carrying an N-byte header.
+        let mut r = Response::new(full("padded\n"));
+        r.headers_mut()
+            .insert("x-padding", "a".repeat(n).parse().unwrap());
+        r
     } else if path.starts_with("/containerLogs/") {
         let follow = req.uri().query().unwrap_or("").contains("follow=true");
         let node2 = node.clone();
@@ -150,6 +157,15 @@ async fn serve(
     resp.headers_mut()
         .insert("x-kubelet-node", node.parse().unwrap());
     Ok(resp)
+}
+
+/// The `N` of a `head-bytes=N` query: the kubelet stand-in then answers
+/// with a response head padded by an N-byte header.
+fn padded_head(req: &Request<Incoming>) -> Option<usize> {
+    req.uri()
+        .query()?
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("head-bytes=")?.parse().ok())
 }
 
 /// An HTTPS client that dials the cloud's kubelet API as the apiserver does.
