@@ -5,9 +5,10 @@
 //! control stream, send the hello with the last resume token, read the
 //! welcome, then report pods and accept the streams the cloud opens until the
 //! connection dies. Reconnects back off exponentially from
-//! `--reconnect-min` to `--reconnect-max` with full jitter, and start over at
-//! the minimum after a connection that worked, so the edge is back about a
-//! second after its link is.
+//! `--reconnect-min` to `--reconnect-max`, each wait a random part between
+//! half and all of the delay, and start over at the minimum after a
+//! connection that worked, so the edge is back about a second after its
+//! link is (the schedule is [`crate::backoff`]).
 //!
 //! Streams survive reconnections. The edge draws a resume token that names its
 //! current state (its open streams) and sends it in every hello, together with
@@ -40,7 +41,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use rand::Rng;
 use tether_proto::copies::{self, CopyLink, CopySink};
 use tether_proto::handshake::{
     close_code, Hello, RefusalCode, Welcome, ALPN_TUNNEL, PROTOCOL_VERSION,
@@ -52,6 +52,7 @@ use tether_proto::Frame;
 use tokio::net::lookup_host;
 use tracing::{debug, info, warn};
 
+use crate::backoff::{Backoff, RoundEnd, Wait};
 use crate::config::EdgeConfig;
 use crate::forward::Forward;
 use crate::kubelet::KubeletTarget;
@@ -207,27 +208,37 @@ impl Dialer {
         &self.node
     }
 
-    /// Connects, serves, reconnects — forever.
+    /// Connects, serves, reconnects — forever, waiting between rounds as
+    /// [`Backoff`] says.
     pub async fn run(mut self) -> anyhow::Result<()> {
-        let mut delay = self.cfg.reconnect_min;
+        let mut backoff = Backoff::new(
+            self.cfg.reconnect_min,
+            self.cfg.reconnect_max,
+            self.cfg.reconnect_spread,
+        );
         loop {
             let ended = self.connect_once().await;
+            let end = match &ended {
+                Ended::AfterWelcome => RoundEnd::Lost,
+                Ended::CloudShutdown => RoundEnd::CloudShutdown,
+                // The replica is gone or going, and the new source port
+                // takes the edge to another one.
+                Ended::Moved | Ended::Reset => RoundEnd::Redirected,
+                Ended::Failed(_) => RoundEnd::Failed,
+            };
+            let wait = backoff.after(end, crate::backoff::uniform);
             match &ended {
-                Ended::AfterWelcome | Ended::CloudShutdown | Ended::Moved | Ended::Reset => {
-                    delay = self.cfg.reconnect_min;
-                    self.disconnected_since = Some(Instant::now());
-                }
                 Ended::Failed(e) => {
-                    warn!(node = %self.node, cloud = %self.cfg.cloud, error = format!("{e:#}"), retry_in = ?delay, "cannot reach the cloud");
+                    warn!(node = %self.node, cloud = %self.cfg.cloud, error = format!("{e:#}"), retry_in = ?wait.duration(), "cannot reach the cloud");
                 }
+                _ => self.disconnected_since = Some(Instant::now()),
             }
             self.timed_out_rounds = match &ended {
                 Ended::Failed(e) if is_timeout(e) => (self.timed_out_rounds + 1).min(3),
                 Ended::Failed(_) => self.timed_out_rounds,
                 _ => 0,
             };
-            if matches!(ended, Ended::CloudShutdown) && !self.cfg.reconnect_spread.is_zero() {
-                let wait = rand::rng().random_range(Duration::ZERO..=self.cfg.reconnect_spread);
+            if let Wait::Spread(wait) = wait {
                 info!(node = %self.node, ?wait, "the cloud shut down; reconnecting after a random part of --reconnect-spread");
                 tokio::time::sleep(wait).await;
             }
@@ -241,15 +252,9 @@ impl Dialer {
                     self.new_state();
                 }
             }
-            if matches!(ended, Ended::Moved | Ended::Reset) {
-                // No backoff: the replica is gone or going, and the new
-                // source port takes the edge to another one.
-                continue;
+            if let Wait::Backoff(wait) = wait {
+                tokio::time::sleep(wait).await;
             }
-            // Full jitter: sleep a random time up to the current delay.
-            let sleep = rand::rng().random_range(delay / 2..=delay);
-            tokio::time::sleep(sleep).await;
-            delay = (delay * 2).min(self.cfg.reconnect_max);
         }
     }
 

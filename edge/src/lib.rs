@@ -5,6 +5,8 @@
 //!   (resuming the session with its token when it has one), report pods,
 //!   accept the streams the cloud opens, and reconnect with capped
 //!   exponential backoff and jitter when the connection dies;
+//! - [`backoff`]: the reconnect schedule (sans-IO): how long to wait before
+//!   the next round of attempts, given how the last one ended;
 //! - [`streams`]: the logical streams of the edge's session, which survive
 //!   reconnections, and how an incoming QUIC stream is attached to one;
 //! - [`forward`]: one logical stream → one request replayed against the
@@ -21,6 +23,7 @@
 //! - [`timer`]: exact sleeps (timerfd) for the idle edge's long timers.
 
 pub mod addrs;
+pub mod backoff;
 pub mod config;
 pub mod dial;
 pub mod forward;
