@@ -309,7 +309,7 @@ impl Forward {
     }
 }
 
-/// hyper's smallest read buffer (it refuses less).
+/// hyper's smallest read buffer (it asserts at least this).
 const MIN_HYPER_BUF: usize = 8192;
 
 /// Ends a stream whose kubelet response head is larger than `max`, the head

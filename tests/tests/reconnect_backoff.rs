@@ -90,6 +90,8 @@ fn watch(sock: UdpSocket, n: usize, limit: Duration) -> Vec<Attempt> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnect_waits_grow_from_the_minimum_and_stay_within_the_maximum() {
+    // The environment's cloud is never dialled: it gives the edge its
+    // certificates and command line.
     let env = Env::start(&[], &[]).await.unwrap();
     let nothing = UdpSocket::bind("127.0.0.1:0").unwrap();
     let addr = nothing.local_addr().unwrap().to_string();
