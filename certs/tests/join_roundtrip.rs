@@ -242,6 +242,7 @@ async fn a_wrong_pin_stops_the_edge_before_it_sends_the_token() {
         &pin,
         "edge-1",
         out.path(),
+        edge_join::DEFAULT_JOIN_TIMEOUT,
     )
     .await
     .unwrap_err();

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use tether_proto::cli::{LimitArgs, LogArgs, QuicArgs};
 use tether_proto::quic::QuicSettings;
-use tether_proto::units::parse_duration;
+use tether_proto::units::{parse_bytes, parse_duration};
 use tether_proto::Limits;
 
 /// Command-line flags of `tether-edge`.
@@ -69,12 +69,19 @@ pub struct EdgeArgs {
     /// Time allowed for one read of the kubelet's pod list (`GET /pods`).
     #[arg(long, env = "TETHER_KUBELET_PODS_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub kubelet_pods_timeout: Duration,
+    /// Largest kubelet pod list (`GET /pods` body) read.
+    #[arg(long, env = "TETHER_KUBELET_PODS_MAX_BYTES", default_value = "64MiB", value_parser = parse_bytes)]
+    pub kubelet_pods_max_bytes: u64,
     /// Time allowed for the cloud's attach and request head on a new stream
     /// (the cloud sends the head right behind the attach). A stream whose
     /// attach does not come is dropped, one whose head does not come is
     /// reset, freeing its slot.
     #[arg(long, env = "TETHER_REQUEST_HEAD_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub request_head_timeout: Duration,
+    /// Ended streams remembered, so a late re-attach of one is refused
+    /// rather than run as a new request.
+    #[arg(long, env = "TETHER_ENDED_STREAMS_REMEMBERED", default_value_t = 4096)]
+    pub ended_streams_remembered: usize,
     /// Addresses the apiserver may know this node by (repeatable; default: the host's IPs).
     #[arg(
         long = "announce-address",
@@ -131,6 +138,10 @@ pub struct EdgeArgs {
     /// twice as long, up to 8×, so a link slower than this still gets in.
     #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handshake_timeout: Duration,
+    /// Connection attempts in flight at once (1-8): while one waits, another
+    /// starts every --reconnect-max.
+    #[arg(long, env = "TETHER_MAX_HANDSHAKES_IN_FLIGHT", default_value_t = 2)]
+    pub max_handshakes_in_flight: usize,
     /// A TOML file of settings (keys are the long flag names); flags and
     /// environment variables override it.
     #[arg(long, env = "TETHER_CONFIG")]
@@ -171,6 +182,19 @@ pub struct JoinArgs {
     /// Where `node.key`, `node.crt` and `ca.crt` are written.
     #[arg(long, env = "TETHER_STATE_DIR", default_value = "/var/lib/tether-edge")]
     pub out_dir: PathBuf,
+    /// Time allowed for the whole exchange with the cloud.
+    #[arg(long, env = "TETHER_JOIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub join_timeout: Duration,
+}
+
+impl JoinArgs {
+    /// Checks the values clap cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.join_timeout.is_zero() {
+            return Err("--join-timeout must be more than 0".into());
+        }
+        Ok(())
+    }
 }
 
 /// How to reach the kubelet.
@@ -182,6 +206,8 @@ pub struct KubeletConfig {
     pub client_cert: Option<(PathBuf, PathBuf)>,
     pub connect_timeout: Duration,
     pub pods_timeout: Duration,
+    /// Largest `/pods` body read (`--kubelet-pods-max-bytes`).
+    pub pods_max_bytes: usize,
 }
 
 /// The validated configuration.
@@ -194,6 +220,8 @@ pub struct EdgeConfig {
     pub key: PathBuf,
     pub kubelet: KubeletConfig,
     pub request_head_timeout: Duration,
+    /// Ended stream ids remembered (`--ended-streams-remembered`).
+    pub ended_streams_remembered: usize,
     pub announce_addresses: Option<Vec<String>>,
     pub pods_refresh: Duration,
     /// The adaptive keep-alive's bounds.
@@ -204,6 +232,8 @@ pub struct EdgeConfig {
     pub reconnect_max: Duration,
     pub reconnect_spread: Duration,
     pub handshake_timeout: Duration,
+    /// Connection attempts in flight at once (`--max-handshakes-in-flight`).
+    pub max_handshakes_in_flight: usize,
     pub metrics_listen: std::net::SocketAddr,
     pub limits: Limits,
     pub quic: QuicSettings,
@@ -286,6 +316,16 @@ impl EdgeArgs {
         if self.worker_threads == 0 || self.worker_threads > 64 {
             return Err("--worker-threads must be 1 to 64".into());
         }
+        if !(1..=8).contains(&self.max_handshakes_in_flight) {
+            return Err("--max-handshakes-in-flight must be 1 to 8".into());
+        }
+        if !(1..=1 << 20).contains(&self.ended_streams_remembered) {
+            return Err("--ended-streams-remembered must be 1 to 1048576".into());
+        }
+        let pods_max_bytes = usize::try_from(self.kubelet_pods_max_bytes)
+            .ok()
+            .filter(|&b| b > 0)
+            .ok_or("--kubelet-pods-max-bytes must be more than 0")?;
         if self.reconnect_min > self.reconnect_max || self.reconnect_min.is_zero() {
             return Err("--reconnect-min must be positive and at most --reconnect-max".into());
         }
@@ -302,8 +342,10 @@ impl EdgeArgs {
                 client_cert: self.kubelet_client_cert.zip(self.kubelet_client_key),
                 connect_timeout: self.kubelet_connect_timeout,
                 pods_timeout: self.kubelet_pods_timeout,
+                pods_max_bytes,
             },
             request_head_timeout: self.request_head_timeout,
+            ended_streams_remembered: self.ended_streams_remembered,
             announce_addresses: if self.announce_addresses.is_empty() {
                 None
             } else {
@@ -317,6 +359,7 @@ impl EdgeArgs {
             reconnect_max: self.reconnect_max,
             reconnect_spread: self.reconnect_spread,
             handshake_timeout: self.handshake_timeout,
+            max_handshakes_in_flight: self.max_handshakes_in_flight,
             metrics_listen: self.metrics_listen,
             limits,
             quic,
@@ -406,6 +449,55 @@ mod tests {
             let e = config(&[flag, "0s"]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
         }
+    }
+
+    #[test]
+    fn edge_limits_have_their_defaults_and_nonsense_is_refused() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.kubelet.pods_max_bytes, 64 << 20);
+        assert_eq!(c.ended_streams_remembered, 4096);
+        assert_eq!(c.max_handshakes_in_flight, 2);
+        let c = config(&[
+            "--kubelet-pods-max-bytes",
+            "1KiB",
+            "--ended-streams-remembered",
+            "1",
+            "--max-handshakes-in-flight",
+            "8",
+        ])
+        .unwrap();
+        assert_eq!(c.kubelet.pods_max_bytes, 1024);
+        assert_eq!(c.ended_streams_remembered, 1);
+        assert_eq!(c.max_handshakes_in_flight, 8);
+        for (flag, bad) in [
+            ("--kubelet-pods-max-bytes", "0"),
+            ("--ended-streams-remembered", "0"),
+            ("--ended-streams-remembered", "1048577"),
+            ("--max-handshakes-in-flight", "0"),
+            ("--max-handshakes-in-flight", "9"),
+        ] {
+            let e = config(&[flag, bad]).expect_err(flag);
+            assert!(e.contains(flag), "{flag} {bad}: {e}");
+        }
+        let join = |t: &str| {
+            JoinArgs::try_parse_from([
+                "join",
+                "--cloud",
+                "c:1",
+                "--token",
+                "t",
+                "--ca-pin",
+                "p",
+                "--node",
+                "n",
+                "--join-timeout",
+                t,
+            ])
+            .unwrap()
+        };
+        assert_eq!(join("2s").join_timeout, Duration::from_secs(2));
+        let e = join("0s").validate().unwrap_err();
+        assert!(e.contains("--join-timeout"), "{e}");
     }
 
     #[test]

@@ -170,7 +170,13 @@ impl Dialer {
             target: target.clone(),
             head_timeout: cfg.request_head_timeout,
         });
-        let streams = EdgeStreams::new(node.clone(), cfg.limits, forward, metrics.clone());
+        let streams = EdgeStreams::new(
+            node.clone(),
+            cfg.limits,
+            forward,
+            cfg.ended_streams_remembered,
+            metrics.clone(),
+        );
         Ok(Dialer {
             keepalive: crate::keepalive::Learner::new(cfg.keep_alive),
             loaded_cert,
@@ -259,8 +265,8 @@ impl Dialer {
     }
 
     /// Handshakes with overlapping attempts: a new attempt starts every
-    /// `--reconnect-max` while older ones are still waiting, at most two at
-    /// once (each bounded by
+    /// `--reconnect-max` while older ones are still waiting, at most
+    /// `--max-handshakes-in-flight` at once (each bounded by
     /// `--handshake-timeout`), so an attempt whose packets were lost in an
     /// outage never delays the reconnect once the link is back.
     /// A control-stream failure on a live connection is a protocol error:
@@ -302,20 +308,21 @@ impl Dialer {
     }
 
     async fn establish(&self) -> anyhow::Result<Established> {
-        // Two: the second probes while the first's Initial waits out QUIC's
-        // retransmission timer. More only multiplies a reconnect storm: when
-        // every edge dials a restarted cloud at once, each waiting attempt
-        // costs both ends (a Retry, a new Initial) and took the cloud longer
-        // to serve everyone (10,000 edges back 24.6 s after the new cloud
-        // was ready with four, 14.1 s with two; scripts/bench.sh --only edges).
-        const MAX_IN_FLIGHT: usize = 2;
+        // `--max-handshakes-in-flight`, 2 by default: the second probes
+        // while the first's Initial waits out QUIC's retransmission timer.
+        // More only multiplies a reconnect storm: when every edge dials a
+        // restarted cloud at once, each waiting attempt costs both ends (a
+        // Retry, a new Initial) and took the cloud longer to serve everyone
+        // (10,000 edges back 24.6 s after the new cloud was ready with four,
+        // 14.1 s with two; scripts/bench.sh --only edges).
+        let max_in_flight = self.cfg.max_handshakes_in_flight;
         let mut attempts = tokio::task::JoinSet::new();
         let mut last_error = None;
         // Each round after one whose attempts all timed out allows twice as long.
         let limit = self.cfg.handshake_timeout * (1u32 << self.timed_out_rounds);
         let deadline = tokio::time::Instant::now() + limit;
         loop {
-            if attempts.len() < MAX_IN_FLIGHT && tokio::time::Instant::now() < deadline {
+            if attempts.len() < max_in_flight && tokio::time::Instant::now() < deadline {
                 let this = self.attempt_ctx();
                 attempts.spawn(async move {
                     tokio::time::timeout(limit, this.handshake())
@@ -1337,6 +1344,155 @@ mod tests {
             "the reporter gave up: {reporter:?}"
         );
         reporter.abort();
+    }
+
+    /// A kubelet pod list over `--kubelet-pods-max-bytes` fails the read: the
+    /// reporter keeps the last good report (sends nothing), goes on carrying
+    /// control frames (the session stays), and reports again once the list
+    /// fits.
+    #[tokio::test]
+    async fn a_pod_list_over_the_body_cap_keeps_the_last_report_and_the_stream() {
+        use crate::kubelet::testing::{plain_target_capped, pod_list, pods_kubelet_swappable};
+        const MAX: usize = 64 * 1024;
+        let (addr, conns, body) = pods_kubelet_swappable(pod_list(2), usize::MAX).await;
+        let target = plain_target_capped(&addr, Duration::from_secs(5), 1024);
+        let (mut ours, mut cloud) = tokio::io::duplex(1 << 20);
+        let (extra_tx, extra_rx) = tokio::sync::mpsc::channel(4);
+        let reporter = tokio::spawn(async move {
+            let every = (tokio::time::Instant::now(), Duration::from_millis(50));
+            report_pods(target, &mut ours, every, MAX, extra_rx, "edge-t").await
+        });
+        let mut reader = FrameReader::new(MAX);
+        macro_rules! next {
+            () => {
+                tokio::time::timeout(Duration::from_secs(10), reader.next(&mut cloud))
+                    .await
+                    .expect("no frame within 10 s")
+                    .expect("a frame")
+            };
+        }
+        let pods_in = |f: Option<Frame>| match f {
+            Some(Frame::PodReport(PodReport { pods })) => pods.len(),
+            other => panic!("expected a pod report, got {other:?}"),
+        };
+        assert_eq!(pods_in(next!()), 2);
+        // Over the cap: wait (bounded) for two failed reads, each on a new
+        // connection; nothing is reported meanwhile.
+        let before = conns.load(std::sync::atomic::Ordering::SeqCst);
+        *body.lock().unwrap() = Arc::new(pod_list(40));
+        let start = Instant::now();
+        while conns.load(std::sync::atomic::Ordering::SeqCst) < before + 2 {
+            assert!(start.elapsed() < Duration::from_secs(10), "no failed reads");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        extra_tx.send(Frame::KeepAlive).await.unwrap();
+        assert_eq!(next!(), Some(Frame::KeepAlive), "a report was sent");
+        assert!(
+            !reporter.is_finished(),
+            "the reporter gave up: {reporter:?}"
+        );
+        *body.lock().unwrap() = Arc::new(pod_list(3));
+        assert_eq!(pods_in(next!()), 3);
+        reporter.abort();
+    }
+
+    /// A test edge's configuration: certificates for `edge-t` written into
+    /// a fresh directory (returned, to remove), `--cloud` at `cloud`.
+    fn test_config(
+        cloud: std::net::SocketAddr,
+        extra: &[&str],
+    ) -> (EdgeConfig, std::path::PathBuf) {
+        use clap::Parser;
+        use std::sync::atomic::AtomicUsize;
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "tether-edge-dial-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let day = Duration::from_secs(86400);
+        let ca = tether_certs::Ca::new("dial test CA", day).unwrap();
+        let edge = ca.issue_edge("edge-t", day).unwrap();
+        let file = |name: &str, text: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, text).unwrap();
+            p.to_string_lossy().into_owned()
+        };
+        let (ca, cert, key) = (
+            file("ca.crt", &ca.cert_pem),
+            file("node.crt", &edge.cert_pem),
+            file("node.key", &edge.key_pem),
+        );
+        let cloud = cloud.to_string();
+        let mut args = vec![
+            "tether-edge",
+            "--cloud",
+            &cloud,
+            "--server-name",
+            "cloud.test",
+            "--ca",
+            &ca,
+            "--cert",
+            &cert,
+            "--key",
+            &key,
+        ];
+        args.extend_from_slice(extra);
+        let cfg = crate::config::EdgeArgs::try_parse_from(args)
+            .unwrap()
+            .into_config()
+            .unwrap();
+        (cfg, dir)
+    }
+
+    /// A cloud that never answers: the distinct connections (QUIC long
+    /// header destination connection ids) whose packets reached it.
+    async fn silent_cloud() -> (std::net::SocketAddr, Arc<std::sync::Mutex<Vec<Vec<u8>>>>) {
+        let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = sock.local_addr().unwrap();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s = seen.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 65536];
+            while let Ok(n) = sock.recv(&mut buf).await {
+                let p = &buf[..n];
+                // Long header: flags, version (4), dcid length, dcid.
+                if n > 6 && p[0] & 0x80 != 0 && n >= 6 + p[5] as usize {
+                    let dcid = p[6..6 + p[5] as usize].to_vec();
+                    let mut s = s.lock().unwrap();
+                    if !s.contains(&dcid) {
+                        s.push(dcid);
+                    }
+                }
+            }
+        });
+        (addr, seen)
+    }
+
+    /// `--max-handshakes-in-flight` (was a fixed 2): with 1, no second
+    /// attempt starts while the first waits for a silent cloud; by default
+    /// a second one starts after `--reconnect-max`, and no third.
+    #[tokio::test]
+    async fn handshake_attempts_in_flight_are_bounded_by_the_flag() {
+        for (extra, expected) in [(&["--max-handshakes-in-flight", "1"][..], 1), (&[], 2)] {
+            let (cloud, seen) = silent_cloud().await;
+            let mut args = vec!["--reconnect-max", "200ms", "--handshake-timeout", "1500ms"];
+            args.extend_from_slice(extra);
+            let (cfg, dir) = test_config(cloud, &args);
+            let dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
+            // The round ends when its attempts time out, 1.5 s after the last
+            // started: within 15 s.
+            let e = tokio::time::timeout(Duration::from_secs(15), dialer.establish())
+                .await
+                .expect("the round did not end")
+                .err()
+                .expect("a silent cloud welcomed the edge");
+            assert!(format!("{e:#}").contains("no welcome"), "{e:#}");
+            let dialled = seen.lock().unwrap().len();
+            assert_eq!(dialled, expected, "{extra:?}: attempts seen by the cloud");
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 
     /// Item 2 of the control-stream audit: limits in the welcome that the

@@ -560,6 +560,7 @@ mod tests {
             client_cert: None,
             connect_timeout: TIMEOUT,
             pods_timeout: Duration::from_secs(2),
+            pods_max_bytes: 1 << 20,
         };
         let limits = Limits::default();
         let forward = Arc::new(Forward {

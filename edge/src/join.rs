@@ -32,8 +32,8 @@ pub const NODE_KEY_FILE: &str = "node.key";
 pub const NODE_CERT_FILE: &str = "node.crt";
 pub const CA_CERT_FILE: &str = "ca.crt";
 
-/// How long the whole join may take.
-pub const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the whole join may take unless told (`--join-timeout`'s default).
+pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Where a successful join put its files.
 #[derive(Debug, Clone)]
@@ -43,7 +43,8 @@ pub struct JoinedFiles {
     pub ca: PathBuf,
 }
 
-/// Joins `cloud` (`host:port`) as `node`; the TLS server name is the host.
+/// Joins `cloud` (`host:port`) as `node`; the TLS server name is the host;
+/// the exchange may take [`DEFAULT_JOIN_TIMEOUT`].
 pub async fn join(
     cloud: &str,
     token: &str,
@@ -51,7 +52,16 @@ pub async fn join(
     node: &str,
     out_dir: &Path,
 ) -> anyhow::Result<JoinedFiles> {
-    join_with_server_name(cloud, None, token, ca_pin, node, out_dir).await
+    join_with_server_name(
+        cloud,
+        None,
+        token,
+        ca_pin,
+        node,
+        out_dir,
+        DEFAULT_JOIN_TIMEOUT,
+    )
+    .await
 }
 
 /// The host part of `host:port`, `[v6]:port` or a bare host.
@@ -66,7 +76,9 @@ fn host_of(cloud: &str) -> &str {
 }
 
 /// As [`join`], verifying the cloud's certificate for `server_name` when the
-/// address dialled is not a name in it.
+/// address dialled is not a name in it. Everything from resolving `cloud`
+/// to writing the files must be done within `timeout` (`--join-timeout`): a
+/// cloud that accepts and never answers is given up on.
 pub async fn join_with_server_name(
     cloud: &str,
     server_name: Option<&str>,
@@ -74,13 +86,14 @@ pub async fn join_with_server_name(
     ca_pin: &str,
     node: &str,
     out_dir: &Path,
+    timeout: Duration,
 ) -> anyhow::Result<JoinedFiles> {
     // Everything that can be checked locally is, before any packet leaves.
     let pin = CaPin::parse(ca_pin).context("--ca-pin")?;
     JoinToken::parse(token).context("--token")?;
     let request = tether_certs::make_edge_csr(node).context("--node")?;
     let server_name = server_name.unwrap_or_else(|| host_of(cloud)).to_string();
-    tokio::time::timeout(JOIN_TIMEOUT, async {
+    tokio::time::timeout(timeout, async {
         let addr: SocketAddr = tokio::net::lookup_host(cloud)
             .await
             .with_context(|| format!("resolving --cloud {cloud}"))?
@@ -148,12 +161,12 @@ pub async fn join_with_server_name(
         Ok(files)
     })
     .await
-    .map_err(|_| anyhow::anyhow!("join with {cloud} took over {JOIN_TIMEOUT:?}"))?
+    .map_err(|_| anyhow::anyhow!("no answer from {cloud} within --join-timeout ({timeout:?})"))?
 }
 
 #[cfg(test)]
 mod tests {
-    use super::host_of;
+    use super::*;
 
     #[test]
     fn hosts() {
@@ -162,5 +175,87 @@ mod tests {
         assert_eq!(host_of("[::1]:10004"), "::1");
         assert_eq!(host_of("cloud.example"), "cloud.example");
         assert_eq!(host_of("::1"), "::1");
+    }
+
+    /// A cloud that completes the pinned TLS handshake, takes the join
+    /// request and never answers: the join gives up after `--join-timeout`
+    /// (was a fixed 30 s), saying which setting ran out. Returns the cloud's
+    /// address and a receiver told when a request arrived.
+    async fn silent_join_cloud() -> (SocketAddr, String, tokio::sync::oneshot::Receiver<()>) {
+        const DAY: Duration = Duration::from_secs(86400);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let ca = tether_certs::Ca::new("silent CA", DAY).unwrap();
+        let leaf = ca
+            .issue_server(&["cloud.test"], &["127.0.0.1".parse().unwrap()], DAY)
+            .unwrap();
+        // Leaf, then the CA: the edge verifies the cloud through the pin.
+        let mut chain = tether_certs::pem::certs_from_pem(&leaf.cert_pem, "leaf").unwrap();
+        chain.extend(tether_certs::pem::certs_from_pem(&ca.cert_pem, "ca").unwrap());
+        let key = tether_certs::pem::key_from_pem(&leaf.key_pem, "key").unwrap();
+        let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .unwrap();
+        tls.alpn_protocols = vec![tether_certs::ALPN_JOIN.to_vec()];
+        let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).unwrap();
+        let endpoint = quinn::Endpoint::server(
+            quinn::ServerConfig::with_crypto(Arc::new(crypto)),
+            "127.0.0.1:0".parse().unwrap(),
+        )
+        .unwrap();
+        let addr = endpoint.local_addr().unwrap();
+        let (got_tx, got) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let Some(incoming) = endpoint.accept().await else {
+                return;
+            };
+            let Ok(conn) = incoming.await else { return };
+            let Ok((_send, mut recv)) = conn.accept_bi().await else {
+                return;
+            };
+            let mut prefix = [0u8; 4];
+            if recv.read_exact(&mut prefix).await.is_ok() {
+                let _ = got_tx.send(());
+            }
+            // Holds the connection open, answering nothing.
+            conn.closed().await;
+            drop(endpoint);
+        });
+        (addr, tether_certs::ca_pin(&ca.cert_pem).unwrap(), got)
+    }
+
+    #[tokio::test]
+    async fn a_cloud_that_never_answers_fails_the_join_after_the_join_timeout() {
+        const TIMEOUT: Duration = Duration::from_millis(500);
+        let (addr, pin, mut got) = silent_join_cloud().await;
+        let out =
+            std::env::temp_dir().join(format!("tether-join-unwritten-{}", std::process::id()));
+        let started = tokio::time::Instant::now();
+        let joined = tokio::time::timeout(
+            TIMEOUT * 10,
+            join_with_server_name(
+                &addr.to_string(),
+                Some("cloud.test"),
+                "abc123.0123456789abcdef",
+                &pin,
+                "edge-1",
+                &out,
+                TIMEOUT,
+            ),
+        )
+        .await
+        .expect("the join did not end within 10x --join-timeout");
+        let e = format!("{:#}", joined.expect_err("a silent cloud granted a join"));
+        assert!(e.contains("--join-timeout (500ms)"), "{e}");
+        assert!(started.elapsed() >= TIMEOUT, "{:?}", started.elapsed());
+        // The handshake worked and the request arrived: the wait for the
+        // answer is what ran out.
+        assert!(
+            got.try_recv().is_ok(),
+            "the request never reached the cloud"
+        );
+        assert!(!out.exists(), "files written for a join that failed");
     }
 }

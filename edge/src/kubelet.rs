@@ -92,10 +92,10 @@ pub struct KubeletTarget {
     tls: Option<(tokio_rustls::TlsConnector, ServerName<'static>)>,
     connect_timeout: std::time::Duration,
     pods_timeout: std::time::Duration,
+    /// Largest `/pods` body read (`--kubelet-pods-max-bytes`): a larger one
+    /// fails the read, and the edge keeps its last report.
+    pods_max_bytes: usize,
 }
-
-/// Largest `/pods` answer read.
-const MAX_PODS_BODY: usize = 64 * 1024 * 1024;
 
 impl KubeletTarget {
     pub fn new(cfg: &KubeletConfig) -> anyhow::Result<KubeletTarget> {
@@ -155,6 +155,7 @@ impl KubeletTarget {
             tls,
             connect_timeout: cfg.connect_timeout,
             pods_timeout: cfg.pods_timeout,
+            pods_max_bytes: cfg.pods_max_bytes,
         })
     }
 
@@ -218,10 +219,19 @@ impl KubeletTarget {
         if !resp.status().is_success() {
             anyhow::bail!("kubelet answered GET /pods with {}", resp.status());
         }
-        let body = Limited::new(resp.into_body(), MAX_PODS_BODY)
+        let max = self.pods_max_bytes;
+        let body = Limited::new(resp.into_body(), max)
             .collect()
             .await
-            .map_err(|e| anyhow::anyhow!("reading /pods: {e}"))?
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    anyhow::anyhow!(
+                        "the kubelet's /pods answer is over --kubelet-pods-max-bytes ({max} bytes)"
+                    )
+                } else {
+                    anyhow::anyhow!("reading /pods: {e}")
+                }
+            })?
             .to_bytes();
         parse_pods(&body)
     }
@@ -322,7 +332,7 @@ impl rustls::client::danger::ServerCertVerifier for NoVerify {
 #[cfg(test)]
 pub(crate) mod testing {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
+    use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
     use super::KubeletTarget;
@@ -331,6 +341,15 @@ pub(crate) mod testing {
     /// A target for the plain-HTTP kubelet at `addr`, reading `/pods` within
     /// `pods_timeout`.
     pub(crate) fn plain_target(addr: &str, pods_timeout: Duration) -> Arc<KubeletTarget> {
+        plain_target_capped(addr, pods_timeout, 64 << 20)
+    }
+
+    /// As [`plain_target`], reading `/pods` bodies of at most `pods_max_bytes`.
+    pub(crate) fn plain_target_capped(
+        addr: &str,
+        pods_timeout: Duration,
+        pods_max_bytes: usize,
+    ) -> Arc<KubeletTarget> {
         Arc::new(
             KubeletTarget::new(&KubeletConfig {
                 url: format!("http://{addr}").parse().unwrap(),
@@ -339,6 +358,7 @@ pub(crate) mod testing {
                 client_cert: None,
                 connect_timeout: Duration::from_secs(5),
                 pods_timeout,
+                pods_max_bytes,
             })
             .unwrap(),
         )
@@ -386,16 +406,34 @@ pub(crate) mod testing {
     /// kubelet closes an idle one. Returns its address and a count of the
     /// connections it took.
     pub(crate) async fn pods_kubelet(body: String, per_conn: usize) -> (String, Arc<AtomicUsize>) {
+        let (addr, conns, _) = pods_kubelet_swappable(body, per_conn).await;
+        (addr, conns)
+    }
+
+    /// A pod list of `n` pods, as the kubelet serves it.
+    pub(crate) fn pod_list(n: usize) -> String {
+        let items: Vec<String> = (0..n)
+            .map(|i| format!(r#"{{"metadata":{{"name":"p{i}","namespace":"ns","uid":"u{i}"}}}}"#))
+            .collect();
+        format!(r#"{{"items":[{}]}}"#, items.join(","))
+    }
+
+    /// As [`pods_kubelet`], with a handle to change the body it answers with.
+    pub(crate) async fn pods_kubelet_swappable(
+        body: String,
+        per_conn: usize,
+    ) -> (String, Arc<AtomicUsize>, Arc<Mutex<Arc<String>>>) {
         use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let conns = Arc::new(AtomicUsize::new(0));
         let c = conns.clone();
-        let body = Arc::new(body);
+        let current = Arc::new(Mutex::new(Arc::new(body)));
+        let handle = current.clone();
         tokio::spawn(async move {
             while let Ok((s, _)) = l.accept().await {
                 c.fetch_add(1, Ordering::SeqCst);
-                let body = body.clone();
+                let current = current.clone();
                 tokio::spawn(async move {
                     let mut s = BufReader::new(s);
                     for _ in 0..per_conn {
@@ -409,6 +447,7 @@ pub(crate) mod testing {
                                 break;
                             }
                         }
+                        let body = current.lock().unwrap().clone();
                         let head =
                             format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
                         let w = s.get_mut();
@@ -421,7 +460,7 @@ pub(crate) mod testing {
                 });
             }
         });
-        (addr, conns)
+        (addr, conns, handle)
     }
 }
 
@@ -497,5 +536,30 @@ mod tests {
         assert!(e.to_string().contains("did not answer"), "{e}");
         assert!(t.elapsed() < std::time::Duration::from_secs(3));
         server.abort();
+    }
+
+    /// A `/pods` body over `--kubelet-pods-max-bytes` fails the read with an
+    /// error naming the flag and the bound (was a fixed 64 MiB); the reader
+    /// goes on reading once the list fits again.
+    #[tokio::test]
+    async fn a_pod_list_over_the_configured_cap_fails_the_read_naming_it() {
+        const CAP: usize = 1024;
+        let small = testing::pod_list(2);
+        let large = testing::pod_list(40);
+        assert!(
+            small.len() < CAP && large.len() > CAP,
+            "{} {}",
+            small.len(),
+            large.len()
+        );
+        let (addr, _, body) = testing::pods_kubelet_swappable(small.clone(), usize::MAX).await;
+        let target = testing::plain_target_capped(&addr, std::time::Duration::from_secs(5), CAP);
+        let mut r = PodReader::new(target);
+        assert_eq!(r.pods().await.unwrap().len(), 2);
+        *body.lock().unwrap() = Arc::new(large);
+        let e = format!("{:#}", r.pods().await.unwrap_err());
+        assert!(e.contains("--kubelet-pods-max-bytes (1024 bytes)"), "{e}");
+        *body.lock().unwrap() = Arc::new(small);
+        assert_eq!(r.pods().await.unwrap().len(), 2);
     }
 }

@@ -24,6 +24,7 @@ fn main() -> anyhow::Result<()> {
     if argv.get(1).map(|a| a == "join").unwrap_or(false) {
         argv.remove(1);
         let args = JoinArgs::parse_from(argv);
+        args.validate().map_err(anyhow::Error::msg)?;
         return runtime(1)?.block_on(join(args));
     }
     // The configuration file is applied before any thread exists.
@@ -95,6 +96,7 @@ async fn join(a: JoinArgs) -> anyhow::Result<()> {
         &a.ca_pin,
         &a.node,
         &a.out_dir,
+        a.join_timeout,
     )
     .await
     .context("joining the cloud")?;

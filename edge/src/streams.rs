@@ -29,10 +29,6 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::forward::Forward;
 
-/// How many ended stream ids are remembered, so a late re-attach of an ended
-/// stream is refused rather than mistaken for a new one.
-const ENDED_MEMORY: usize = 4096;
-
 /// A live stream and the task currently driving it over a transport.
 struct Live {
     shared: Arc<SharedStream>,
@@ -45,16 +41,22 @@ struct Live {
 #[derive(Default)]
 struct Table {
     live: HashMap<StreamId, Live>,
+    /// Ids of streams that ended this session, so a late re-attach of one
+    /// (say, by a replica that did not see it end) is refused rather than
+    /// mistaken for a new stream: that would replay its request against the
+    /// kubelet, running an `exec` twice. The newest
+    /// `--ended-streams-remembered` are kept, oldest forgotten first.
     ended: HashSet<StreamId>,
     ended_order: VecDeque<StreamId>,
 }
 
 impl Table {
-    fn end(&mut self, id: StreamId) {
+    /// Ends `id`, remembering at most `remember` ended ids.
+    fn end(&mut self, id: StreamId, remember: usize) {
         self.live.remove(&id);
         if self.ended.insert(id) {
             self.ended_order.push_back(id);
-            if self.ended_order.len() > ENDED_MEMORY {
+            if self.ended_order.len() > remember {
                 if let Some(old) = self.ended_order.pop_front() {
                     self.ended.remove(&old);
                 }
@@ -72,15 +74,19 @@ pub struct EdgeStreams {
     /// new streams' frames, buffers and heads (handed to the forwarder).
     limits: Mutex<Limits>,
     forward: Arc<Forward>,
+    /// Ended stream ids remembered (`--ended-streams-remembered`).
+    remember_ended: usize,
     node: String,
     metrics: crate::metrics::EdgeMetrics,
 }
 
 impl EdgeStreams {
+    /// The stream table of `node`, remembering `remember_ended` ended ids.
     pub fn new(
         node: String,
         limits: Limits,
         forward: Arc<Forward>,
+        remember_ended: usize,
         metrics: crate::metrics::EdgeMetrics,
     ) -> Arc<Self> {
         Arc::new(EdgeStreams {
@@ -88,6 +94,7 @@ impl EdgeStreams {
             grace_ms: std::sync::atomic::AtomicU64::new(300_000),
             limits: Mutex::new(limits),
             forward,
+            remember_ended,
             node,
             metrics,
         })
@@ -163,7 +170,7 @@ impl EdgeStreams {
                 d.abort();
             }
             let shared = live.shared.clone();
-            t.end(id);
+            t.end(id, self.remember_ended);
             shared
         };
         info!(node = %self.node, stream = %format_args!("{id:x}"), %why, "ending the stream");
@@ -335,7 +342,7 @@ impl EdgeStreams {
         };
         match result {
             Ok(()) => {
-                self.map().end(id);
+                self.map().end(id, self.remember_ended);
                 self.metrics.streams_open.set(self.len() as i64);
                 debug!(node = %self.node, stream = id, "stream done");
             }
@@ -418,18 +425,33 @@ mod tests {
     /// The edge's stream table for node `edge-t`, its forwarder pointed at a
     /// kubelet address no test dials (no request head is ever sent).
     fn edge_streams(limits: Limits, head_timeout: Duration) -> Arc<EdgeStreams> {
-        edge_streams_to("127.0.0.1:9", limits, head_timeout)
+        edge_streams_to("127.0.0.1:9", limits, head_timeout, 4096)
     }
 
-    /// [`edge_streams`] with its forwarder pointed at the kubelet at `addr`.
-    fn edge_streams_to(addr: &str, limits: Limits, head_timeout: Duration) -> Arc<EdgeStreams> {
+    /// As [`edge_streams`], remembering `remember_ended` ended stream ids.
+    fn edge_streams_remembering(
+        limits: Limits,
+        head_timeout: Duration,
+        remember_ended: usize,
+    ) -> Arc<EdgeStreams> {
+        edge_streams_to("127.0.0.1:9", limits, head_timeout, remember_ended)
+    }
+
+    /// [`edge_streams`] with its forwarder pointed at the kubelet at `addr`,
+    /// remembering `remember_ended` ended stream ids.
+    fn edge_streams_to(
+        addr: &str,
+        limits: Limits,
+        head_timeout: Duration,
+        remember_ended: usize,
+    ) -> Arc<EdgeStreams> {
         let forward = Arc::new(Forward {
             target: crate::kubelet::testing::plain_target(addr, Duration::from_secs(2)),
             head_timeout,
         });
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = crate::metrics::EdgeMetrics::register(&mut registry);
-        EdgeStreams::new("edge-t".into(), limits, forward, metrics)
+        EdgeStreams::new("edge-t".into(), limits, forward, remember_ended, metrics)
     }
 
     /// The forwarder reads and writes heads within the bounds the stream
@@ -452,7 +474,7 @@ mod tests {
             crate::kubelet::testing::big_head_response(6000),
         )
         .await;
-        let streams = edge_streams_to(&kubelet, ours, Duration::from_secs(30));
+        let streams = edge_streams_to(&kubelet, ours, Duration::from_secs(30), 4096);
         streams.set_agreed_limits(agreed);
         let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
         let acceptor = {
@@ -709,5 +731,82 @@ mod tests {
         assert!(message.contains("grace period"), "{message}");
         // A late re-attach of it is refused, not taken for a new stream.
         assert!(streams.map().ended.contains(&5));
+    }
+
+    /// `--ended-streams-remembered` (was a fixed 4,096): past it the oldest
+    /// ended id is forgotten. A re-attach of a remembered one is refused as
+    /// unknown; one of a forgotten id (nothing delivered) is taken for a new
+    /// stream, which is what the memory is there to prevent.
+    #[tokio::test]
+    async fn ended_streams_past_the_configured_count_are_forgotten_oldest_first() {
+        let limits = Limits::default();
+        let max = limits.max_frame_bytes as usize;
+        let streams = edge_streams_remembering(limits, Duration::from_secs(60), 2);
+        for id in 1..=3 {
+            streams.map().end(id, streams.remember_ended);
+        }
+        {
+            let t = streams.map();
+            assert!(!t.ended.contains(&1), "the oldest is still remembered");
+            assert!(t.ended.contains(&2) && t.ended.contains(&3));
+            assert_eq!(t.ended_order.len(), 2);
+        }
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let acceptor = {
+            let streams = streams.clone();
+            tokio::spawn(async move {
+                while let Ok((s, r)) = edge.accept_bi().await {
+                    tokio::spawn(streams.clone().accept(s, r, None));
+                }
+            })
+        };
+        // The cloud re-attaches `id` as if nothing had been delivered; the
+        // edge's second frame, if any within 2 s, is read.
+        let reattach = |id: StreamId| {
+            let cloud = cloud.clone();
+            async move {
+                let (mut send, mut recv) = cloud.open_bi().await.unwrap();
+                let attach = Frame::Attach {
+                    stream: id,
+                    delivered: 0,
+                    fin_received: false,
+                };
+                write_frame(&mut send, &attach, max).await.unwrap();
+                let mut reader = FrameReader::new(max);
+                let first = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv))
+                    .await
+                    .expect("the edge's attach within 10 s")
+                    .unwrap();
+                assert!(matches!(first, Some(Frame::Attach { stream, .. }) if stream == id));
+                let second = tokio::time::timeout(Duration::from_secs(2), reader.next(&mut recv))
+                    .await
+                    .ok()
+                    .and_then(|f| f.ok().flatten());
+                (send, second)
+            }
+        };
+        let (_s3, answer) = reattach(3).await;
+        assert!(
+            matches!(
+                answer,
+                Some(Frame::Reset {
+                    stream: 3,
+                    code: ResetCode::UnknownStream,
+                    ..
+                })
+            ),
+            "a remembered ended stream was not refused: {answer:?}"
+        );
+        assert!(streams.stream(3).is_none());
+        let (_s1, answer) = reattach(1).await;
+        assert!(
+            !matches!(answer, Some(Frame::Reset { .. })),
+            "a forgotten stream was refused: {answer:?}"
+        );
+        assert!(
+            streams.stream(1).is_some(),
+            "a forgotten id was not taken as new"
+        );
+        acceptor.abort();
     }
 }
