@@ -870,6 +870,10 @@ async fn renew_certificate(
             node,
             "certificate is two thirds through its lifetime; asking the cloud to renew it"
         );
+        // An answer still queued is an earlier request's, come after its
+        // wait ran out: written with this request's key, the pair would not
+        // match and the edge could not start again.
+        while renewed.try_recv().is_ok() {}
         if out
             .send(Frame::RenewCert {
                 csr_pem: req.csr_pem,
@@ -1493,6 +1497,70 @@ mod tests {
             assert_eq!(dialled, expected, "{extra:?}: attempts seen by the cloud");
             let _ = std::fs::remove_dir_all(dir);
         }
+    }
+
+    /// Whether the leaf of `cert_pem` is for the private key `key_pem`.
+    fn cert_for_key(cert_pem: &str, key_pem: &str) -> bool {
+        let chain = tether_certs::pem::certs_from_pem(cert_pem, "cert").unwrap();
+        let key = tether_certs::pem::key_from_pem(key_pem, "key").unwrap();
+        rustls::sign::CertifiedKey::from_der(chain, key, &provider()).is_ok()
+    }
+
+    /// A renewal answer that came after its request's 30 s wait ran out was
+    /// taken, a minute later, as the answer to the next request, made with a
+    /// new key: the pair written did not match, and the edge could not
+    /// start again. A queued answer is now dropped before the next request.
+    /// (Paused time: the 30 s and the minute pass at once.)
+    #[tokio::test(start_paused = true)]
+    async fn a_late_renewal_answer_is_not_taken_for_the_next_request() {
+        let (cfg, dir) = test_config("127.0.0.1:9".parse().unwrap(), &[]);
+        let day = Duration::from_secs(86400);
+        let ca = tether_certs::Ca::new("renewal CA", day).unwrap();
+        // Back-dated 5 minutes, valid 1 more: due for renewal at once.
+        let due = ca.issue_edge("edge-t", Duration::from_secs(60)).unwrap();
+        std::fs::write(&cfg.cert, &due.cert_pem).unwrap();
+        std::fs::write(&cfg.key, &due.key_pem).unwrap();
+        let (out_tx, mut out_rx) = tokio::sync::mpsc::channel(4);
+        let (renewed_tx, renewed_rx) = tokio::sync::mpsc::channel(1);
+        let renewer = {
+            let cfg = cfg.clone();
+            tokio::spawn(async move { renew_certificate(&cfg, "edge-t", out_tx, renewed_rx).await })
+        };
+        macro_rules! request {
+            () => {
+                match tokio::time::timeout(Duration::from_secs(120), out_rx.recv()).await {
+                    Ok(Some(Frame::RenewCert { csr_pem })) => csr_pem,
+                    other => panic!("no renewal request within 120 s: {other:?}"),
+                }
+            };
+        }
+        let first = request!();
+        // Unanswered for 31 s: the edge gives up on it and retries in a
+        // minute. Then the first request's answer arrives, late.
+        tokio::time::sleep(Duration::from_secs(31)).await;
+        let late = tether_certs::sign_edge_csr(&ca, &first, "edge-t", day)
+            .unwrap()
+            .cert_pem;
+        renewed_tx.send(Ok(late)).await.unwrap();
+        let second = request!();
+        assert_ne!(first, second);
+        let fresh = tether_certs::sign_edge_csr(&ca, &second, "edge-t", day)
+            .unwrap()
+            .cert_pem;
+        renewed_tx.send(Ok(fresh.clone())).await.unwrap();
+        let start = std::time::Instant::now();
+        while std::fs::read_to_string(&cfg.cert).unwrap() == due.cert_pem {
+            assert!(start.elapsed() < Duration::from_secs(10), "nothing written");
+            tokio::task::yield_now().await;
+        }
+        let (cert, key) = (
+            std::fs::read_to_string(&cfg.cert).unwrap(),
+            std::fs::read_to_string(&cfg.key).unwrap(),
+        );
+        assert!(cert_for_key(&cert, &key), "the written pair does not match");
+        assert_eq!(cert, fresh);
+        renewer.abort();
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// Item 2 of the control-stream audit: limits in the welcome that the
