@@ -11,6 +11,9 @@ use tether_proto::units::{parse_bytes, parse_duration};
 use tether_proto::Limits;
 
 /// Command-line flags of `tether-edge`.
+// Each flag's `///` line is its `--help` text and ships in the edge binary
+// (every flag costs it over a kilobyte): keep it to one short line, with the
+// details for readers in `//` comments and for operators in the README.
 #[derive(Debug, Parser)]
 #[command(
     name = "tether-edge",
@@ -34,8 +37,8 @@ pub struct EdgeArgs {
     /// This edge's private key (PEM).
     #[arg(long, env = "TETHER_KEY")]
     pub key: PathBuf,
-    /// The one kubelet endpoint streams are replayed against: edged-style
-    /// `http://127.0.0.1:10350` or a kubelet's `https://127.0.0.1:10250`.
+    /// The one kubelet endpoint streams are replayed against.
+    // Edged-style `http://127.0.0.1:10350` or a kubelet's `https://127.0.0.1:10250`.
     #[arg(
         long,
         env = "TETHER_KUBELET_URL",
@@ -45,8 +48,8 @@ pub struct EdgeArgs {
     /// CA (PEM) to verify an HTTPS kubelet's serving certificate.
     #[arg(long, env = "TETHER_KUBELET_CA")]
     pub kubelet_ca: Option<PathBuf>,
-    /// Do not verify an HTTPS kubelet's serving certificate (kubelets often
-    /// serve a self-signed one). Explicit opt-in.
+    /// Do not verify an HTTPS kubelet's certificate.
+    // Kubelets often serve a self-signed one: an explicit opt-in.
     #[arg(long, env = "TETHER_KUBELET_INSECURE_SKIP_TLS_VERIFY")]
     pub kubelet_insecure_skip_tls_verify: bool,
     /// Client certificate (PEM) presented to an HTTPS kubelet.
@@ -69,18 +72,17 @@ pub struct EdgeArgs {
     /// Time allowed for one read of the kubelet's pod list (`GET /pods`).
     #[arg(long, env = "TETHER_KUBELET_PODS_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub kubelet_pods_timeout: Duration,
-    /// Largest kubelet pod list (`GET /pods` body) read.
+    /// Largest kubelet pod list read.
     #[arg(long, env = "TETHER_KUBELET_PODS_MAX_BYTES", default_value = "64MiB", value_parser = parse_bytes)]
     pub kubelet_pods_max_bytes: u64,
-    /// Time allowed for the cloud's attach and request head on a new stream
-    /// (the cloud sends the head right behind the attach). A stream whose
-    /// attach does not come is dropped, one whose head does not come is
-    /// reset, freeing its slot.
+    /// Time allowed for a new stream's attach and request head.
+    // The cloud sends the head right behind the attach. A stream whose attach
+    // does not come is dropped, one whose head does not come is reset,
+    // freeing its slot.
     #[arg(long, env = "TETHER_REQUEST_HEAD_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub request_head_timeout: Duration,
-    /// Ended streams remembered, so a late re-attach of one is refused
-    /// rather than run as a new request.
-    #[arg(long, env = "TETHER_ENDED_STREAMS_REMEMBERED", default_value_t = 4096)]
+    /// Ended stream ids kept to refuse late re-attaches.
+    #[arg(long, env = "TETHER_ENDED_STREAMS_REMEMBERED", default_value = "4096")]
     pub ended_streams_remembered: usize,
     /// Addresses the apiserver may know this node by (repeatable; default: the host's IPs).
     #[arg(
@@ -89,35 +91,37 @@ pub struct EdgeArgs {
         value_delimiter = ','
     )]
     pub announce_addresses: Vec<String>,
-    /// How often the kubelet's pod list is read and reported. The kubelet API
-    /// has no watch, so this bounds how long a new pod may be unknown to the
-    /// cloud (404 `no connected edge reports pod`): at most this after the
-    /// kubelet lists it, usually while its containers are still starting.
-    /// Each read wakes an idle edge (and the kubelet): 20 s keeps an idle
-    /// edge under 30 wake-ups a minute; lower it where new pods must be
-    /// reachable sooner.
+    /// How often the kubelet's pod list is read and reported.
+    // The kubelet API has no watch, so this bounds how long a new pod may be
+    // unknown to the cloud (404 `no connected edge reports pod`): at most
+    // this after the kubelet lists it, usually while its containers are still
+    // starting. Each read wakes an idle edge (and the kubelet): 20 s keeps an
+    // idle edge under 30 wake-ups a minute; lower it where new pods must be
+    // reachable sooner.
     #[arg(long, env = "TETHER_PODS_REFRESH", default_value = "20s", value_parser = parse_duration)]
     pub pods_refresh: Duration,
-    /// Shortest interval of the adaptive keep-alive (default: 10s, or
-    /// --keep-alive, where it starts, if that is shorter). The edge learns how long the NAT keeps
-    /// an idle UDP binding and settles just below it, within these bounds.
+    /// Shortest adaptive keep-alive interval (default: 10s, or --keep-alive if shorter).
+    // The edge learns how long the NAT keeps an idle UDP binding and settles
+    // just below it, within these bounds; it starts at --keep-alive.
     #[arg(long, env = "TETHER_KEEP_ALIVE_MIN", value_parser = parse_duration)]
     pub keep_alive_min: Option<Duration>,
-    /// Longest interval of the adaptive keep-alive (default: 110s, but at
-    /// least 20s below --idle-timeout and never below --keep-alive-min).
-    /// Set it equal to --keep-alive-min for a fixed keep-alive.
+    /// Longest adaptive keep-alive interval (default: 110s).
+    // At least 20s below --idle-timeout and never below --keep-alive-min;
+    // equal to --keep-alive-min for a fixed keep-alive.
     #[arg(long, env = "TETHER_KEEP_ALIVE_MAX", value_parser = parse_duration)]
     pub keep_alive_max: Option<Duration>,
-    /// Once the edge has sent something (data, a keep-alive) and nothing has
-    /// come back for this long, the link is taken for dead: the edge
-    /// reconnects and resumes the session. (QUIC's --idle-timeout must
-    /// outlast the longest keep-alive interval, so it cannot be this quick.)
+    /// Silence after sending that takes the link for dead.
+    // Once the edge has sent something (data, a keep-alive) and nothing has
+    // come back for this long, the edge reconnects and resumes the session.
+    // (QUIC's --idle-timeout must outlast the longest keep-alive interval,
+    // so it cannot be this quick.)
     #[arg(long, env = "TETHER_SILENCE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub silence_timeout: Duration,
-    /// Threads of the async runtime. One is plenty for an edge's handful of
-    /// streams and wakes the device least when idle; more help only a busy
-    /// edge moving bulk data through many streams at once.
-    #[arg(long, env = "TETHER_WORKER_THREADS", default_value_t = 1)]
+    /// Threads of the async runtime.
+    // One is plenty for an edge's handful of streams and wakes the device
+    // least when idle; more help only a busy edge moving bulk data through
+    // many streams at once.
+    #[arg(long, env = "TETHER_WORKER_THREADS", default_value = "1")]
     pub worker_threads: usize,
     /// First reconnect delay; doubles up to --reconnect-max, with jitter.
     #[arg(long, env = "TETHER_RECONNECT_MIN", default_value = "100ms", value_parser = parse_duration)]
@@ -134,13 +138,12 @@ pub struct EdgeArgs {
     #[arg(long, env = "TETHER_METRICS_LISTEN", default_value = "127.0.0.1:9091")]
     pub metrics_listen: std::net::SocketAddr,
     /// Time allowed for one connection attempt (QUIC handshake and welcome).
-    /// After a round in which every attempt timed out, the next round allows
-    /// twice as long, up to 8×, so a link slower than this still gets in.
+    // After a round in which every attempt timed out, the next round allows
+    // twice as long, up to 8×, so a link slower than this still gets in.
     #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handshake_timeout: Duration,
-    /// Connection attempts in flight at once (1-8): while one waits, another
-    /// starts every --reconnect-max.
-    #[arg(long, env = "TETHER_MAX_HANDSHAKES_IN_FLIGHT", default_value_t = 2)]
+    /// Connection attempts at once (1-8).
+    #[arg(long, env = "TETHER_MAX_HANDSHAKES_IN_FLIGHT", default_value = "2")]
     pub max_handshakes_in_flight: usize,
     /// A TOML file of settings (keys are the long flag names); flags and
     /// environment variables override it.
@@ -182,7 +185,7 @@ pub struct JoinArgs {
     /// Where `node.key`, `node.crt` and `ca.crt` are written.
     #[arg(long, env = "TETHER_STATE_DIR", default_value = "/var/lib/tether-edge")]
     pub out_dir: PathBuf,
-    /// Time allowed for the whole exchange with the cloud.
+    /// Time allowed for the whole join.
     #[arg(long, env = "TETHER_JOIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub join_timeout: Duration,
 }

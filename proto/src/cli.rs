@@ -54,41 +54,45 @@ impl LimitArgs {
 /// QUIC tuning (see README, "QUIC tuning").
 #[derive(Debug, Clone, Args)]
 pub struct QuicArgs {
-    /// Keep-alive interval (the edge's adaptive keep-alive starts here and
-    /// learns the NAT's binding timeout, see `--keep-alive-min/max`; the cloud
-    /// sends none).
+    /// Keep-alive interval (the edge's adaptive one starts here).
+    // The edge learns the NAT's binding timeout from here, see
+    // `--keep-alive-min/max`; the cloud sends none.
     #[arg(long, env = "TETHER_KEEP_ALIVE", default_value = "20s", value_parser = parse_duration)]
     pub keep_alive: Duration,
-    /// A connection silent this long is dead (its streams then wait for a
-    /// resume). Must exceed the edge's longest keep-alive interval (110 s by
-    /// default) by a margin for a lost keep-alive's retransmission.
+    /// A connection silent this long is dead.
+    // Its streams then wait for a resume. Must exceed the edge's longest
+    // keep-alive interval (110 s by default) by a margin for a lost
+    // keep-alive's retransmission.
     #[arg(long, env = "TETHER_IDLE_TIMEOUT", default_value = "150s", value_parser = parse_duration)]
     pub idle_timeout: Duration,
     /// RTT assumed before the first sample (cellular: a few hundred ms).
     #[arg(long, env = "TETHER_INITIAL_RTT", default_value = "300ms", value_parser = parse_duration)]
     pub initial_rtt: Duration,
-    /// Per-stream QUIC receive window: how much of one stream may be in flight
-    /// towards us. One stream's throughput is at most this per round trip, and
-    /// after a loss the data behind the hole waits in it for an extra round
-    /// trip or two; keep it at least `--replay-buffer-bytes`.
+    /// Per-stream QUIC receive window.
+    // How much of one stream may be in flight towards us. One stream's
+    // throughput is at most this per round trip, and after a loss the data
+    // behind the hole waits in it for an extra round trip or two; keep it at
+    // least `--replay-buffer-bytes`.
     #[arg(long, env = "TETHER_STREAM_WINDOW", default_value = "4MiB", value_parser = parse_bytes_u32)]
     pub stream_window: u32,
     /// UDP socket buffer size [default: 32MiB on the cloud, 4MiB on the edge].
-    /// The cloud's one socket takes every edge's datagrams: after a restart
-    /// thousands of edges' handshakes arrive at once, and a datagram the
-    /// kernel drops for want of buffer costs its edge a retransmission timer
-    /// inflated by the storm (seconds). Beyond `net.core.rmem_max` it needs
-    /// `CAP_NET_ADMIN`, else a warning says what was granted.
+    // The cloud's one socket takes every edge's datagrams: after a restart
+    // thousands of edges' handshakes arrive at once, and a datagram the
+    // kernel drops for want of buffer costs its edge a retransmission timer
+    // inflated by the storm (seconds). Beyond `net.core.rmem_max` it needs
+    // `CAP_NET_ADMIN`, else a warning says what was granted.
     #[arg(long, env = "TETHER_UDP_BUFFER", value_parser = parse_bytes)]
     pub udp_buffer: Option<u64>,
-    /// Congestion controller: `cubic`, `bbr` (loss-tolerant, for lossy cellular links) or `newreno`.
+    /// Congestion controller.
+    // `bbr` is loss-tolerant, for lossy cellular links.
     #[arg(long, env = "TETHER_CONGESTION", default_value = "bbr", value_parser = ["bbr", "cubic", "newreno"])]
     pub congestion: String,
-    /// Writes of an upgraded exec, attach or port-forward stream up to this
-    /// size also go once more as a QUIC datagram padded to a full packet, so a
-    /// lost packet does not hold a keystroke or its echo for a loss-detection
-    /// round trip; each copied write costs one packet more on the wire. 0
-    /// sends no copies (they are still received).
+    /// Interactive writes up to this size also go as a datagram copy (0: none).
+    // Writes of an upgraded exec, attach or port-forward stream up to this
+    // size also go once more as a QUIC datagram padded to a full packet, so a
+    // lost packet does not hold a keystroke or its echo for a loss-detection
+    // round trip; each copied write costs one packet more on the wire. 0
+    // sends no copies (they are still received).
     #[arg(long, env = "TETHER_INTERACTIVE_COPY_BYTES", default_value = "256", value_parser = parse_bytes)]
     pub interactive_copy_bytes: u64,
     /// Copies one stream may send per second; its further writes go once.
@@ -97,30 +101,30 @@ pub struct QuicArgs {
     /// QUIC datagrams buffered per connection each way (at least 2KiB).
     #[arg(long, env = "TETHER_DATAGRAM_BUFFER", default_value = "64KiB", value_parser = parse_bytes)]
     pub datagram_buffer: u64,
-    /// Path-MTU search step in bytes (at most 252): after each handshake the
-    /// packet size is searched from 1,200 up to 1,452 bytes by bisection,
-    /// probing 1,452 last once a bisection would move less than this. 64
-    /// takes two probes on a 1,500-byte path (20, quinn's own, four); a
-    /// smaller step takes more probes (each a padded packet and its
-    /// acknowledgement) and ends closer to an odd path's size. 0: no
-    /// search, 1,200-byte packets.
+    /// Path-MTU search step in bytes (at most 252; 0: no search).
+    // After each handshake the packet size is searched from 1,200 up to
+    // 1,452 bytes by bisection, probing 1,452 last once a bisection would
+    // move less than this. 64 takes two probes on a 1,500-byte path (20,
+    // quinn's own, four); a smaller step takes more probes (each a padded
+    // packet and its acknowledgement) and ends closer to an odd path's size.
+    // 0: no search, 1,200-byte packets.
     #[arg(long, env = "TETHER_MTU_PROBE_STEP", default_value_t = crate::quic::DEFAULT_MTU_PROBE_STEP)]
     pub mtu_probe_step: u16,
-    /// How long a finished path-MTU search stands before the same path is
-    /// searched again (1s to 30 days). On a path that silently drops packets
-    /// above its MTU, every search loses six probes of up to 1,452 bytes from
-    /// each end (about 17 KB on the wire); quinn's default, 10 minutes, made
-    /// that 2.4 MiB a day per idle edge. Every new connection searches
-    /// anew regardless, and so does the cloud when an edge's address changes;
-    /// a path whose MTU shrinks is caught by quinn's black-hole detection.
+    /// How long a path-MTU search stands before the path is searched again.
+    // 1s to 30 days. On a path that silently drops packets above its MTU,
+    // every search loses six probes of up to 1,452 bytes from each end
+    // (about 17 KB on the wire); quinn's default, 10 minutes, made that
+    // 2.4 MiB a day per idle edge. Every new connection searches anew
+    // regardless, and so does the cloud when an edge's address changes; a
+    // path whose MTU shrinks is caught by quinn's black-hole detection.
     #[arg(long, env = "TETHER_MTU_RESEARCH_INTERVAL", default_value = "6h", value_parser = parse_duration)]
     pub mtu_research_interval: Duration,
-    /// Let the peer receive this many packets from us (1 to 100) before it
-    /// must acknowledge them, instead of acknowledging every second one
-    /// (QUIC's acknowledgement-frequency extension; both ends speak it).
-    /// Fewer acknowledgements to send, receive and route, and larger bursts
-    /// per system call; a lone packet is acknowledged after the peer's
-    /// 25 ms delay either way. 0: QUIC's own cadence, no extension frame.
+    /// Packets the peer may receive before it must acknowledge (0-100; 0: QUIC's own).
+    // Instead of acknowledging every second one (QUIC's acknowledgement-
+    // frequency extension; both ends speak it). Fewer acknowledgements to
+    // send, receive and route, and larger bursts per system call; a lone
+    // packet is acknowledged after the peer's 25 ms delay either way. 0:
+    // QUIC's own cadence, no extension frame.
     #[arg(long, env = "TETHER_ACK_ELICITING_THRESHOLD", default_value_t = crate::quic::DEFAULT_ACK_THRESHOLD)]
     pub ack_eliciting_threshold: u32,
 }
@@ -195,9 +199,10 @@ pub struct LogArgs {
     /// Log format: `text` or `json`.
     #[arg(long, env = "TETHER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
-    /// Log filter: a default level and `target=level` pairs, comma-separated,
-    /// e.g. `info,tether_cloud=debug` (tracing's `Targets` syntax: no regex
-    /// engine in the binaries, which keeps the edge small).
+    /// Log filter, e.g. `info,tether_cloud=debug`.
+    // A default level and `target=level` pairs, comma-separated (tracing's
+    // `Targets` syntax: no regex engine in the binaries, which keeps the edge
+    // small).
     #[arg(long, env = "TETHER_LOG", default_value = "info")]
     pub log: String,
 }
