@@ -888,9 +888,9 @@ async fn renew_certificate(
                 let ok = tether_certs::pem::certs_from_pem(&cert_pem, "renewed certificate")
                     .ok()
                     .and_then(|c| c.into_iter().next())
-                    .and_then(|leaf| tether_certs::node_name_from_cert(&leaf).ok())
-                    .map(|n| n == node)
-                    .unwrap_or(false);
+                    .is_some_and(|leaf| {
+                        tether_certs::node_name_from_cert(&leaf).is_ok_and(|n| n == node)
+                    });
                 if !ok {
                     warn!(
                         node,
