@@ -264,11 +264,6 @@ impl Dialer {
         }
     }
 
-    /// Handshakes with overlapping attempts: a new attempt starts every
-    /// `--reconnect-max` while older ones are still waiting, at most
-    /// `--max-handshakes-in-flight` at once (each bounded by
-    /// `--handshake-timeout`), so an attempt whose packets were lost in an
-    /// outage never delays the reconnect once the link is back.
     /// A control-stream failure on a live connection is a protocol error:
     /// close the connection (and reconnect). One caused by the connection
     /// closing is not.
@@ -307,6 +302,11 @@ impl Dialer {
         }
     }
 
+    /// Handshakes with overlapping attempts: a new attempt starts every
+    /// `--reconnect-max` while older ones are still waiting, at most
+    /// `--max-handshakes-in-flight` at once (each bounded by
+    /// `--handshake-timeout`), so an attempt whose packets were lost in an
+    /// outage never delays the reconnect once the link is back.
     async fn establish(&self) -> anyhow::Result<Established> {
         // `--max-handshakes-in-flight`, 2 by default: the second probes
         // while the first's Initial waits out QUIC's retransmission timer.
@@ -478,7 +478,7 @@ impl Dialer {
             self.target.clone(),
             &mut send,
             (epoch, self.cfg.pods_refresh),
-            max,
+            (max, self.cfg.silence_timeout),
             out_rx,
             &self.node,
         );
@@ -1093,12 +1093,17 @@ async fn keep_alive(
 /// and a control frame that does not fit is dropped, both with a warning
 /// naming the node: a frame the cloud would refuse must not close the
 /// connection (and every stream on it), as it would again on every
-/// reconnect. Returns only on a control-stream error.
+/// reconnect. Each frame must leave within `within` (`--silence-timeout`):
+/// a cloud that grants no credit on the control stream for that long has
+/// taken nothing, so the link is taken for dead (the connection is closed
+/// and the session resumed on a new one) rather than holding the pod
+/// reports, renewals and keep-alives behind it for ever. Returns only on a
+/// control-stream error.
 async fn report_pods<W: tokio::io::AsyncWrite + Unpin>(
     target: Arc<KubeletTarget>,
     send: &mut W,
     (epoch, every): (tokio::time::Instant, Duration),
-    max: usize,
+    (max, within): (usize, Duration),
     mut extra: tokio::sync::mpsc::Receiver<Frame>,
     node: &str,
 ) -> anyhow::Result<()> {
@@ -1128,7 +1133,7 @@ async fn report_pods<W: tokio::io::AsyncWrite + Unpin>(
                     } else {
                         debug!(node, pods = pods.len(), "reporting pods");
                     }
-                    send_control(send, &report, max, node)
+                    send_control(send, &report, (max, within), node)
                         .await
                         .context("sending a pod report")?;
                     last = Some(pods);
@@ -1155,7 +1160,7 @@ async fn report_pods<W: tokio::io::AsyncWrite + Unpin>(
             tokio::select! {
                 () = timer.sleep_until(next) => break,
                 f = extra.recv() => match f {
-                    Some(f) => send_control(send, &f, max, node).await.context("sending a control frame")?,
+                    Some(f) => send_control(send, &f, (max, within), node).await.context("sending a control frame")?,
                     None => {
                         timer.sleep_until(next).await;
                         break;
@@ -1166,22 +1171,27 @@ async fn report_pods<W: tokio::io::AsyncWrite + Unpin>(
     }
 }
 
-/// Writes one control frame within the agreed bound `max`. A frame larger
-/// than that is not sent (logged, naming the node): the cloud would take it
-/// for a protocol error and close the connection. Only a failure of the
-/// stream itself is an error.
+/// Writes one control frame within the agreed bound `max`, in at most
+/// `within` (`--silence-timeout`). A frame larger than the bound is not
+/// sent (logged, naming the node): the cloud would take it for a protocol
+/// error and close the connection. A failure of the stream itself, or a
+/// frame the cloud took no room for in time, is an error.
 async fn send_control<W: tokio::io::AsyncWrite + Unpin>(
     send: &mut W,
     frame: &Frame,
-    max: usize,
+    (max, within): (usize, Duration),
     node: &str,
 ) -> anyhow::Result<()> {
-    match write_frame(send, frame, max).await {
-        Err(TransportError::Frame(e)) => {
+    match tokio::time::timeout(within, write_frame(send, frame, max)).await {
+        Err(_) => anyhow::bail!(
+            "the cloud took no {} frame on the control stream within --silence-timeout ({within:?})",
+            frame.kind()
+        ),
+        Ok(Err(TransportError::Frame(e))) => {
             warn!(node, frame = frame.kind(), max_frame_bytes = max, error = %e, "a control frame does not fit in the frame bound agreed with the cloud; not sending it (raise --max-frame-bytes on both the edge and the cloud)");
             Ok(())
         }
-        sent => Ok(sent?),
+        Ok(sent) => Ok(sent?),
     }
 }
 
@@ -1306,7 +1316,7 @@ mod tests {
                 target,
                 &mut ours,
                 (tokio::time::Instant::now(), Duration::from_secs(3600)),
-                MAX,
+                (MAX, Duration::from_secs(60)),
                 extra_rx,
                 "edge-t",
             )
@@ -1364,7 +1374,15 @@ mod tests {
         let (extra_tx, extra_rx) = tokio::sync::mpsc::channel(4);
         let reporter = tokio::spawn(async move {
             let every = (tokio::time::Instant::now(), Duration::from_millis(50));
-            report_pods(target, &mut ours, every, MAX, extra_rx, "edge-t").await
+            report_pods(
+                target,
+                &mut ours,
+                every,
+                (MAX, Duration::from_secs(60)),
+                extra_rx,
+                "edge-t",
+            )
+            .await
         });
         let mut reader = FrameReader::new(MAX);
         macro_rules! next {
@@ -1398,6 +1416,38 @@ mod tests {
         *body.lock().unwrap() = Arc::new(pod_list(3));
         assert_eq!(pods_in(next!()), 3);
         reporter.abort();
+    }
+
+    /// A cloud that grants no room on the control stream (it reads nothing)
+    /// fails the reporter after `--silence-timeout` instead of holding the
+    /// pod reports, renewals and keep-alives behind it for ever: the
+    /// connection is then closed and the session resumed on a new one.
+    #[tokio::test]
+    async fn a_control_stream_the_cloud_takes_nothing_on_fails_after_the_silence_timeout() {
+        use crate::kubelet::testing::{pod_list, pods_kubelet_swappable};
+        const MAX: usize = 64 * 1024;
+        const WITHIN: Duration = Duration::from_millis(300);
+        let (addr, _conns, _body) = pods_kubelet_swappable(pod_list(2), usize::MAX).await;
+        let target = crate::kubelet::testing::plain_target(&addr, Duration::from_secs(5));
+        // 16 bytes of room, never read: the pod report cannot leave.
+        let (mut ours, _cloud) = tokio::io::duplex(16);
+        let (extra_tx, extra_rx) = tokio::sync::mpsc::channel(4);
+        let started = std::time::Instant::now();
+        let every = (tokio::time::Instant::now(), Duration::from_secs(3600));
+        let reporter = report_pods(target, &mut ours, every, (MAX, WITHIN), extra_rx, "edge-t");
+        let ended = tokio::time::timeout(Duration::from_secs(10), reporter)
+            .await
+            .expect("the reporter still waits on the cloud after 10 s");
+        let e = format!(
+            "{:#}",
+            ended.expect_err("the reporter gave up with an error")
+        );
+        assert!(
+            e.contains("within --silence-timeout") && e.contains("pod-report"),
+            "{e}"
+        );
+        assert!(started.elapsed() >= WITHIN, "{:?}", started.elapsed());
+        drop(extra_tx);
     }
 
     /// A test edge's configuration: certificates for `edge-t` written into
