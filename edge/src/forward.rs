@@ -14,7 +14,11 @@
 //! stream table hands to [`Forward::run`]: a kubelet response head larger
 //! than that resets the stream with `LimitExceeded`, naming the bound (the
 //! cloud answers 502 with it), instead of reaching a cloud that would refuse
-//! it as a bad head.
+//! it as a bad head. The cloud checks its request heads against the same
+//! bound before it opens a stream (431); one that arrives over it anyway (a
+//! replica that agreed a larger bound with this edge on an earlier
+//! connection, and owns streams relayed to it now) is reset with
+//! `LimitExceeded` naming the bound too, not as a malformed head.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -72,6 +76,20 @@ impl Forward {
         );
         let head = match head.await {
             Ok(Ok(h)) => h,
+            Ok(Err(HeadError::TooLarge { len, max })) => {
+                let why = format!(
+                    "the cloud's request head ({len} bytes) exceeds the head bound agreed with \
+                     the cloud (--max-head-bytes, the smaller of the edge's and the cloud's: \
+                     {max} bytes)"
+                );
+                warn!(
+                    head_bytes = len,
+                    max_head_bytes = max,
+                    "{why}; resetting the stream"
+                );
+                shared.reset(ResetCode::LimitExceeded, why);
+                return;
+            }
             Ok(Err(e)) => {
                 warn!(error = %e, "bad request head from the cloud");
                 shared.reset(ResetCode::ProtocolError, format!("bad request head: {e}"));
@@ -536,6 +554,42 @@ mod tests {
                 "{header}: {message}"
             );
         }
+    }
+
+    /// A request head over the head bound `run` is given (one a replica sent
+    /// within a larger bound it agreed with this edge on an earlier
+    /// connection) ends the stream with `LimitExceeded` naming the bound and
+    /// the head's size; it was a `ProtocolError` "bad request head".
+    #[tokio::test]
+    async fn a_request_head_over_the_bound_is_a_limit_error_naming_it() {
+        let (forward, shared, limits) = forward_to("127.0.0.1:9");
+        deliver_head(
+            &shared,
+            &limits,
+            RequestHead {
+                method: "GET".into(),
+                path_and_query: "/containerLogs/default/p1/c".into(),
+                headers: vec![("x-padding".into(), vec![b'a'; 6000])],
+                has_body: false,
+            },
+        );
+        let small = Limits {
+            max_head_bytes: 4096,
+            ..limits
+        };
+        let task = tokio::spawn(forward.run(ResumableIo::new(shared.clone()), small));
+        let (code, message) = reset_of(task, &shared).await;
+        assert_eq!(code, ResetCode::LimitExceeded, "{message}");
+        assert!(
+            message.contains("the cloud's request head (6046 bytes)"),
+            "{message}"
+        );
+        assert!(
+            message.contains(
+                "(--max-head-bytes, the smaller of the edge's and the cloud's: 4096 bytes)"
+            ),
+            "{message}"
+        );
     }
 
     /// `--kubelet-connect-timeout` bounds the TLS handshake too: a kubelet
