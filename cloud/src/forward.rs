@@ -21,6 +21,19 @@
 //!    body ends with an error, so hyper aborts the response (no terminating
 //!    chunk on HTTP/1.1, RST_STREAM on HTTP/2) — a cut log never looks
 //!    complete.
+//!
+//! **Heads go within the bound agreed with the edge.** Each session holds the
+//! wire bounds agreed with its edge ([`Session::limits`]: the smaller
+//! `--max-head-bytes` of the two, [`tether_proto::Limits::agree`]; for an
+//! edge a peer holds, also within the bound that peer agreed with it, which
+//! its route record carries). A request head larger than the cloud's own
+//! bound is refused with 431 before it is routed; one that fits that but not
+//! the bound of the session that would carry it is refused with 431 naming
+//! that bound, the node and the flag, before a stream is opened (the edge
+//! would reset the stream: a 502). The response head is read within the same
+//! agreed bound. A session keeps the bounds it agreed first: should the edge
+//! move to a replica configured with a smaller bound, the edge's reset names
+//! the bound it applies (a 502 `LimitExceeded`).
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -54,7 +67,7 @@ use crate::config::CloudConfig;
 use crate::identity::{is_allowed, ClientIdentity};
 use crate::metrics::{CloudMetrics, OpenStream};
 use crate::registry::{node_from_forwarded_uri, Registry, RouteError};
-use crate::session::OpenError;
+use crate::session::{OpenError, Session};
 
 /// What the front knows about the apiserver connection a request came on.
 #[derive(Debug)]
@@ -274,6 +287,8 @@ impl Forwarder {
         let kind = route.kind();
         let upgrade = upgrade_of(&req);
         let head = request_head(&req, upgrade.as_ref());
+        // Within the cloud's own bound first, before routing: a head over it
+        // fits no edge. The edge's agreed bound is checked once it is known.
         let head_bytes = match encode_head(&head, self.cfg.limits.max_head_bytes as usize) {
             Ok(b) => b,
             Err(e) => {
@@ -283,7 +298,14 @@ impl Forwarder {
                 )
             }
         };
-        let (target, io) = match self.reach(&route, &req, &conn, &caller, &path, kind).await {
+        let sending = Sending {
+            kind,
+            head_len: head_bytes.len().saturating_sub(HEAD_LENGTH_PREFIX),
+        };
+        let (target, io, max_head) = match self
+            .reach(&route, &req, &conn, &caller, &path, sending)
+            .await
+        {
             Ok(x) => x,
             Err(resp) => return resp,
         };
@@ -294,7 +316,12 @@ impl Forwarder {
         };
         let span =
             tracing::info_span!("request", node = %target.node, via = %via, kind = kind.as_str());
-        self.exchange(req, target.node, io, head, head_bytes, upgrade, open_guard)
+        let sent = Sent {
+            head,
+            head_bytes,
+            max_head,
+        };
+        self.exchange(req, target.node, io, sent, upgrade, open_guard)
             .instrument(span)
             .await
     }
@@ -304,6 +331,7 @@ impl Forwarder {
     /// for the node, and opens the stream — local, or relayed once to the
     /// replica that holds the edge. A relay the holder answers "not here" (a
     /// stale route) is routed again from this replica's table, never passed on.
+    /// Returns the stream and the head bound agreed with its edge.
     async fn reach(
         &self,
         route: &Route<'_>,
@@ -311,8 +339,8 @@ impl Forwarder {
         conn: &ConnInfo,
         caller: &Caller,
         path: &str,
-        kind: tether_proto::route::StreamKind,
-    ) -> Result<(Target, EdgeIo), Response<ResBody>> {
+        sending: Sending,
+    ) -> Result<(Target, EdgeIo, usize), Response<ResBody>> {
         let deadline = tokio::time::Instant::now() + self.cfg.route_wait;
         let mut changes = self.registry.any_changes();
         let mut authorised: Option<String> = None;
@@ -330,8 +358,8 @@ impl Forwarder {
                     .await?;
                 authorised = Some(target.node.clone());
             }
-            match self.open(&target, kind).await {
-                Ok(io) => return Ok((target, io)),
+            match self.open(&target, sending).await {
+                Ok((io, max_head)) => return Ok((target, io, max_head)),
                 Err(Opened::Refused(resp)) => return Err(resp),
                 Err(Opened::Stale(msg)) => {
                     self.metrics.stale_routes.inc();
@@ -451,12 +479,10 @@ impl Forwarder {
 
     /// Step 3: "local or relayed" — the one place that decides. A local
     /// session opens a logical stream; a peer's edge is reached over the
-    /// peer link ([`crate::relay`]), one hop.
-    async fn open(
-        &self,
-        target: &Target,
-        kind: tether_proto::route::StreamKind,
-    ) -> Result<EdgeIo, Opened> {
+    /// peer link ([`crate::relay`]), one hop. A request head over the bound
+    /// agreed with the edge is refused (431) before a stream is opened.
+    /// Returns the stream and that bound.
+    async fn open(&self, target: &Target, sending: Sending) -> Result<(EdgeIo, usize), Opened> {
         let refused = |status, msg: String| Opened::Refused(error_response(status, msg));
         // This replica owns the stream: its state lives here whether the edge
         // is connected here or to a peer (then the peer only splices).
@@ -484,8 +510,13 @@ impl Forwarder {
                 }
             }
         };
-        match session.open_stream(kind) {
-            Ok((_, io)) => Ok(io.with_counters(self.metrics.bytes.clone())),
+        let max_head = session.limits().max_head_bytes as usize;
+        if let Err(why) = head_fits(&session, sending.head_len) {
+            info!(node = %session.node, head_bytes = sending.head_len, max_head_bytes = max_head, "request refused: {why}");
+            return Err(refused(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, why));
+        }
+        match session.open_stream(sending.kind) {
+            Ok((_, io)) => Ok((io.with_counters(self.metrics.bytes.clone()), max_head)),
             Err(e @ OpenError::TooManyStreams { .. }) => {
                 Err(refused(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))
             }
@@ -497,21 +528,19 @@ impl Forwarder {
 
     /// Steps 3–5 on an open stream: send the head and body, wait for the
     /// response head, then pipe an upgrade or stream the body.
-    #[allow(clippy::too_many_arguments)]
     async fn exchange(
         &self,
         mut req: Request<Incoming>,
         node: String,
         io: EdgeIo,
-        head: RequestHead,
-        head_bytes: Vec<u8>,
+        sent: Sent,
         upgrade: Option<HeaderValue>,
         open_guard: OpenStream,
     ) -> Response<ResBody> {
-        debug!(method = %req.method(), path = %head.path_and_query, upgrade = upgrade.is_some(), "forwarding");
+        debug!(method = %req.method(), path = %sent.head.path_and_query, upgrade = upgrade.is_some(), "forwarding");
         let shared = io.shared().clone();
         let (mut rd, mut wr) = tokio::io::split(io);
-        if let Err(e) = wr.write_all(&head_bytes).await {
+        if let Err(e) = wr.write_all(&sent.head_bytes).await {
             return error_response(StatusCode::BAD_GATEWAY, format_args!("edge {node}: {e}"));
         }
         let on_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
@@ -524,7 +553,10 @@ impl Forwarder {
                 );
             }
         }
-        let resp = match self.response_head(&mut rd, &shared, &node).await {
+        let resp = match self
+            .response_head(&mut rd, &shared, &node, sent.max_head)
+            .await
+        {
             Ok(h) => h,
             Err(r) => return r,
         };
@@ -577,16 +609,18 @@ impl Forwarder {
             .unwrap_or_else(|e| error_response(StatusCode::BAD_GATEWAY, e))
     }
 
-    /// Step 4: the kubelet's response head, within `--response-timeout`.
+    /// Step 4: the kubelet's response head, within `--response-timeout` and
+    /// `max_head`, the head bound agreed with the edge.
     async fn response_head(
         &self,
         rd: &mut ReadHalf<EdgeIo>,
         shared: &Resetter,
         node: &str,
+        max_head: usize,
     ) -> Result<ResponseHead, Response<ResBody>> {
         let resp = tokio::time::timeout(
             self.cfg.response_timeout,
-            read_head::<ResponseHead, _>(rd, self.cfg.limits.max_head_bytes as usize),
+            read_head::<ResponseHead, _>(rd, max_head),
         )
         .await;
         match resp {
@@ -616,6 +650,41 @@ impl Forwarder {
             Ok(Ok(h)) => Ok(h),
         }
     }
+}
+
+/// What [`Forwarder::open`] needs of the request: the stream's kind and
+/// the size of its encoded head as the head bound counts it.
+#[derive(Clone, Copy)]
+struct Sending {
+    kind: tether_proto::route::StreamKind,
+    head_len: usize,
+}
+
+/// What is sent on an open stream: the head, encoded, and the head bound
+/// agreed with the edge, within which its response head is read.
+struct Sent {
+    head: RequestHead,
+    head_bytes: Vec<u8>,
+    max_head: usize,
+}
+
+/// The length prefix [`encode_head`] puts before a head; the head bound
+/// counts what follows it.
+const HEAD_LENGTH_PREFIX: usize = 4;
+
+/// Whether an encoded request head of `len` bytes (prefix excluded) fits the
+/// head bound `session` agreed with its edge; if not, why, naming the node,
+/// the bound and the flag (the 431's body).
+fn head_fits(session: &Session, len: usize) -> Result<(), String> {
+    let max = session.limits().max_head_bytes as usize;
+    if len <= max {
+        return Ok(());
+    }
+    Err(format!(
+        "request head: head of {len} bytes exceeds the head bound agreed with edge {} \
+         (--max-head-bytes, the smaller of the edge's and the cloud's: {max} bytes)",
+        session.node
+    ))
 }
 
 /// Why [`Forwarder::open`] opened no stream.
@@ -806,5 +875,155 @@ impl Drop for StreamBody {
             self.shared
                 .reset(ResetCode::Cancelled, "the apiserver closed the response");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::CloudArgs;
+    use crate::peer::{PeerLink, ReplicaId};
+    use crate::routes::{EdgeRecord, Update};
+    use crate::session::testing::claim;
+    use clap::Parser;
+    use std::time::Duration;
+    use tether_proto::route::StreamKind;
+    use tether_proto::Limits;
+
+    /// A forwarder with the default limits (a 256 KiB head bound).
+    fn forwarder(registry: Arc<Registry>) -> Forwarder {
+        let cfg = CloudArgs::try_parse_from([
+            "tether-cloud",
+            "--tunnel-cert=t.crt",
+            "--tunnel-key=t.key",
+            "--edge-ca=e.crt",
+            "--kubelet-cert=k.crt",
+            "--kubelet-key=k.key",
+            "--insecure-skip-client-auth",
+        ])
+        .expect("flags")
+        .into_config()
+        .expect("a configuration");
+        assert_eq!(cfg.limits.max_head_bytes, 256 * 1024);
+        let metrics = CloudMetrics::register(&mut prometheus_client::registry::Registry::default());
+        Forwarder::new(Arc::new(cfg), registry, metrics, None)
+    }
+
+    /// An edge's limits with a 4 KiB head bound.
+    fn small_heads() -> Limits {
+        Limits {
+            max_head_bytes: 4096,
+            ..Limits::default()
+        }
+    }
+
+    fn sending(head_len: usize) -> Sending {
+        Sending {
+            kind: StreamKind::Logs,
+            head_len,
+        }
+    }
+
+    /// The status and body of a refusal; panics if a stream was opened.
+    async fn refusal(opened: Result<(EdgeIo, usize), Opened>) -> (StatusCode, String) {
+        match opened {
+            Ok(_) => panic!("a stream was opened"),
+            Err(Opened::Stale(m)) => panic!("stale: {m}"),
+            Err(Opened::Refused(r)) => {
+                let status = r.status();
+                let body = r.into_body().collect().await.expect("a body").to_bytes();
+                (status, String::from_utf8_lossy(&body).into_owned())
+            }
+        }
+    }
+
+    const NAMES_THE_BOUND: &str =
+        "(--max-head-bytes, the smaller of the edge's and the cloud's: 4096 bytes)";
+
+    /// A session held here that agreed a 4 KiB head bound with its edge (the
+    /// cloud's own is 256 KiB): a head of 4,097 bytes is refused with 431
+    /// naming the node and the bound, and no stream is opened; one of 4,096
+    /// opens a stream, whose response head is read within 4,096 bytes.
+    #[tokio::test]
+    async fn a_request_head_over_the_bound_agreed_with_a_local_edge_is_431_naming_it() {
+        let f = forwarder(Arc::new(Registry::new(Duration::from_secs(60))));
+        let session = Session::new(
+            "n".into(),
+            vec![],
+            f.cfg.limits.agree(&small_heads()),
+            &claim(),
+        )
+        .expect("a session");
+        let target = Target {
+            node: "n".into(),
+            holder: Holder::Local(session.clone()),
+        };
+        let (status, body) = refusal(f.open(&target, sending(4097)).await).await;
+        assert_eq!(
+            status,
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "{body}"
+        );
+        assert!(body.contains("head of 4097 bytes"), "{body}");
+        assert!(body.contains("agreed with edge n"), "{body}");
+        assert!(body.contains(NAMES_THE_BOUND), "{body}");
+        assert_eq!(session.open_streams(), 0, "no stream for a refused head");
+        let Ok((_io, max_head)) = f.open(&target, sending(4096)).await else {
+            panic!("a head at the bound opens a stream")
+        };
+        assert_eq!(max_head, 4096);
+        assert_eq!(session.open_streams(), 1);
+    }
+
+    /// An edge a peer holds, having agreed a 4 KiB head bound with it (its
+    /// route record says so): the replica that owns the relayed stream
+    /// refuses a 6,000-byte head with 431 naming the bound, before anything
+    /// crosses the peer link.
+    #[tokio::test]
+    async fn a_request_head_over_the_bound_a_peer_agreed_with_its_edge_is_431_naming_it() {
+        let (c1, _c2, _endpoints) = tether_proto::testing::quic_pair().await.expect("a link");
+        let peer = PeerLink::new(
+            c1.remote_address(),
+            ReplicaId::new("b"),
+            c1,
+            Default::default(),
+            Default::default(),
+        );
+        let registry = Arc::new(Registry::new(Duration::from_secs(60)));
+        registry.apply_remote(
+            &peer,
+            Update::Upsert(vec![EdgeRecord {
+                node: "n".into(),
+                session: format!("{:016x}", 7),
+                attached: true,
+                since_ms: 1,
+                sid: 7,
+                gen: 1,
+                limits: Limits::default().agree(&small_heads()),
+                pods: vec![],
+                addresses: vec![],
+            }]),
+        );
+        let f = forwarder(registry.clone());
+        let target = Target {
+            node: "n".into(),
+            holder: Holder::Remote {
+                replica: peer.replica.clone(),
+                conn: peer.conn.clone(),
+                attached: true,
+            },
+        };
+        let (status, body) = refusal(f.open(&target, sending(6000)).await).await;
+        assert_eq!(
+            status,
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "{body}"
+        );
+        assert!(body.contains("head of 6000 bytes"), "{body}");
+        assert!(body.contains(NAMES_THE_BOUND), "{body}");
+        let owned = registry
+            .owner_session("n", f.cfg.limits)
+            .expect("the owned session");
+        assert_eq!(owned.open_streams(), 0, "no stream for a refused head");
     }
 }

@@ -154,7 +154,10 @@ struct Book {
 pub struct Session {
     pub node: String,
     pub id: SessionId,
-    /// The cloud's limits (what this session's streams use).
+    /// The cloud's limits with the wire bounds (frame, data payload, head)
+    /// agreed with the edge, as they were when the session was made (for a
+    /// session owned through a peer, within what that peer agreed): what
+    /// this session's streams use, request and response heads included.
     limits: Limits,
     /// (A [`Latest`], not a `watch` channel: one session per edge.)
     link: Latest<Link>,

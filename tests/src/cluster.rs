@@ -137,6 +137,8 @@ pub struct ClusterSpec {
     pub replicas: usize,
     /// More flags for every cloud replica (after the harness's own, so they win).
     pub cloud_args: Vec<String>,
+    /// More flags for every edge (after the harness's own, so they win).
+    pub edge_args: Vec<String>,
 }
 
 impl ClusterSpec {
@@ -154,6 +156,7 @@ impl ClusterSpec {
             cri_script: None,
             replicas,
             cloud_args: Vec::new(),
+            edge_args: Vec::new(),
         }
     }
 }
@@ -733,7 +736,8 @@ impl Cluster {
                     .arg("--kubelet-url")
                     .arg(format!("http://{}", node.kubelet_addr))
                     .arg("--pods-refresh")
-                    .arg("1s");
+                    .arg("1s")
+                    .args(&spec.edge_args);
                 node.edge = Some(Proc::spawn(
                     &format!("tether-edge-{}", node.name),
                     cmd,

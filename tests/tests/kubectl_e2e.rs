@@ -123,6 +123,7 @@ fn spec(mode: Mode, replicas: usize, cri_runtime: Option<PathBuf>) -> ClusterSpe
         cri_runtime,
         replicas,
         cloud_args: Vec::new(),
+        edge_args: Vec::new(),
     }
 }
 

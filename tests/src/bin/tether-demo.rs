@@ -88,6 +88,7 @@ fn spec(cri_runtime: Option<PathBuf>) -> ClusterSpec {
         cri_script: None,
         replicas: 1,
         cloud_args: Vec::new(),
+        edge_args: Vec::new(),
     }
 }
 
