@@ -46,7 +46,9 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming};
 use tether_proto::frame::ResetCode;
-use tether_proto::head::{encode_head, is_hop_by_hop, read_head, RequestHead, ResponseHead};
+use tether_proto::head::{
+    encode_head, is_hop_by_hop, read_head, RequestHead, ResponseHead, HEAD_LENGTH_PREFIX,
+};
 use tether_proto::io::StreamReset;
 use tether_proto::route::{classify, Route};
 use tokio::io::{AsyncWriteExt, ReadHalf};
@@ -667,10 +669,6 @@ struct Sent {
     head_bytes: Vec<u8>,
     max_head: usize,
 }
-
-/// The length prefix [`encode_head`] puts before a head; the head bound
-/// counts what follows it.
-const HEAD_LENGTH_PREFIX: usize = 4;
 
 /// Whether an encoded request head of `len` bytes (prefix excluded) fits the
 /// head bound `session` agreed with its edge; if not, why, naming the node,

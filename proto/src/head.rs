@@ -83,6 +83,10 @@ pub enum HeadError {
     Io(#[from] std::io::Error),
 }
 
+/// Bytes of the length prefix before an encoded head's body: a head's size
+/// against a bound is its encoded length less this.
+pub const HEAD_LENGTH_PREFIX: usize = 4;
+
 /// Encodes a head as `u32 big-endian length ‖ postcard`.
 pub fn encode_head<T: Serialize>(head: &T, max: usize) -> Result<Vec<u8>, HeadError> {
     let body = postcard::to_allocvec(head)?;
@@ -92,7 +96,7 @@ pub fn encode_head<T: Serialize>(head: &T, max: usize) -> Result<Vec<u8>, HeadEr
             max,
         });
     }
-    let mut out = Vec::with_capacity(4 + body.len());
+    let mut out = Vec::with_capacity(HEAD_LENGTH_PREFIX + body.len());
     out.extend_from_slice(&(body.len() as u32).to_be_bytes());
     out.extend_from_slice(&body);
     Ok(out)
@@ -104,7 +108,7 @@ pub async fn read_head<T: DeserializeOwned, R: AsyncRead + Unpin>(
     r: &mut R,
     max: usize,
 ) -> Result<T, HeadError> {
-    let mut prefix = [0u8; 4];
+    let mut prefix = [0u8; HEAD_LENGTH_PREFIX];
     r.read_exact(&mut prefix).await?;
     let len = u32::from_be_bytes(prefix) as usize;
     if len > max {
