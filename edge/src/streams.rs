@@ -454,6 +454,32 @@ mod tests {
         EdgeStreams::new("edge-t".into(), limits, forward, remember_ended, metrics)
     }
 
+    /// The cloud's side of a stream: opens one on `cloud`, attaches it as
+    /// `id` with nothing delivered, and reads the edge's attach back.
+    async fn attach_from_zero(
+        cloud: &quinn::Connection,
+        id: StreamId,
+        max: usize,
+    ) -> (quinn::SendStream, quinn::RecvStream, FrameReader) {
+        let (mut send, mut recv) = cloud.open_bi().await.unwrap();
+        let attach = Frame::Attach {
+            stream: id,
+            delivered: 0,
+            fin_received: false,
+        };
+        write_frame(&mut send, &attach, max).await.unwrap();
+        let mut reader = FrameReader::new(max);
+        let first = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv))
+            .await
+            .expect("the edge's attach within 10 s")
+            .unwrap();
+        assert!(
+            matches!(first, Some(Frame::Attach { stream, .. }) if stream == id),
+            "{first:?}"
+        );
+        (send, recv, reader)
+    }
+
     /// The forwarder reads and writes heads within the bounds the stream
     /// table agreed with the cloud ([`EdgeStreams::set_agreed_limits`]), not
     /// the edge's own: it used its own `--max-head-bytes`, so a kubelet
@@ -582,29 +608,8 @@ mod tests {
                 }
             })
         };
-        // The cloud opens a stream and attaches it as new; reads the edge's attach.
-        let open = |id: StreamId| {
-            let cloud = cloud.clone();
-            async move {
-                let (mut send, mut recv) = cloud.open_bi().await.unwrap();
-                let attach = Frame::Attach {
-                    stream: id,
-                    delivered: 0,
-                    fin_received: false,
-                };
-                write_frame(&mut send, &attach, max).await.unwrap();
-                let mut reader = FrameReader::new(max);
-                let first = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv))
-                    .await
-                    .expect("the edge's attach within 10 s")
-                    .unwrap();
-                assert!(
-                    matches!(first, Some(Frame::Attach { stream, .. }) if stream == id),
-                    "{first:?}"
-                );
-                (send, recv, reader)
-            }
-        };
+        // The cloud opens a stream and attaches it as new.
+        let open = |id: StreamId| attach_from_zero(&cloud, id, max);
         let (_send1, _recv1, _) = open(1).await;
         let (mut send2, mut recv2, _) = open(2).await;
         let _first = accepted.recv().await.unwrap();
@@ -765,19 +770,7 @@ mod tests {
         let reattach = |id: StreamId| {
             let cloud = cloud.clone();
             async move {
-                let (mut send, mut recv) = cloud.open_bi().await.unwrap();
-                let attach = Frame::Attach {
-                    stream: id,
-                    delivered: 0,
-                    fin_received: false,
-                };
-                write_frame(&mut send, &attach, max).await.unwrap();
-                let mut reader = FrameReader::new(max);
-                let first = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv))
-                    .await
-                    .expect("the edge's attach within 10 s")
-                    .unwrap();
-                assert!(matches!(first, Some(Frame::Attach { stream, .. }) if stream == id));
+                let (send, mut recv, mut reader) = attach_from_zero(&cloud, id, max).await;
                 let second = tokio::time::timeout(Duration::from_secs(2), reader.next(&mut recv))
                     .await
                     .ok()
