@@ -128,7 +128,13 @@ async fn real_processes(
         for round in 0..3 {
             for (k, via) in [(0, local), (1, relayed)] {
                 let t = Instant::now();
-                let reply = cluster.kubelet_get_via(via, "edge-0", big).await?;
+                let reply = cluster
+                    .kubelet_get_via(via, "edge-0", big)
+                    .await
+                    .with_context(|| {
+                        let path = if k == 0 { "local" } else { "relayed" };
+                        format!("round {round} of the {bulk_mib} MiB log, {path}")
+                    })?;
                 let secs = t.elapsed().as_secs_f64();
                 if reply.body.len() != body.len() {
                     bail!(
