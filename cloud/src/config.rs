@@ -674,61 +674,43 @@ impl CloudArgs {
     }
 }
 
+/// A configuration for unit tests: the required file flags (never read
+/// here) and `--insecure-skip-client-auth`, then `extra`.
+#[cfg(test)]
+pub(crate) fn test_config(extra: &[&str]) -> Result<CloudConfig, String> {
+    let mut args = vec![
+        "tether-cloud",
+        "--tunnel-cert=t.crt",
+        "--tunnel-key=t.key",
+        "--edge-ca=e.crt",
+        "--kubelet-cert=k.crt",
+        "--kubelet-key=k.key",
+        "--insecure-skip-client-auth",
+    ];
+    args.extend_from_slice(extra);
+    CloudArgs::try_parse_from(args)
+        .map_err(|e| e.to_string())?
+        .into_config()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn config(extra: &[&str]) -> Result<CloudConfig, String> {
-        let mut args = vec![
-            "tether-cloud",
-            "--tunnel-cert",
-            "t.crt",
-            "--tunnel-key",
-            "t.key",
-            "--edge-ca",
-            "ca.crt",
-            "--kubelet-cert",
-            "k.crt",
-            "--kubelet-key",
-            "k.key",
-            "--insecure-skip-client-auth",
-        ];
-        args.extend_from_slice(extra);
-        CloudArgs::try_parse_from(args)
-            .map_err(|e| e.to_string())?
-            .into_config()
-    }
-
-    fn parse(extra: &[&str]) -> Result<CloudConfig, String> {
-        let mut argv = vec![
-            "tether-cloud",
-            "--tunnel-cert=t.crt",
-            "--tunnel-key=t.key",
-            "--edge-ca=e.crt",
-            "--kubelet-cert=k.crt",
-            "--kubelet-key=k.key",
-            "--apiserver-client-ca=a.crt",
-        ];
-        argv.extend_from_slice(extra);
-        CloudArgs::try_parse_from(argv)
-            .map_err(|e| e.to_string())?
-            .into_config()
-    }
-
     #[test]
     fn drain_spread_and_reset_key_file() {
-        let c = config(&[]).unwrap();
+        let c = test_config(&[]).unwrap();
         assert_eq!(c.drain_spread, Duration::from_secs(10));
         assert_eq!(c.reset_key_file, None);
         assert_eq!(c.reset_interval, Duration::from_millis(1));
-        let c = config(&["--drain-spread", "0s", "--reset-key-file", "/s/reset.key"]).unwrap();
+        let c = test_config(&["--drain-spread", "0s", "--reset-key-file", "/s/reset.key"]).unwrap();
         assert_eq!(c.drain_spread, Duration::ZERO);
         assert_eq!(c.reset_key_file, Some(PathBuf::from("/s/reset.key")));
     }
 
     #[test]
     fn zero_limits_and_timeouts_are_refused() {
-        assert!(config(&[]).is_ok());
+        assert!(test_config(&[]).is_ok());
         for (flag, zero) in [
             ("--max-edges", "0"),
             ("--max-announced-addresses", "0"),
@@ -745,27 +727,27 @@ mod tests {
             ("--join-cert-validity", "0s"),
             ("--worker-threads", "0"),
         ] {
-            let e = config(&[flag, zero]).expect_err(flag);
+            let e = test_config(&[flag, zero]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
         }
     }
 
     #[test]
     fn bounds_on_edges_and_apiserver_connections_have_their_defaults() {
-        let c = config(&[]).unwrap();
+        let c = test_config(&[]).unwrap();
         assert_eq!(c.control_write_timeout, Duration::from_secs(30));
         assert_eq!(c.max_announced_addresses, 64);
         // hyper's own default, made explicit.
         assert_eq!(c.max_apiserver_streams_per_connection, 200);
         assert_eq!(c.apiserver_keep_alive_probes, 3);
         for bad in ["0", "128"] {
-            let e = config(&["--apiserver-keep-alive-probes", bad]).unwrap_err();
+            let e = test_config(&["--apiserver-keep-alive-probes", bad]).unwrap_err();
             assert!(
                 e.contains("--apiserver-keep-alive-probes must be 1 to 127"),
                 "{e}"
             );
         }
-        let c = config(&[
+        let c = test_config(&[
             "--control-write-timeout",
             "2s",
             "--max-announced-addresses",
@@ -781,18 +763,20 @@ mod tests {
 
     #[test]
     fn worker_threads_default_to_the_cpus_and_are_bounded() {
-        assert_eq!(config(&[]).unwrap().worker_threads, None);
+        assert_eq!(test_config(&[]).unwrap().worker_threads, None);
         assert_eq!(
-            config(&["--worker-threads", "1"]).unwrap().worker_threads,
+            test_config(&["--worker-threads", "1"])
+                .unwrap()
+                .worker_threads,
             Some(1)
         );
         assert_eq!(
-            config(&["--worker-threads", "1024"])
+            test_config(&["--worker-threads", "1024"])
                 .unwrap()
                 .worker_threads,
             Some(1024)
         );
-        let e = config(&["--worker-threads", "1025"]).unwrap_err();
+        let e = test_config(&["--worker-threads", "1025"]).unwrap_err();
         assert!(e.contains("--worker-threads must be 1 to 1024"), "{e}");
     }
 
@@ -805,7 +789,7 @@ mod tests {
 
     #[test]
     fn peers_are_optional_and_checked() {
-        assert!(parse(&[]).unwrap().peer.is_none());
+        assert!(test_config(&[]).unwrap().peer.is_none());
         let mut flags = PEER.to_vec();
         flags.extend([
             "--peers=10.0.0.1:7000,tether-1.tether-peers:7000",
@@ -813,7 +797,7 @@ mod tests {
             "--replica-name=tether-0",
             "--peer-timeout=2s",
         ]);
-        let p = parse(&flags).unwrap().peer.unwrap();
+        let p = test_config(&flags).unwrap().peer.unwrap();
         assert_eq!(p.static_peers.len(), 2);
         assert_eq!(p.dns.as_deref(), Some("tether-peers.tether.svc:7000"));
         assert_eq!(p.replica_name, "tether-0");
@@ -821,28 +805,30 @@ mod tests {
         assert_eq!(p.resolve_interval, Duration::from_secs(5));
         // Peers without a peer listener, a listener without its certificate,
         // a peer without a port: refused at start.
-        assert!(parse(&["--peers=10.0.0.1:7000"]).is_err());
-        assert!(parse(&["--peer-listen=127.0.0.1:7000"]).is_err());
+        assert!(test_config(&["--peers=10.0.0.1:7000"]).is_err());
+        assert!(test_config(&["--peer-listen=127.0.0.1:7000"]).is_err());
         let mut bad = PEER.to_vec();
         bad.push("--peer-dns=tether-peers");
-        assert!(parse(&bad).unwrap_err().contains("HOST:PORT"));
+        assert!(test_config(&bad).unwrap_err().contains("HOST:PORT"));
         let mut bad = PEER.to_vec();
         bad.push("--peers=:7000");
-        assert!(parse(&bad).is_err());
+        assert!(test_config(&bad).is_err());
     }
 
     #[test]
     fn peer_stream_limit_defaults_to_the_apiserver_connection_limit_and_is_bounded() {
-        let p = parse(PEER).unwrap().peer.unwrap();
+        let p = test_config(PEER).unwrap().peer.unwrap();
         assert_eq!(p.max_streams, 4096);
         let mut flags = PEER.to_vec();
         flags.push("--peer-max-streams=16");
-        assert_eq!(parse(&flags).unwrap().peer.unwrap().max_streams, 16);
+        assert_eq!(test_config(&flags).unwrap().peer.unwrap().max_streams, 16);
         for bad in ["--peer-max-streams=3", "--peer-max-streams=1048577"] {
             let mut flags = PEER.to_vec();
             flags.push(bad);
             assert!(
-                parse(&flags).unwrap_err().contains("--peer-max-streams"),
+                test_config(&flags)
+                    .unwrap_err()
+                    .contains("--peer-max-streams"),
                 "{bad}"
             );
         }

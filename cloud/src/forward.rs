@@ -23,7 +23,7 @@
 //!    complete.
 //!
 //! **Heads go within the bound agreed with the edge.** Each session holds the
-//! wire bounds agreed with its edge ([`Session::limits`]: the smaller
+//! wire bounds agreed with its edge ([`crate::session::Session::limits`]: the smaller
 //! `--max-head-bytes` of the two, [`tether_proto::Limits::agree`]; for an
 //! edge a peer holds, also within the bound that peer agreed with it, which
 //! its route record carries). A request head larger than the cloud's own
@@ -69,7 +69,7 @@ use crate::config::CloudConfig;
 use crate::identity::{is_allowed, ClientIdentity};
 use crate::metrics::{CloudMetrics, OpenStream};
 use crate::registry::{node_from_forwarded_uri, Registry, RouteError};
-use crate::session::{OpenError, Session};
+use crate::session::OpenError;
 
 /// What the front knows about the apiserver connection a request came on.
 #[derive(Debug)]
@@ -513,7 +513,7 @@ impl Forwarder {
             }
         };
         let max_head = session.limits().max_head_bytes as usize;
-        if let Err(why) = head_fits(&session, sending.head_len) {
+        if let Err(why) = head_fits(&session.node, sending.head_len, max_head) {
             info!(node = %session.node, head_bytes = sending.head_len, max_head_bytes = max_head, "request refused: {why}");
             return Err(refused(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, why));
         }
@@ -670,18 +670,16 @@ struct Sent {
     max_head: usize,
 }
 
-/// Whether an encoded request head of `len` bytes (prefix excluded) fits the
-/// head bound `session` agreed with its edge; if not, why, naming the node,
-/// the bound and the flag (the 431's body).
-fn head_fits(session: &Session, len: usize) -> Result<(), String> {
-    let max = session.limits().max_head_bytes as usize;
+/// Whether an encoded request head of `len` bytes (prefix excluded) fits
+/// `max`, the head bound agreed with edge `node`; if not, why, naming the
+/// node, the bound and the flag (the 431's body).
+fn head_fits(node: &str, len: usize, max: usize) -> Result<(), String> {
     if len <= max {
         return Ok(());
     }
     Err(format!(
-        "request head: head of {len} bytes exceeds the head bound agreed with edge {} \
-         (--max-head-bytes, the smaller of the edge's and the cloud's: {max} bytes)",
-        session.node
+        "request head: head of {len} bytes exceeds the head bound agreed with edge {node} \
+         (--max-head-bytes, the smaller of the edge's and the cloud's: {max} bytes)"
     ))
 }
 
@@ -879,29 +877,17 @@ impl Drop for StreamBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::CloudArgs;
     use crate::peer::{PeerLink, ReplicaId};
     use crate::routes::{EdgeRecord, Update};
     use crate::session::testing::claim;
-    use clap::Parser;
+    use crate::session::Session;
     use std::time::Duration;
     use tether_proto::route::StreamKind;
     use tether_proto::Limits;
 
     /// A forwarder with the default limits (a 256 KiB head bound).
     fn forwarder(registry: Arc<Registry>) -> Forwarder {
-        let cfg = CloudArgs::try_parse_from([
-            "tether-cloud",
-            "--tunnel-cert=t.crt",
-            "--tunnel-key=t.key",
-            "--edge-ca=e.crt",
-            "--kubelet-cert=k.crt",
-            "--kubelet-key=k.key",
-            "--insecure-skip-client-auth",
-        ])
-        .expect("flags")
-        .into_config()
-        .expect("a configuration");
+        let cfg = crate::config::test_config(&[]).expect("a configuration");
         assert_eq!(cfg.limits.max_head_bytes, 256 * 1024);
         let metrics = CloudMetrics::register(&mut prometheus_client::registry::Registry::default());
         Forwarder::new(Arc::new(cfg), registry, metrics, None)
