@@ -454,6 +454,20 @@ mod tests {
         EdgeStreams::new("edge-t".into(), limits, forward, remember_ended, metrics)
     }
 
+    /// The edge's side: every stream the cloud opens on `edge` goes to
+    /// `streams`, until the connection ends.
+    fn accept_all(
+        streams: &Arc<EdgeStreams>,
+        edge: quinn::Connection,
+    ) -> tokio::task::JoinHandle<()> {
+        let streams = streams.clone();
+        tokio::spawn(async move {
+            while let Ok((s, r)) = edge.accept_bi().await {
+                tokio::spawn(streams.clone().accept(s, r, None));
+            }
+        })
+    }
+
     /// The cloud's side of a stream: opens one on `cloud`, attaches it as
     /// `id` with nothing delivered, and reads the edge's attach back.
     async fn attach_from_zero(
@@ -503,14 +517,7 @@ mod tests {
         let streams = edge_streams_to(&kubelet, ours, Duration::from_secs(30), 4096);
         streams.set_agreed_limits(agreed);
         let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
-        let acceptor = {
-            let streams = streams.clone();
-            tokio::spawn(async move {
-                while let Ok((s, r)) = edge.accept_bi().await {
-                    tokio::spawn(streams.clone().accept(s, r, None));
-                }
-            })
-        };
+        let acceptor = accept_all(&streams, edge);
         // The cloud attaches stream 1 and sends its request head.
         let (mut send, mut recv) = cloud.open_bi().await.unwrap();
         let head = tether_proto::head::encode_head(
@@ -757,14 +764,7 @@ mod tests {
             assert_eq!(t.ended_order.len(), 2);
         }
         let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
-        let acceptor = {
-            let streams = streams.clone();
-            tokio::spawn(async move {
-                while let Ok((s, r)) = edge.accept_bi().await {
-                    tokio::spawn(streams.clone().accept(s, r, None));
-                }
-            })
-        };
+        let acceptor = accept_all(&streams, edge);
         // The cloud re-attaches `id` as if nothing had been delivered; the
         // edge's second frame, if any within 2 s, is read.
         let reattach = |id: StreamId| {
