@@ -43,10 +43,13 @@ pub const MAX_CSR_PEM: usize = 16 * 1024;
 /// The organisation every edge certificate carries.
 pub const NODES_ORG: &str = "system:nodes";
 
-/// An edge's new private key and the CSR for it, both PEM.
+/// An edge's new private key and the CSR for it, both PEM, and the public
+/// key's bits (to recognise the certificate that answers this request, see
+/// [`crate::identity::certifies_key`]).
 pub struct EdgeRequest {
     pub key_pem: String,
     pub csr_pem: String,
+    pub public_key: Vec<u8>,
 }
 
 /// Makes a P-256 key and a CSR naming `node`, on the edge. The key stays
@@ -63,6 +66,7 @@ pub fn make_edge_csr(node: &str) -> Result<EdgeRequest, JoinError> {
     Ok(EdgeRequest {
         key_pem: key.serialize_pem(),
         csr_pem: csr.pem().map_err(JoinError::Sign)?,
+        public_key: key.public_key_raw().to_vec(),
     })
 }
 
@@ -316,6 +320,26 @@ mod tests {
 
     fn der(pem: &str) -> CertificateDer<'static> {
         crate::pem::certs_from_pem(pem, "t").unwrap().remove(0)
+    }
+
+    /// The renewing edge tells the answer to its request from a late answer
+    /// to an earlier one by the key the certificate carries.
+    #[test]
+    fn a_certificate_certifies_its_requests_key_and_no_other() {
+        let ca = ca();
+        let (req, other) = (
+            make_edge_csr("edge-1").unwrap(),
+            make_edge_csr("edge-1").unwrap(),
+        );
+        let cert = der(&sign_edge_csr(&ca, &req.csr_pem, "edge-1", DAY)
+            .unwrap()
+            .cert_pem);
+        assert_eq!(req.public_key.len(), 65, "an uncompressed P-256 point");
+        assert!(crate::certifies_key(&cert, &req.public_key));
+        assert!(!crate::certifies_key(&cert, &other.public_key));
+        assert!(!crate::certifies_key(&cert, &[]));
+        let garbage = CertificateDer::from(vec![0x30, 0x03, 0x02, 0x01, 0x00]);
+        assert!(!crate::certifies_key(&garbage, &req.public_key));
     }
 
     #[test]

@@ -64,6 +64,14 @@ pub fn node_name_from_cert(der: &CertificateDer<'_>) -> Result<String, CertError
     Ok(name)
 }
 
+/// Whether certificate `der` certifies `public_key` (the subject public key's
+/// bits, as [`crate::csr::EdgeRequest::public_key`] holds them). A certificate
+/// that does not parse certifies nothing.
+pub fn certifies_key(der: &CertificateDer<'_>, public_key: &[u8]) -> bool {
+    X509Certificate::from_der(der.as_ref())
+        .is_ok_and(|(_, cert)| cert.public_key().subject_public_key.data.as_ref() == public_key)
+}
+
 /// Checks that a certificate is a cloud replica's peer certificate: CN
 /// [`crate::mint::PEER_COMMON_NAME`] and O [`crate::mint::PEER_ORGANIZATION`],
 /// nothing else in the subject. Edge (`system:node:*`, `system:nodes`) and

@@ -871,8 +871,7 @@ async fn renew_certificate(
             "certificate is two thirds through its lifetime; asking the cloud to renew it"
         );
         // An answer still queued is an earlier request's, come after its
-        // wait ran out: written with this request's key, the pair would not
-        // match and the edge could not start again.
+        // wait ran out; dropped so the queue has room for this one's.
         while renewed.try_recv().is_ok() {}
         if out
             .send(Frame::RenewCert {
@@ -883,7 +882,24 @@ async fn renew_certificate(
         {
             return std::future::pending().await;
         }
-        match tokio::time::timeout(Duration::from_secs(30), renewed.recv()).await {
+        // A certificate for another key is an earlier request's answer, come
+        // even later: written with this request's key, the pair would not
+        // match and the edge could not start again. Skipped; this request's
+        // answer may still come within the wait.
+        let answer = async {
+            loop {
+                match renewed.recv().await {
+                    Some(Ok(pem)) if !certifies(&pem, &req.public_key) => {
+                        warn!(
+                            node,
+                            "ignoring a renewed certificate for an earlier request's key"
+                        )
+                    }
+                    other => return other,
+                }
+            }
+        };
+        match tokio::time::timeout(Duration::from_secs(30), answer).await {
             Ok(Some(Ok(cert_pem))) => {
                 let ok = tether_certs::pem::certs_from_pem(&cert_pem, "renewed certificate")
                     .ok()
@@ -925,6 +941,15 @@ async fn renew_certificate(
             }
         }
     }
+}
+
+/// Whether the leaf of `cert_pem` certifies `public_key`; `true` for one that
+/// does not parse (the node check refuses it with a clearer message).
+fn certifies(cert_pem: &str, public_key: &[u8]) -> bool {
+    tether_certs::pem::certs_from_pem(cert_pem, "renewed certificate")
+        .ok()
+        .and_then(|c| c.into_iter().next())
+        .is_none_or(|leaf| tether_certs::certifies_key(&leaf, public_key))
 }
 
 /// What crossed one connection so far, for the keep-alive's verdicts.
@@ -1563,6 +1588,21 @@ mod tests {
     /// (Paused time: the 30 s and the minute pass at once.)
     #[tokio::test(start_paused = true)]
     async fn a_late_renewal_answer_is_not_taken_for_the_next_request() {
+        late_renewal_answer(false).await;
+    }
+
+    /// The same answer come later still, after the next request went out: it
+    /// certifies the earlier request's key, so it is skipped, and the next
+    /// request's own answer, which follows, is the one written.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_answer_for_an_earlier_key_is_skipped_while_waiting() {
+        late_renewal_answer(true).await;
+    }
+
+    /// A renewal whose first request goes unanswered for 31 s; its answer
+    /// comes before the second request, or after it (`after_next`); then
+    /// the second's. The pair written must be the second's.
+    async fn late_renewal_answer(after_next: bool) {
         let (cfg, dir) = test_config("127.0.0.1:9".parse().unwrap(), &[]);
         let day = Duration::from_secs(86400);
         let ca = tether_certs::Ca::new("renewal CA", day).unwrap();
@@ -1584,19 +1624,25 @@ mod tests {
                 }
             };
         }
+        let sign = |csr: &str| {
+            tether_certs::sign_edge_csr(&ca, csr, "edge-t", day)
+                .unwrap()
+                .cert_pem
+        };
         let first = request!();
         // Unanswered for 31 s: the edge gives up on it and retries in a
         // minute. Then the first request's answer arrives, late.
         tokio::time::sleep(Duration::from_secs(31)).await;
-        let late = tether_certs::sign_edge_csr(&ca, &first, "edge-t", day)
-            .unwrap()
-            .cert_pem;
-        renewed_tx.send(Ok(late)).await.unwrap();
+        let late = sign(&first);
+        if !after_next {
+            renewed_tx.send(Ok(late.clone())).await.unwrap();
+        }
         let second = request!();
         assert_ne!(first, second);
-        let fresh = tether_certs::sign_edge_csr(&ca, &second, "edge-t", day)
-            .unwrap()
-            .cert_pem;
+        if after_next {
+            renewed_tx.send(Ok(late)).await.unwrap();
+        }
+        let fresh = sign(&second);
         renewed_tx.send(Ok(fresh.clone())).await.unwrap();
         let start = std::time::Instant::now();
         while std::fs::read_to_string(&cfg.cert).unwrap() == due.cert_pem {
