@@ -199,6 +199,14 @@ async fn real_processes(
         Ok((rows, split))
     }
     .await;
+    if let Err(e) = &result {
+        // The run's report gets the error; the processes' own account of it
+        // (a stream reset, a lost peer link) goes to the bench's stderr.
+        eprintln!(
+            "replicas part 1 failed: {e:#}\nthe cluster's processes, last lines:\n{}",
+            cluster.diagnostics(30)
+        );
+    }
     cluster.shutdown().await;
     result
 }
