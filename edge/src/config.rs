@@ -145,6 +145,10 @@ pub struct EdgeArgs {
     /// Connection attempts at once (1-8).
     #[arg(long, env = "TETHER_MAX_HANDSHAKES_IN_FLIGHT", default_value = "2")]
     pub max_handshakes_in_flight: usize,
+    /// Time allowed for the cloud's answer to a certificate renewal.
+    // Unanswered, the edge asks again a minute later (with a new key).
+    #[arg(long, env = "TETHER_RENEWAL_ANSWER_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub renewal_answer_timeout: Duration,
     /// A TOML file of settings (keys are the long flag names); flags and
     /// environment variables override it.
     #[arg(long, env = "TETHER_CONFIG")]
@@ -237,6 +241,8 @@ pub struct EdgeConfig {
     pub handshake_timeout: Duration,
     /// Connection attempts in flight at once (`--max-handshakes-in-flight`).
     pub max_handshakes_in_flight: usize,
+    /// Wait for the answer to a renewal request (`--renewal-answer-timeout`).
+    pub renewal_answer_timeout: Duration,
     pub metrics_listen: std::net::SocketAddr,
     pub limits: Limits,
     pub quic: QuicSettings,
@@ -311,6 +317,7 @@ impl EdgeArgs {
             ("--request-head-timeout", self.request_head_timeout),
             ("--handshake-timeout", self.handshake_timeout),
             ("--silence-timeout", self.silence_timeout),
+            ("--renewal-answer-timeout", self.renewal_answer_timeout),
         ] {
             if d.is_zero() {
                 return Err(format!("{flag} must be more than 0"));
@@ -363,6 +370,7 @@ impl EdgeArgs {
             reconnect_spread: self.reconnect_spread,
             handshake_timeout: self.handshake_timeout,
             max_handshakes_in_flight: self.max_handshakes_in_flight,
+            renewal_answer_timeout: self.renewal_answer_timeout,
             metrics_listen: self.metrics_listen,
             limits,
             quic,
@@ -448,6 +456,7 @@ mod tests {
             "--request-head-timeout",
             "--handshake-timeout",
             "--silence-timeout",
+            "--renewal-answer-timeout",
         ] {
             let e = config(&[flag, "0s"]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
@@ -460,6 +469,7 @@ mod tests {
         assert_eq!(c.kubelet.pods_max_bytes, 64 << 20);
         assert_eq!(c.ended_streams_remembered, 4096);
         assert_eq!(c.max_handshakes_in_flight, 2);
+        assert_eq!(c.renewal_answer_timeout, Duration::from_secs(30));
         let c = config(&[
             "--kubelet-pods-max-bytes",
             "1KiB",
@@ -467,17 +477,21 @@ mod tests {
             "1",
             "--max-handshakes-in-flight",
             "8",
+            "--renewal-answer-timeout",
+            "5s",
         ])
         .unwrap();
         assert_eq!(c.kubelet.pods_max_bytes, 1024);
         assert_eq!(c.ended_streams_remembered, 1);
         assert_eq!(c.max_handshakes_in_flight, 8);
+        assert_eq!(c.renewal_answer_timeout, Duration::from_secs(5));
         for (flag, bad) in [
             ("--kubelet-pods-max-bytes", "0"),
             ("--ended-streams-remembered", "0"),
             ("--ended-streams-remembered", "1048577"),
             ("--max-handshakes-in-flight", "0"),
             ("--max-handshakes-in-flight", "9"),
+            ("--renewal-answer-timeout", "0s"),
         ] {
             let e = config(&[flag, bad]).expect_err(flag);
             assert!(e.contains(flag), "{flag} {bad}: {e}");

@@ -899,7 +899,7 @@ async fn renew_certificate(
                 }
             }
         };
-        match tokio::time::timeout(Duration::from_secs(30), answer).await {
+        match tokio::time::timeout(cfg.renewal_answer_timeout, answer).await {
             Ok(Some(Ok(cert_pem))) => {
                 let ok = tether_certs::pem::certs_from_pem(&cert_pem, "renewed certificate")
                     .ok()
@@ -936,7 +936,11 @@ async fn renew_certificate(
                 tokio::time::sleep(Duration::from_secs(600)).await;
             }
             _ => {
-                warn!(node, "no renewal answer within 30 s; retrying in a minute");
+                warn!(
+                    node,
+                    "no renewal answer within {:?} (--renewal-answer-timeout); retrying in a minute",
+                    cfg.renewal_answer_timeout
+                );
                 tokio::time::sleep(Duration::from_secs(60)).await;
             }
         }
@@ -1599,64 +1603,112 @@ mod tests {
         late_renewal_answer(true).await;
     }
 
-    /// A renewal whose first request goes unanswered for 31 s; its answer
-    /// comes before the second request, or after it (`after_next`); then
-    /// the second's. The pair written must be the second's.
-    async fn late_renewal_answer(after_next: bool) {
-        let (cfg, dir) = test_config("127.0.0.1:9".parse().unwrap(), &[]);
-        let day = Duration::from_secs(86400);
-        let ca = tether_certs::Ca::new("renewal CA", day).unwrap();
+    /// A renewer for `edge-t` whose certificate is due for renewal at once,
+    /// driven by hand as the cloud would.
+    struct DueRenewer {
+        cfg: EdgeConfig,
+        dir: std::path::PathBuf,
+        ca: tether_certs::Ca,
+        /// The certificate it is due to replace.
+        due: String,
+        /// The frames it sends.
+        out: tokio::sync::mpsc::Receiver<Frame>,
+        /// Where the cloud's answers go.
+        answers: tokio::sync::mpsc::Sender<Result<String, String>>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    fn due_renewer(extra: &[&str]) -> DueRenewer {
+        let (cfg, dir) = test_config("127.0.0.1:9".parse().unwrap(), extra);
+        let ca = tether_certs::Ca::new("renewal CA", Duration::from_secs(86400)).unwrap();
         // Back-dated 5 minutes, valid 1 more: due for renewal at once.
         let due = ca.issue_edge("edge-t", Duration::from_secs(60)).unwrap();
         std::fs::write(&cfg.cert, &due.cert_pem).unwrap();
         std::fs::write(&cfg.key, &due.key_pem).unwrap();
-        let (out_tx, mut out_rx) = tokio::sync::mpsc::channel(4);
-        let (renewed_tx, renewed_rx) = tokio::sync::mpsc::channel(1);
-        let renewer = {
+        let (out_tx, out) = tokio::sync::mpsc::channel(4);
+        let (answers, answers_rx) = tokio::sync::mpsc::channel(1);
+        let task = {
             let cfg = cfg.clone();
-            tokio::spawn(async move { renew_certificate(&cfg, "edge-t", out_tx, renewed_rx).await })
+            tokio::spawn(async move { renew_certificate(&cfg, "edge-t", out_tx, answers_rx).await })
         };
-        macro_rules! request {
-            () => {
-                match tokio::time::timeout(Duration::from_secs(120), out_rx.recv()).await {
-                    Ok(Some(Frame::RenewCert { csr_pem })) => csr_pem,
-                    other => panic!("no renewal request within 120 s: {other:?}"),
-                }
-            };
+        DueRenewer {
+            cfg,
+            dir,
+            ca,
+            due: due.cert_pem,
+            out,
+            answers,
+            task,
         }
+    }
+
+    /// The next renewal request's CSR, within 120 s.
+    async fn next_request(out: &mut tokio::sync::mpsc::Receiver<Frame>) -> String {
+        match tokio::time::timeout(Duration::from_secs(120), out.recv()).await {
+            Ok(Some(Frame::RenewCert { csr_pem })) => csr_pem,
+            other => panic!("no renewal request within 120 s: {other:?}"),
+        }
+    }
+
+    /// `--renewal-answer-timeout` (was a fixed 30 s): set to 5 s, a request
+    /// left unanswered is given up after 5 s and asked again a minute
+    /// later, 65 s after the first, not 90. (Paused time: exact.)
+    #[tokio::test(start_paused = true)]
+    async fn an_unanswered_renewal_is_asked_again_after_the_flags_timeout_and_a_minute() {
+        let mut r = due_renewer(&["--renewal-answer-timeout", "5s"]);
+        assert_eq!(r.cfg.renewal_answer_timeout, Duration::from_secs(5));
+        let first = next_request(&mut r.out).await;
+        let asked = tokio::time::Instant::now();
+        let second = next_request(&mut r.out).await;
+        let waited = asked.elapsed();
+        assert_ne!(first, second);
+        assert!(
+            waited >= Duration::from_secs(65) && waited < Duration::from_secs(66),
+            "the second request came {waited:?} after the first (5 s + 60 s expected)"
+        );
+        r.task.abort();
+        let _ = std::fs::remove_dir_all(r.dir);
+    }
+
+    /// A renewal whose first request goes unanswered for 31 s; its answer
+    /// comes before the second request, or after it (`after_next`); then
+    /// the second's. The pair written must be the second's.
+    async fn late_renewal_answer(after_next: bool) {
+        let mut r = due_renewer(&[]);
+        let day = Duration::from_secs(86400);
         let sign = |csr: &str| {
-            tether_certs::sign_edge_csr(&ca, csr, "edge-t", day)
+            tether_certs::sign_edge_csr(&r.ca, csr, "edge-t", day)
                 .unwrap()
                 .cert_pem
         };
-        let first = request!();
+        let first = next_request(&mut r.out).await;
         // Unanswered for 31 s: the edge gives up on it and retries in a
         // minute. Then the first request's answer arrives, late.
         tokio::time::sleep(Duration::from_secs(31)).await;
         let late = sign(&first);
         if !after_next {
-            renewed_tx.send(Ok(late.clone())).await.unwrap();
+            r.answers.send(Ok(late.clone())).await.unwrap();
         }
-        let second = request!();
+        let second = next_request(&mut r.out).await;
         assert_ne!(first, second);
         if after_next {
-            renewed_tx.send(Ok(late)).await.unwrap();
+            r.answers.send(Ok(late)).await.unwrap();
         }
         let fresh = sign(&second);
-        renewed_tx.send(Ok(fresh.clone())).await.unwrap();
+        r.answers.send(Ok(fresh.clone())).await.unwrap();
         let start = std::time::Instant::now();
-        while std::fs::read_to_string(&cfg.cert).unwrap() == due.cert_pem {
+        while std::fs::read_to_string(&r.cfg.cert).unwrap() == r.due {
             assert!(start.elapsed() < Duration::from_secs(10), "nothing written");
             tokio::task::yield_now().await;
         }
         let (cert, key) = (
-            std::fs::read_to_string(&cfg.cert).unwrap(),
-            std::fs::read_to_string(&cfg.key).unwrap(),
+            std::fs::read_to_string(&r.cfg.cert).unwrap(),
+            std::fs::read_to_string(&r.cfg.key).unwrap(),
         );
         assert!(cert_for_key(&cert, &key), "the written pair does not match");
         assert_eq!(cert, fresh);
-        renewer.abort();
-        let _ = std::fs::remove_dir_all(dir);
+        r.task.abort();
+        let _ = std::fs::remove_dir_all(r.dir);
     }
 
     /// Item 2 of the control-stream audit: limits in the welcome that the
