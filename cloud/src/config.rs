@@ -228,7 +228,8 @@ pub struct CloudArgs {
     pub max_edges: usize,
     /// Addresses one edge may announce in its hello (the names the
     /// apiserver may know its node by); a hello with more is refused
-    /// (`BadHello`, naming this flag). Edges announce at most 64.
+    /// (`BadHello`, naming this flag). Edges announce at most their own
+    /// `--max-announced-addresses` (64 by default).
     #[arg(long, env = "TETHER_MAX_ANNOUNCED_ADDRESSES", default_value_t = 64)]
     pub max_announced_addresses: usize,
     /// Pods remembered for nodes that went away (so that a request for one is "its

@@ -1,7 +1,8 @@
 //! The addresses an edge announces when none are configured: every
 //! non-loopback IP of the host, as the kubelet would report them.
 
-/// The host's non-loopback, non-link-local IP addresses.
+/// The host's non-loopback, non-link-local IP addresses, sorted (all of
+/// them: [`announceable`] picks those a hello carries).
 pub fn host_addresses() -> Vec<String> {
     let mut out = Vec::new();
     match if_addrs::get_if_addrs() {
@@ -21,22 +22,21 @@ pub fn host_addresses() -> Vec<String> {
     }
     out.sort();
     out.dedup();
-    announceable(out)
+    out
 }
 
-/// At most this many addresses go into a hello (the cloud refuses more).
-pub const MAX_ANNOUNCED: usize = 64;
-
-/// The first [`MAX_ANNOUNCED`] addresses (IPv4 first, then in order): a host
-/// with very many addresses still connects, announcing a stable subset.
-pub fn announceable(mut addrs: Vec<String>) -> Vec<String> {
-    if addrs.len() > MAX_ANNOUNCED {
+/// The first `max` addresses (IPv4 first, then in order): a host with more
+/// addresses than a hello may carry (`--max-announced-addresses`; the
+/// cloud refuses a hello with more than its own) still connects,
+/// announcing a stable subset.
+pub fn announceable(mut addrs: Vec<String>, max: usize) -> Vec<String> {
+    if addrs.len() > max {
         tracing::warn!(
             count = addrs.len(),
-            "the host has more addresses than a hello carries; announcing the first {MAX_ANNOUNCED}"
+            "the host has more addresses than --max-announced-addresses; announcing the first {max}"
         );
         addrs.sort_by_key(|a| (a.contains(':'), a.clone()));
-        addrs.truncate(MAX_ANNOUNCED);
+        addrs.truncate(max);
     }
     addrs
 }
@@ -147,21 +147,28 @@ fn drain(fd: &std::os::fd::OwnedFd) -> std::io::Result<bool> {
 mod tests {
     use super::*;
 
-    /// A new address in a private network namespace is reported as an event.
-    /// Needs root (unshare(CLONE_NEWNET)); the thread's namespace dies with it.
+    /// `--max-announced-addresses` (was a fixed 64): more addresses than
+    /// it are cut to it, IPv4 first.
     #[test]
     fn more_addresses_than_a_hello_carries_are_truncated() {
         let many: Vec<String> = (0..100)
             .map(|i| format!("fd00::{i:x}"))
             .chain((0..100).map(|i| format!("10.0.{}.{}", i / 250, i % 250 + 1)))
             .collect();
-        let out = announceable(many);
-        assert_eq!(out.len(), MAX_ANNOUNCED);
+        let out = announceable(many.clone(), 64);
+        assert_eq!(out.len(), 64);
         assert!(out.iter().all(|a| !a.contains(':')), "IPv4 first: {out:?}");
+        assert_eq!(
+            announceable(many, 3),
+            ["10.0.0.1", "10.0.0.10", "10.0.0.100"]
+        );
         let few = vec!["10.0.0.1".to_string(), "fd00::1".to_string()];
-        assert_eq!(announceable(few.clone()), few);
+        assert_eq!(announceable(few.clone(), 3), few);
+        assert_eq!(announceable(few, 1), ["10.0.0.1"]);
     }
 
+    /// A new address in a private network namespace is reported as an event.
+    /// Needs root (unshare(CLONE_NEWNET)); the thread's namespace dies with it.
     #[test]
     fn an_added_address_is_an_event() {
         // SAFETY: geteuid has no preconditions.

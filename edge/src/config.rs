@@ -91,6 +91,11 @@ pub struct EdgeArgs {
         value_delimiter = ','
     )]
     pub announce_addresses: Vec<String>,
+    /// Addresses announced at most (1-1024; at most the cloud's own setting).
+    // The host's beyond it are left out (IPv4 first), more
+    // --announce-address values refused at start-up.
+    #[arg(long, env = "TETHER_MAX_ANNOUNCED_ADDRESSES", default_value = "64")]
+    pub max_announced_addresses: usize,
     /// How often the kubelet's pod list is read and reported.
     // The kubelet API has no watch, so this bounds how long a new pod may be
     // unknown to the cloud (404 `no connected edge reports pod`): at most
@@ -230,6 +235,8 @@ pub struct EdgeConfig {
     /// Ended stream ids remembered (`--ended-streams-remembered`).
     pub ended_streams_remembered: usize,
     pub announce_addresses: Option<Vec<String>>,
+    /// Addresses a hello carries at most (`--max-announced-addresses`).
+    pub max_announced_addresses: usize,
     pub pods_refresh: Duration,
     /// The adaptive keep-alive's bounds.
     pub keep_alive: crate::keepalive::Bounds,
@@ -302,11 +309,14 @@ impl EdgeArgs {
             .rsplit_once(':')
             .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_string())
             .ok_or_else(|| format!("--cloud {:?} must be HOST:PORT", self.cloud))?;
-        if self.announce_addresses.len() > crate::addrs::MAX_ANNOUNCED {
+        if !(1..=1024).contains(&self.max_announced_addresses) {
+            return Err("--max-announced-addresses must be 1 to 1024".into());
+        }
+        if self.announce_addresses.len() > self.max_announced_addresses {
             return Err(format!(
-                "--announce-address given {} times; a hello carries at most {}",
+                "--announce-address given {} times; a hello carries at most {} (--max-announced-addresses)",
                 self.announce_addresses.len(),
-                crate::addrs::MAX_ANNOUNCED
+                self.max_announced_addresses
             ));
         }
         // A zero interval would spin (a busy loop), a zero timeout fail everything.
@@ -361,6 +371,7 @@ impl EdgeArgs {
             } else {
                 Some(self.announce_addresses)
             },
+            max_announced_addresses: self.max_announced_addresses,
             pods_refresh: self.pods_refresh,
             keep_alive,
             worker_threads: self.worker_threads,
@@ -470,6 +481,7 @@ mod tests {
         assert_eq!(c.ended_streams_remembered, 4096);
         assert_eq!(c.max_handshakes_in_flight, 2);
         assert_eq!(c.renewal_answer_timeout, Duration::from_secs(30));
+        assert_eq!(c.max_announced_addresses, 64);
         let c = config(&[
             "--kubelet-pods-max-bytes",
             "1KiB",
@@ -479,12 +491,15 @@ mod tests {
             "8",
             "--renewal-answer-timeout",
             "5s",
+            "--max-announced-addresses",
+            "1024",
         ])
         .unwrap();
         assert_eq!(c.kubelet.pods_max_bytes, 1024);
         assert_eq!(c.ended_streams_remembered, 1);
         assert_eq!(c.max_handshakes_in_flight, 8);
         assert_eq!(c.renewal_answer_timeout, Duration::from_secs(5));
+        assert_eq!(c.max_announced_addresses, 1024);
         for (flag, bad) in [
             ("--kubelet-pods-max-bytes", "0"),
             ("--ended-streams-remembered", "0"),
@@ -492,10 +507,24 @@ mod tests {
             ("--max-handshakes-in-flight", "0"),
             ("--max-handshakes-in-flight", "9"),
             ("--renewal-answer-timeout", "0s"),
+            ("--max-announced-addresses", "0"),
+            ("--max-announced-addresses", "1025"),
         ] {
             let e = config(&[flag, bad]).expect_err(flag);
             assert!(e.contains(flag), "{flag} {bad}: {e}");
         }
+        // --announce-address values beyond --max-announced-addresses.
+        let three = ["--announce-address", "a.example,b.example,c.example"];
+        let c = config(&[&three[..], &["--max-announced-addresses", "3"]].concat()).unwrap();
+        assert_eq!(c.announce_addresses.map(|a| a.len()), Some(3));
+        let e = config(&[&three[..], &["--max-announced-addresses", "2"]].concat()).unwrap_err();
+        assert!(
+            e.contains("given 3 times") && e.contains("at most 2 (--max-announced-addresses)"),
+            "{e}"
+        );
+        let many: Vec<String> = (0..65).map(|i| format!("10.0.0.{i}")).collect();
+        let e = config(&["--announce-address", &many.join(",")]).unwrap_err();
+        assert!(e.contains("at most 64"), "{e}");
         let join = |t: &str| {
             JoinArgs::try_parse_from([
                 "join",

@@ -384,11 +384,12 @@ impl Dialer {
             hello: Hello {
                 versions: vec![PROTOCOL_VERSION],
                 node: self.node.clone(),
-                addresses: self
-                    .cfg
-                    .announce_addresses
-                    .clone()
-                    .unwrap_or_else(crate::addrs::host_addresses),
+                addresses: self.cfg.announce_addresses.clone().unwrap_or_else(|| {
+                    crate::addrs::announceable(
+                        crate::addrs::host_addresses(),
+                        self.cfg.max_announced_addresses,
+                    )
+                }),
                 resume: self.token,
                 instance: self.instance,
                 attempt: self.attempts.fetch_add(1, Ordering::Relaxed) + 1,
