@@ -144,9 +144,13 @@ pub struct EdgeArgs {
     pub metrics_listen: std::net::SocketAddr,
     /// Time allowed for one connection attempt (QUIC handshake and welcome).
     // After a round in which every attempt timed out, the next round allows
-    // twice as long, up to 8×, so a link slower than this still gets in.
+    // twice as long, up to --handshake-timeout-max, so a link slower than
+    // this still gets in.
     #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handshake_timeout: Duration,
+    /// Cap of --handshake-timeout's doubling (default: 8x --handshake-timeout).
+    #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT_MAX", value_parser = parse_duration)]
+    pub handshake_timeout_max: Option<Duration>,
     /// Connection attempts at once (1-8).
     #[arg(long, env = "TETHER_MAX_HANDSHAKES_IN_FLIGHT", default_value = "2")]
     pub max_handshakes_in_flight: usize,
@@ -246,6 +250,9 @@ pub struct EdgeConfig {
     pub reconnect_max: Duration,
     pub reconnect_spread: Duration,
     pub handshake_timeout: Duration,
+    /// What `handshake_timeout` doubles up to after rounds that timed out
+    /// (`--handshake-timeout-max`).
+    pub handshake_timeout_max: Duration,
     /// Connection attempts in flight at once (`--max-handshakes-in-flight`).
     pub max_handshakes_in_flight: usize,
     /// Wait for the answer to a renewal request (`--renewal-answer-timeout`).
@@ -333,6 +340,16 @@ impl EdgeArgs {
                 return Err(format!("{flag} must be more than 0"));
             }
         }
+        let handshake_timeout_max = self.handshake_timeout_max.unwrap_or(
+            self.handshake_timeout
+                .saturating_mul(DEFAULT_HANDSHAKE_DOUBLING),
+        );
+        if handshake_timeout_max < self.handshake_timeout {
+            return Err(format!(
+                "--handshake-timeout-max ({handshake_timeout_max:?}) must be at least --handshake-timeout ({:?})",
+                self.handshake_timeout
+            ));
+        }
         if self.worker_threads == 0 || self.worker_threads > 64 {
             return Err("--worker-threads must be 1 to 64".into());
         }
@@ -380,6 +397,7 @@ impl EdgeArgs {
             reconnect_max: self.reconnect_max,
             reconnect_spread: self.reconnect_spread,
             handshake_timeout: self.handshake_timeout,
+            handshake_timeout_max,
             max_handshakes_in_flight: self.max_handshakes_in_flight,
             renewal_answer_timeout: self.renewal_answer_timeout,
             metrics_listen: self.metrics_listen,
@@ -388,6 +406,10 @@ impl EdgeArgs {
         })
     }
 }
+
+/// `--handshake-timeout-max` by default: this many times `--handshake-timeout`
+/// (three doublings).
+pub const DEFAULT_HANDSHAKE_DOUBLING: u32 = 8;
 
 /// Default shortest keep-alive interval.
 pub const DEFAULT_KEEP_ALIVE_MIN: Duration = Duration::from_secs(10);
@@ -482,6 +504,7 @@ mod tests {
         assert_eq!(c.max_handshakes_in_flight, 2);
         assert_eq!(c.renewal_answer_timeout, Duration::from_secs(30));
         assert_eq!(c.max_announced_addresses, 64);
+        assert_eq!(c.handshake_timeout_max, Duration::from_secs(80));
         let c = config(&[
             "--kubelet-pods-max-bytes",
             "1KiB",
@@ -493,6 +516,8 @@ mod tests {
             "5s",
             "--max-announced-addresses",
             "1024",
+            "--handshake-timeout-max",
+            "10s",
         ])
         .unwrap();
         assert_eq!(c.kubelet.pods_max_bytes, 1024);
@@ -500,6 +525,7 @@ mod tests {
         assert_eq!(c.max_handshakes_in_flight, 8);
         assert_eq!(c.renewal_answer_timeout, Duration::from_secs(5));
         assert_eq!(c.max_announced_addresses, 1024);
+        assert_eq!(c.handshake_timeout_max, Duration::from_secs(10));
         for (flag, bad) in [
             ("--kubelet-pods-max-bytes", "0"),
             ("--ended-streams-remembered", "0"),
@@ -509,10 +535,18 @@ mod tests {
             ("--renewal-answer-timeout", "0s"),
             ("--max-announced-addresses", "0"),
             ("--max-announced-addresses", "1025"),
+            ("--handshake-timeout-max", "9s"),
+            ("--handshake-timeout-max", "0s"),
         ] {
             let e = config(&[flag, bad]).expect_err(flag);
             assert!(e.contains(flag), "{flag} {bad}: {e}");
         }
+        // The default follows --handshake-timeout; the largest one accepted
+        // does not overflow it.
+        let c = config(&["--handshake-timeout", "3s"]).unwrap();
+        assert_eq!(c.handshake_timeout_max, Duration::from_secs(24));
+        let c = config(&["--handshake-timeout", "1000000000s"]).unwrap();
+        assert_eq!(c.handshake_timeout_max, Duration::from_secs(8_000_000_000));
         // --announce-address values beyond --max-announced-addresses.
         let three = ["--announce-address", "a.example,b.example,c.example"];
         let c = config(&[&three[..], &["--max-announced-addresses", "3"]].concat()).unwrap();

@@ -33,8 +33,9 @@
 //! from a new port.
 //!
 //! Each attempt may take `--handshake-timeout`; after a round in which every
-//! attempt timed out, the next round allows twice as long (up to 8×), so a
-//! link slower than the setting still gets the edge back.
+//! attempt timed out, the next round allows twice as long (up to
+//! `--handshake-timeout-max`, 8× by default), so a link slower than the
+//! setting still gets the edge back.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -240,7 +241,7 @@ impl Dialer {
                 _ => self.disconnected_since = Some(Instant::now()),
             }
             self.timed_out_rounds = match &ended {
-                Ended::Failed(e) if is_timeout(e) => (self.timed_out_rounds + 1).min(3),
+                Ended::Failed(e) if is_timeout(e) => self.timed_out_rounds.saturating_add(1),
                 Ended::Failed(_) => self.timed_out_rounds,
                 _ => 0,
             };
@@ -319,7 +320,11 @@ impl Dialer {
         let mut attempts = tokio::task::JoinSet::new();
         let mut last_error = None;
         // Each round after one whose attempts all timed out allows twice as long.
-        let limit = self.cfg.handshake_timeout * (1u32 << self.timed_out_rounds);
+        let limit = handshake_limit(
+            self.cfg.handshake_timeout,
+            self.cfg.handshake_timeout_max,
+            self.timed_out_rounds,
+        );
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             if attempts.len() < max_in_flight && tokio::time::Instant::now() < deadline {
@@ -656,6 +661,23 @@ async fn watch_addresses(
             Err(e) => warn!(node, error = %e, "binding a new UDP socket failed"),
         }
     }
+}
+
+/// The time one attempt may take after `timed_out_rounds` rounds whose
+/// attempts all timed out: `base` (`--handshake-timeout`) doubled for each,
+/// exactly `min(base × 2^rounds, max)` (`--handshake-timeout-max`), for
+/// any number of rounds.
+fn handshake_limit(base: Duration, max: Duration, timed_out_rounds: u32) -> Duration {
+    let mut limit = base;
+    // A few dozen doublings at most, however many rounds: from 1 ns,
+    // `saturating_mul` reaches `Duration::MAX` (never below `max`) in 94.
+    for _ in 0..timed_out_rounds {
+        if limit >= max || limit.is_zero() {
+            break;
+        }
+        limit = limit.saturating_mul(2);
+    }
+    limit.min(max)
 }
 
 fn is_timeout(e: &anyhow::Error) -> bool {
@@ -1575,6 +1597,85 @@ mod tests {
             assert!(format!("{e:#}").contains("no welcome"), "{e:#}");
             let dialled = seen.lock().unwrap().len();
             assert_eq!(dialled, expected, "{extra:?}: attempts seen by the cloud");
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+
+    /// `--handshake-timeout-max` (the doubling stopped after a fixed 3):
+    /// the limit doubles per timed-out round and stops exactly at the cap,
+    /// a power-of-two multiple or not, for any number of rounds.
+    #[test]
+    fn the_handshake_limit_doubles_up_to_the_cap_exactly() {
+        let s = Duration::from_secs;
+        let limits =
+            |base, max| [0, 1, 2, 3, 4, 64, u32::MAX].map(|n| handshake_limit(base, max, n));
+        // The default cap, 8×: 10, 20, 40, 80 s and no further.
+        assert_eq!(
+            limits(s(10), s(80)),
+            [s(10), s(20), s(40), s(80), s(80), s(80), s(80)]
+        );
+        // A cap between two doublings is reached, not passed.
+        assert_eq!(
+            limits(s(10), s(30)),
+            [s(10), s(20), s(30), s(30), s(30), s(30), s(30)]
+        );
+        // No doubling at all.
+        assert_eq!(limits(s(10), s(10)), [s(10); 7]);
+        // Beyond what a u32 factor (at most 2^31) could express: still
+        // exact below the cap, the cap above it.
+        let ns = Duration::from_nanos;
+        assert_eq!(handshake_limit(ns(1), s(1_000_000_000), 40), ns(1 << 40));
+        assert_eq!(
+            handshake_limit(ns(1), s(1_000_000_000), 63),
+            s(1_000_000_000)
+        );
+        // The largest values start-up accepts, any number of rounds: no overflow.
+        let huge = s(8_000_000_000);
+        assert_eq!(handshake_limit(s(1_000_000_000), huge, u32::MAX), huge);
+        assert_eq!(
+            handshake_limit(Duration::MAX, Duration::MAX, 5),
+            Duration::MAX
+        );
+    }
+
+    /// The doubled limit is what a round's attempts get: against a silent
+    /// cloud, the round fails with `no welcome within` the limit for its
+    /// count of timed-out rounds, capped by `--handshake-timeout-max`
+    /// (default 8 × `--handshake-timeout`).
+    #[tokio::test]
+    async fn a_rounds_attempts_get_the_doubled_limit_up_to_the_flag() {
+        let cases: [(&[&str], u32, &str); 5] = [
+            (&["--handshake-timeout-max", "250ms"], 0, "100ms"),
+            (&["--handshake-timeout-max", "250ms"], 1, "200ms"),
+            (&["--handshake-timeout-max", "250ms"], 2, "250ms"),
+            (&["--handshake-timeout-max", "250ms"], 40, "250ms"),
+            (&[], 9, "800ms"),
+        ];
+        for (extra, rounds, within) in cases {
+            let (cloud, _seen) = silent_cloud().await;
+            let mut args = vec![
+                "--handshake-timeout",
+                "100ms",
+                "--max-handshakes-in-flight",
+                "1",
+            ];
+            args.extend_from_slice(extra);
+            let (cfg, dir) = test_config(cloud, &args);
+            let mut dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
+            dialer.timed_out_rounds = rounds;
+            let started = std::time::Instant::now();
+            let e = tokio::time::timeout(Duration::from_secs(15), dialer.establish())
+                .await
+                .expect("the round did not end")
+                .err()
+                .expect("a silent cloud welcomed the edge");
+            let e = format!("{e:#}");
+            assert!(
+                e.contains(&format!("no welcome within {within}")),
+                "{extra:?} after {rounds} rounds: {e}"
+            );
+            assert!(is_timeout(&anyhow::anyhow!(e)));
+            assert!(started.elapsed() < Duration::from_secs(5));
             let _ = std::fs::remove_dir_all(dir);
         }
     }

@@ -1,13 +1,16 @@
 //! The edge's reconnect backoff on the wire. A real `tether-edge` dials a
 //! UDP port where nothing answers (a socket this test owns, which reads and
 //! timestamps every datagram), with `--reconnect-min 50ms`,
-//! `--reconnect-max 1200ms` and `--handshake-timeout 50ms`. Each round of
-//! attempts is one QUIC connection (told apart by its Initial's destination
-//! connection ID and source port) that times out unanswered; the quiet time
-//! between one attempt's last datagram and the next one's first is the
-//! backoff. It must grow from the minimum (each wait at least half of its
-//! round's delay, which doubles) and stay within the maximum (the schedule
-//! itself is unit-tested in `edge/src/backoff.rs`).
+//! `--reconnect-max 1200ms`, `--handshake-timeout 50ms` and
+//! `--handshake-timeout-max 200ms`. Each round of attempts is one QUIC
+//! connection (told apart by its Initial's destination connection ID and
+//! source port) that times out unanswered; the quiet time between one
+//! attempt's last datagram and the next one's first is the backoff. It must
+//! grow from the minimum (each wait at least half of its round's delay,
+//! which doubles) and stay within the maximum (the schedule itself is
+//! unit-tested in `edge/src/backoff.rs`). Each round's attempt may take
+//! twice as long as the last one's, up to `--handshake-timeout-max`: the
+//! edge's log names each round's limit.
 //!
 //! The binaries must be built first (`cargo build --workspace --bins`).
 
@@ -30,8 +33,15 @@ const ROUNDS: usize = 9;
 /// datagrams on a thread of its own).
 const SLACK: Duration = Duration::from_millis(60);
 /// Generous bound on one wait above the maximum: a loaded machine, and an
-/// attempt's unanswered handshake (up to 8 × 50 ms) if its end sends nothing.
+/// attempt's unanswered handshake (up to `--handshake-timeout-max`) if its
+/// end sends nothing.
 const OVER_MAX: Duration = Duration::from_millis(800);
+/// Each round's limit on its attempt, as the edge logs it: 50 ms doubled
+/// after each round that timed out, up to `--handshake-timeout-max 200ms`
+/// (the default, 8 ×, would go on to 400 ms).
+const LIMITS: [&str; ROUNDS] = [
+    "50ms", "100ms", "200ms", "200ms", "200ms", "200ms", "200ms", "200ms", "200ms",
+];
 
 /// One connection attempt as the test's socket saw it.
 #[derive(Debug)]
@@ -113,14 +123,41 @@ async fn reconnect_waits_grow_from_the_minimum_and_stay_within_the_maximum() {
                 "1200ms",
                 "--handshake-timeout",
                 "50ms",
+                "--handshake-timeout-max",
+                "200ms",
             ],
         )
         .unwrap();
     let attempts = tokio::task::spawn_blocking(move || watcher.join().unwrap())
         .await
         .unwrap();
+    // Each round that got no welcome is logged with its limit; the
+    // round's line may trail its last datagram a little.
+    let mut limits = Vec::new();
+    for _ in 0..40 {
+        let full = std::fs::read_to_string(edge.log_path()).unwrap_or_default();
+        limits = full
+            .lines()
+            .filter(|l| l.contains("cannot reach the cloud"))
+            .filter_map(|l| l.split("no welcome within ").nth(1))
+            .map(|rest| {
+                rest.split(|c: char| !c.is_ascii_alphanumeric() && c != '.')
+                    .next()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect::<Vec<_>>();
+        if limits.len() >= ROUNDS {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let log = edge.stderr_tail(20);
     drop(edge);
+    assert!(
+        limits.len() >= ROUNDS && limits[..ROUNDS] == LIMITS,
+        "each round's limit: {limits:?}, expected {LIMITS:?}\nthe edge's log:\n{log}"
+    );
     assert_eq!(
         attempts.len(),
         ROUNDS,
