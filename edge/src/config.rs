@@ -139,6 +139,13 @@ pub struct EdgeArgs {
     /// spread out instead of arriving as one storm. `0s` disables it.
     #[arg(long, env = "TETHER_RECONNECT_SPREAD", default_value = "5s", value_parser = parse_duration)]
     pub reconnect_spread: Duration,
+    /// On SIGTERM, time allowed for the connection's close to reach the cloud.
+    // quinn keeps a closed connection for three probe timeouts, answering
+    // the cloud's packets with the close again (RFC 9000 §10.2): the cloud
+    // then ends the session at once instead of keeping it for a resume.
+    // This bounds that wait (the close may take longer on a slow link).
+    #[arg(long, env = "TETHER_SHUTDOWN_DRAIN", default_value = "2s", value_parser = parse_duration)]
+    pub shutdown_drain: Duration,
     /// Address of the operations listener (`/metrics`, `/healthz`, `/readyz`).
     #[arg(long, env = "TETHER_METRICS_LISTEN", default_value = "127.0.0.1:9091")]
     pub metrics_listen: std::net::SocketAddr,
@@ -249,6 +256,8 @@ pub struct EdgeConfig {
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
     pub reconnect_spread: Duration,
+    /// On SIGTERM, the wait for the connection's close (`--shutdown-drain`).
+    pub shutdown_drain: Duration,
     pub handshake_timeout: Duration,
     /// What `handshake_timeout` doubles up to after rounds that timed out
     /// (`--handshake-timeout-max`).
@@ -335,6 +344,7 @@ impl EdgeArgs {
             ("--handshake-timeout", self.handshake_timeout),
             ("--silence-timeout", self.silence_timeout),
             ("--renewal-answer-timeout", self.renewal_answer_timeout),
+            ("--shutdown-drain", self.shutdown_drain),
         ] {
             if d.is_zero() {
                 return Err(format!("{flag} must be more than 0"));
@@ -396,6 +406,7 @@ impl EdgeArgs {
             reconnect_min: self.reconnect_min,
             reconnect_max: self.reconnect_max,
             reconnect_spread: self.reconnect_spread,
+            shutdown_drain: self.shutdown_drain,
             handshake_timeout: self.handshake_timeout,
             handshake_timeout_max,
             max_handshakes_in_flight: self.max_handshakes_in_flight,
@@ -490,6 +501,7 @@ mod tests {
             "--handshake-timeout",
             "--silence-timeout",
             "--renewal-answer-timeout",
+            "--shutdown-drain",
         ] {
             let e = config(&[flag, "0s"]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
@@ -505,6 +517,7 @@ mod tests {
         assert_eq!(c.renewal_answer_timeout, Duration::from_secs(30));
         assert_eq!(c.max_announced_addresses, 64);
         assert_eq!(c.handshake_timeout_max, Duration::from_secs(80));
+        assert_eq!(c.shutdown_drain, Duration::from_secs(2));
         let c = config(&[
             "--kubelet-pods-max-bytes",
             "1KiB",
@@ -518,6 +531,8 @@ mod tests {
             "1024",
             "--handshake-timeout-max",
             "10s",
+            "--shutdown-drain",
+            "200ms",
         ])
         .unwrap();
         assert_eq!(c.kubelet.pods_max_bytes, 1024);
@@ -526,6 +541,7 @@ mod tests {
         assert_eq!(c.renewal_answer_timeout, Duration::from_secs(5));
         assert_eq!(c.max_announced_addresses, 1024);
         assert_eq!(c.handshake_timeout_max, Duration::from_secs(10));
+        assert_eq!(c.shutdown_drain, Duration::from_millis(200));
         for (flag, bad) in [
             ("--kubelet-pods-max-bytes", "0"),
             ("--ended-streams-remembered", "0"),
@@ -537,6 +553,7 @@ mod tests {
             ("--max-announced-addresses", "1025"),
             ("--handshake-timeout-max", "9s"),
             ("--handshake-timeout-max", "0s"),
+            ("--shutdown-drain", "0s"),
         ] {
             let e = config(&[flag, bad]).expect_err(flag);
             assert!(e.contains(flag), "{flag} {bad}: {e}");

@@ -1,6 +1,7 @@
 //! `tether-edge`: parses flags, serves the operations endpoints and runs the
 //! dialer; on SIGTERM or Ctrl-C closes its connection cleanly (the cloud
-//! then ends the session at once instead of waiting for a resume).
+//! then ends the session at once instead of waiting for a resume), waiting
+//! at most `--shutdown-drain` for the close to complete.
 //! `tether-edge join …` obtains the edge's certificate and exits.
 
 use std::sync::Arc;
@@ -63,6 +64,7 @@ async fn run(cfg: tether_edge::config::EdgeConfig) -> anyhow::Result<()> {
         status: None,
     };
     tokio::spawn(tether_proto::ops::serve(ops_listener, Arc::new(ops)));
+    let drain = cfg.shutdown_drain;
     let dialer = tether_edge::dial::Dialer::new(cfg, metrics)?;
     let endpoint = dialer.endpoint();
     tracing::info!(node = dialer.node(), metrics = %metrics_addr, "tether-edge starting");
@@ -84,7 +86,9 @@ async fn run(cfg: tether_edge::config::EdgeConfig) -> anyhow::Result<()> {
         _ = term.recv() => tracing::info!("SIGTERM"),
     }
     endpoint.close(close_code::SHUTDOWN.into(), b"edge shutting down");
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), endpoint.wait_idle()).await;
+    // The close is resent for three probe timeouts in answer to the cloud's
+    // packets; a slow or silent cloud is not waited on past the drain.
+    let _ = tokio::time::timeout(drain, endpoint.wait_idle()).await;
     Ok(())
 }
 

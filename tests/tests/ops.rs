@@ -146,9 +146,14 @@ async fn runtime_threads_follow_worker_threads() {
     }
 }
 
+/// With a short `--shutdown-drain` the edge exits within it (plus a
+/// margin) and its close still reaches the cloud.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_sigterm_ends_its_session_at_once() {
-    let mut env = Env::start(ONE, &[]).await.unwrap();
+    const DRAIN: Duration = Duration::from_millis(300);
+    let mut env = Env::start_with(ONE, &[], &["--shutdown-drain", "300ms"], false)
+        .await
+        .unwrap();
     let resp = env.client.follow_log("default/p1").await.unwrap();
     let mut body = resp.into_body();
     tokio::time::timeout(Duration::from_secs(10), body.frame())
@@ -158,9 +163,14 @@ async fn edge_sigterm_ends_its_session_at_once() {
         .unwrap();
     let t = Instant::now();
     let status = env.nodes[0].edge.terminate(Duration::from_secs(5)).await;
+    let took = t.elapsed();
     assert!(
         status.map(|s| s.success()).unwrap_or(false),
         "edge must exit cleanly on SIGTERM: {status:?}"
+    );
+    assert!(
+        took < DRAIN + Duration::from_secs(1),
+        "exited {took:?} after the SIGTERM, --shutdown-drain {DRAIN:?}"
     );
     let outcome = support::body_end(&mut body, Duration::from_secs(10))
         .await
@@ -179,6 +189,61 @@ async fn edge_sigterm_ends_its_session_at_once() {
         "the cloud must see a shutdown, not a lost link: {log}"
     );
     assert!(!log.contains("keeping its streams for a resume"), "{log}");
+}
+
+/// `--shutdown-drain` (was a fixed 2 s): on SIGTERM the edge waits at most
+/// this for its closed connections to finish. A connection still in its
+/// handshake with a cloud that never answers stays closing for three probe
+/// timeouts (~2.7 s before any RTT sample, at `--initial-rtt 300ms`), so
+/// the drain is what ends the wait: by default the edge exits after ~2 s,
+/// with `--shutdown-drain 200ms` well within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_sigterm_waits_at_most_its_shutdown_drain() {
+    // The environment's cloud is never dialled: it gives the edge its
+    // certificates and command line.
+    let env = Env::start(&[], &[]).await.unwrap();
+    let pair = &env.pki.edges["edge-intruder"];
+    let s = Duration::from_millis;
+    for (drain, at_least, below) in [(None, s(1500), s(4000)), (Some("200ms"), s(150), s(1000))] {
+        let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let cloud = silent.local_addr().unwrap().to_string();
+        let mut args = vec!["--cloud", &cloud, "--handshake-timeout", "30s"];
+        if let Some(d) = drain {
+            args.extend(["--shutdown-drain", d]);
+        }
+        let mut edge = env
+            .edge_process(
+                "edge-intruder",
+                &pair.cert,
+                &pair.key,
+                "http://127.0.0.1:9",
+                &[],
+                &args,
+            )
+            .unwrap();
+        // Its first Initial has arrived: a connection is in its handshake.
+        silent
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut buf = [0u8; 2048];
+        let got = tokio::task::spawn_blocking(move || silent.recv(&mut buf).map(|_| silent))
+            .await
+            .unwrap();
+        let _silent = got.unwrap_or_else(|e| panic!("no Initial within 10 s: {e}"));
+        let t = Instant::now();
+        let status = edge.terminate(Duration::from_secs(10)).await;
+        let took = t.elapsed();
+        eprintln!("--shutdown-drain {drain:?}: exited {took:?} after the SIGTERM");
+        assert!(
+            status.map(|s| s.success()).unwrap_or(false),
+            "{drain:?}: the edge must exit cleanly on SIGTERM: {status:?}\n{}",
+            edge.stderr_tail(20)
+        );
+        assert!(
+            took >= at_least && took < below,
+            "{drain:?}: exited {took:?} after the SIGTERM, expected {at_least:?} to {below:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
