@@ -198,17 +198,8 @@ fn check_subject_and_extensions(
     Ok(())
 }
 
-/// Checks an edge's CSR against the policy (module docs) and signs it for
-/// `node`, valid for `valid_for` from now.
-pub fn sign_edge_csr(
-    ca: &Ca,
-    csr_pem: &str,
-    node: &str,
-    valid_for: Duration,
-) -> Result<IssuedCert, JoinError> {
-    if !valid_node_name(node) {
-        return Err(JoinError::InvalidNodeName(node.to_string()));
-    }
+/// The DER of a CSR in PEM, at most [`MAX_CSR_PEM`] long.
+fn csr_der(csr_pem: &str) -> Result<Vec<u8>, JoinError> {
     if csr_pem.len() > MAX_CSR_PEM {
         return Err(csr_err(format!(
             "the CSR is {} bytes, over the {MAX_CSR_PEM}-byte limit",
@@ -223,14 +214,49 @@ pub fn sign_edge_csr(
             pem.label
         )));
     }
-    let (_, parsed) = X509CertificationRequest::from_der(&pem.contents)
-        .map_err(|e| csr_err(format!("not a PKCS#10 request: {e}")))?;
+    Ok(pem.contents)
+}
+
+fn parse_csr(der: &[u8]) -> Result<X509CertificationRequest<'_>, JoinError> {
+    X509CertificationRequest::from_der(der)
+        .map(|(_, parsed)| parsed)
+        .map_err(|e| csr_err(format!("not a PKCS#10 request: {e}")))
+}
+
+/// The public key a CSR asks to have certified, as
+/// [`EdgeRequest::public_key`] holds it and [`crate::certifies_key`]
+/// compares it: the cloud tells a repeated renewal request (same key) from
+/// a new one by it. Only parses; [`sign_edge_csr`] applies the policy.
+pub fn csr_public_key(csr_pem: &str) -> Result<Vec<u8>, JoinError> {
+    let der = csr_der(csr_pem)?;
+    let parsed = parse_csr(&der)?;
+    Ok(parsed
+        .certification_request_info
+        .subject_pki
+        .subject_public_key
+        .data
+        .to_vec())
+}
+
+/// Checks an edge's CSR against the policy (module docs) and signs it for
+/// `node`, valid for `valid_for` from now.
+pub fn sign_edge_csr(
+    ca: &Ca,
+    csr_pem: &str,
+    node: &str,
+    valid_for: Duration,
+) -> Result<IssuedCert, JoinError> {
+    if !valid_node_name(node) {
+        return Err(JoinError::InvalidNodeName(node.to_string()));
+    }
+    let der = csr_der(csr_pem)?;
+    let parsed = parse_csr(&der)?;
     let kind = check_key(&parsed)?;
     check_subject_and_extensions(&parsed, node)?;
     // rcgen verifies the signature (proof the requester holds the key) and
     // takes the public key over.
-    let mut req = CertificateSigningRequestParams::from_der(&pem.contents.as_slice().into())
-        .map_err(|e| match e {
+    let mut req =
+        CertificateSigningRequestParams::from_der(&der.as_slice().into()).map_err(|e| match e {
             rcgen::Error::InvalidCertificationRequestSignature => {
                 csr_err("the CSR's signature does not verify")
             }
@@ -320,6 +346,28 @@ mod tests {
 
     fn der(pem: &str) -> CertificateDer<'static> {
         crate::pem::certs_from_pem(pem, "t").unwrap().remove(0)
+    }
+
+    /// The cloud recognises a repeated renewal request by the CSR's key:
+    /// the same bits the edge keeps and the signed certificate carries;
+    /// another request's key differs; a CSR that does not parse is an error.
+    #[test]
+    fn a_csrs_public_key_is_the_one_its_certificate_certifies() {
+        let (req, other) = (
+            make_edge_csr("edge-1").unwrap(),
+            make_edge_csr("edge-1").unwrap(),
+        );
+        let key = csr_public_key(&req.csr_pem).unwrap();
+        assert_eq!(key, req.public_key);
+        assert_ne!(key, csr_public_key(&other.csr_pem).unwrap());
+        let issued = sign_edge_csr(&ca(), &req.csr_pem, "edge-1", DAY).unwrap();
+        assert!(crate::certifies_key(&der(&issued.cert_pem), &key));
+        assert!(csr_public_key("not a csr").is_err());
+        let cert = ca().issue_edge("edge-1", DAY).unwrap();
+        assert!(csr_public_key(&cert.cert_pem)
+            .unwrap_err()
+            .to_string()
+            .contains("not CERTIFICATE REQUEST"));
     }
 
     /// The renewing edge tells the answer to its request from a late answer

@@ -28,7 +28,7 @@ pub mod pin;
 pub mod rotation;
 pub mod token;
 
-pub use csr::{make_edge_csr, sign_edge_csr};
+pub use csr::{csr_public_key, make_edge_csr, sign_edge_csr};
 pub use identity::{certifies_key, node_name_from_cert};
 pub use join::{JoinError, JoinRequest, JoinResponse, ALPN_JOIN};
 pub use mint::{Ca, CertKey, KeyAlgorithm};
