@@ -222,6 +222,10 @@ pub struct CloudArgs {
     /// Lifetime of certificates issued to joining edges.
     #[arg(long, env = "TETHER_JOIN_CERT_VALIDITY", default_value = "720h", value_parser = parse_duration)]
     pub join_cert_validity: Duration,
+    /// Least time between two certificate renewals of one node; a repeated
+    /// request for the same key within it gets the certificate already issued.
+    #[arg(long, env = "TETHER_RENEWAL_MIN_INTERVAL", default_value = "10m", value_parser = parse_duration)]
+    pub renewal_min_interval: Duration,
     /// Concurrent edge connections (handshaking or established; an Initial
     /// waiting for a handshake slot is not counted yet).
     #[arg(long, env = "TETHER_MAX_EDGES", default_value_t = 20000)]
@@ -339,6 +343,8 @@ pub struct JoinConfig {
     pub ca_cert: PathBuf,
     pub ca_key: PathBuf,
     pub validity: Duration,
+    /// Least time between two renewals of one node's certificate.
+    pub renewal_min_interval: Duration,
 }
 
 /// How this replica finds and talks to the others.
@@ -563,6 +569,7 @@ impl CloudArgs {
             ("--http-header-timeout", self.http_header_timeout),
             ("--apiserver-keep-alive", self.apiserver_keep_alive),
             ("--join-cert-validity", self.join_cert_validity),
+            ("--renewal-min-interval", self.renewal_min_interval),
         ] {
             if d.is_zero() {
                 return Err(format!("{flag} must be more than 0"));
@@ -664,6 +671,7 @@ impl CloudArgs {
                     ca_cert,
                     ca_key,
                     validity: self.join_cert_validity,
+                    renewal_min_interval: self.renewal_min_interval,
                 }),
                 (None, _, _) => None,
                 _ => return Err("--join-store needs --join-ca-cert and --join-ca-key".into()),
@@ -726,6 +734,7 @@ mod tests {
             ("--http-header-timeout", "0s"),
             ("--apiserver-keep-alive", "0s"),
             ("--join-cert-validity", "0s"),
+            ("--renewal-min-interval", "0s"),
             ("--worker-threads", "0"),
         ] {
             let e = test_config(&[flag, zero]).expect_err(flag);
@@ -760,6 +769,34 @@ mod tests {
         assert_eq!(c.control_write_timeout, Duration::from_secs(2));
         assert_eq!(c.max_announced_addresses, 3);
         assert_eq!(c.max_apiserver_streams_per_connection, 8);
+    }
+
+    /// `--renewal-min-interval` (was a fixed 600 s): the default, a value,
+    /// nonsense and zero. It reaches the join settings, where the limiter
+    /// is made (`tunnel::renewal_tests` checks the limiter with it).
+    #[test]
+    fn renewal_min_interval_has_its_default_and_nonsense_is_refused() {
+        let join = [
+            "--join-store=s.json",
+            "--join-ca-cert=ca.crt",
+            "--join-ca-key=ca.key",
+        ];
+        let c = test_config(&join).unwrap();
+        assert_eq!(
+            c.join.unwrap().renewal_min_interval,
+            Duration::from_secs(600)
+        );
+        let mut flags = join.to_vec();
+        flags.push("--renewal-min-interval=90s");
+        let c = test_config(&flags).unwrap();
+        assert_eq!(
+            c.join.unwrap().renewal_min_interval,
+            Duration::from_secs(90)
+        );
+        for bad in ["ten minutes", "5 fortnights", "0s"] {
+            let e = test_config(&["--renewal-min-interval", bad]).unwrap_err();
+            assert!(e.contains("renewal-min-interval"), "{bad}: {e}");
+        }
     }
 
     #[test]

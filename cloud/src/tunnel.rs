@@ -303,7 +303,7 @@ pub async fn serve(
                 store,
                 ca: Arc::new(ca),
                 validity: j.validity,
-                renewals: std::sync::Mutex::new(RenewalLimiter::new(RENEWAL_MIN_INTERVAL)),
+                renewals: std::sync::Mutex::new(RenewalLimiter::new(j.renewal_min_interval)),
             }))
         }
         None => None,
@@ -585,20 +585,42 @@ struct JoinCtx {
     revocations: crate::revocation::Revocations,
     ca: Arc<tether_certs::Ca>,
     validity: Duration,
-    /// When each node last had a certificate renewed.
+    /// When each node last had a certificate renewed, and what it got.
     renewals: std::sync::Mutex<RenewalLimiter>,
 }
 
-/// Least time between two renewals of one node's certificate. An edge asks
-/// at two thirds of its certificate's life; anything more often is a
-/// misbehaving (or stolen-key) edge minting certificates.
-const RENEWAL_MIN_INTERVAL: Duration = Duration::from_secs(600);
-
-/// At most one renewal per node per interval (bounded memory: entries older
-/// than the interval are forgotten when the table grows).
+/// At most one new certificate per node per `--renewal-min-interval` (an
+/// edge asks at two thirds of its certificate's life; anything more often
+/// is a misbehaving, or stolen-key, edge minting certificates). A request
+/// repeated within the interval for the same key is one whose answer was
+/// lost (the link dropped between request and answer): it gets the
+/// certificate already issued, and nothing new is minted. Bounded memory:
+/// entries older than the interval are forgotten when the table grows.
 struct RenewalLimiter {
     interval: Duration,
-    last: std::collections::HashMap<String, std::time::Instant>,
+    last: std::collections::HashMap<String, LastRenewal>,
+}
+
+/// A node's last renewal within the interval.
+struct LastRenewal {
+    at: std::time::Instant,
+    /// The public key its CSR asked to have certified.
+    key: Vec<u8>,
+    /// The certificate issued for it (PEM) and its serial; `None` when
+    /// signing failed.
+    issued: Option<(String, String)>,
+}
+
+/// What to do with a renewal request.
+#[derive(Debug, PartialEq, Eq)]
+enum RenewalDecision {
+    /// Sign a new certificate (counted; record it with [`RenewalLimiter::issued`]).
+    Sign,
+    /// The key of the last renewal, within the interval: answer with the
+    /// certificate issued for it (PEM, serial).
+    Repeat(String, String),
+    /// Another key within the interval: refuse; the edge may ask again after this.
+    TooSoon(Duration),
 }
 
 impl RenewalLimiter {
@@ -609,21 +631,92 @@ impl RenewalLimiter {
         }
     }
 
-    /// Whether `node` may renew now; if so, counts it. `Err` tells how long to wait.
-    fn try_renew(&mut self, node: &str, now: std::time::Instant) -> Result<(), Duration> {
-        if let Some(at) = self.last.get(node) {
-            let since = now.saturating_duration_since(*at);
+    /// What to do with `node`'s request for `key` now; a `Sign` is counted.
+    fn decide(&mut self, node: &str, key: &[u8], now: std::time::Instant) -> RenewalDecision {
+        if let Some(last) = self.last.get(node) {
+            let since = now.saturating_duration_since(last.at);
             if since < self.interval {
-                return Err(self.interval - since);
+                return match &last.issued {
+                    Some((pem, serial)) if last.key == key => {
+                        RenewalDecision::Repeat(pem.clone(), serial.clone())
+                    }
+                    _ => RenewalDecision::TooSoon(self.interval - since),
+                };
             }
         }
         if self.last.len() >= 100_000 {
             let interval = self.interval;
             self.last
-                .retain(|_, at| now.saturating_duration_since(*at) < interval);
+                .retain(|_, l| now.saturating_duration_since(l.at) < interval);
         }
-        self.last.insert(node.to_string(), now);
-        Ok(())
+        self.last.insert(
+            node.to_string(),
+            LastRenewal {
+                at: now,
+                key: key.to_vec(),
+                issued: None,
+            },
+        );
+        RenewalDecision::Sign
+    }
+
+    /// Records the certificate signed after `decide` said `Sign` for `key`.
+    fn issued(&mut self, node: &str, key: &[u8], cert_pem: &str, serial: &str) {
+        if let Some(last) = self.last.get_mut(node).filter(|l| l.key == key) {
+            last.issued = Some((cert_pem.to_string(), serial.to_string()));
+        }
+    }
+}
+
+/// The answer to `node`'s renewal request `csr_pem`: a new certificate
+/// valid for `valid_for`, the one already issued for the same key within
+/// the interval, or the reason for a refusal. The limiter stays locked
+/// while signing (rare, and under a millisecond), so two connections of
+/// one node asking at once get one certificate.
+fn renewal_answer(
+    limiter: &std::sync::Mutex<RenewalLimiter>,
+    ca: &tether_certs::Ca,
+    node: &str,
+    csr_pem: &str,
+    valid_for: Duration,
+    now: std::time::Instant,
+) -> Result<String, String> {
+    let key = tether_certs::csr_public_key(csr_pem).map_err(|e| {
+        warn!(node, error = %e, "refusing certificate renewal");
+        e.to_string()
+    })?;
+    let mut limiter = limiter.lock().unwrap_or_else(|p| p.into_inner());
+    match limiter.decide(node, &key, now) {
+        RenewalDecision::Repeat(cert_pem, serial) => {
+            info!(
+                node,
+                %serial,
+                "answering a repeated renewal request with the certificate already issued"
+            );
+            Ok(cert_pem)
+        }
+        RenewalDecision::TooSoon(wait) => {
+            warn!(
+                node,
+                "refusing certificate renewal: renewed less than {:?} ago (--renewal-min-interval)",
+                limiter.interval
+            );
+            Err(format!(
+                "renewed too recently; try again in {}s",
+                wait.as_secs()
+            ))
+        }
+        RenewalDecision::Sign => match tether_certs::sign_edge_csr(ca, csr_pem, node, valid_for) {
+            Ok(issued) => {
+                info!(node, serial = %issued.serial, "renewed the edge's certificate");
+                limiter.issued(node, &key, &issued.cert_pem, &issued.serial);
+                Ok(issued.cert_pem)
+            }
+            Err(e) => {
+                warn!(node, error = %e, "refusing certificate renewal");
+                Err(e.to_string())
+            }
+        },
     }
 }
 
@@ -1484,42 +1577,19 @@ async fn renew(
         return Ok(true);
     }
     // The node is the session's (from its certificate), never the CSR's say-so.
-    let allowed = renewal.join.as_ref().map(|j| {
-        j.renewals
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .try_renew(&session.node, std::time::Instant::now())
-    });
     let result = match &renewal.join {
         None => Err(
             "certificate renewal is not enabled on this cloud (--join-ca-cert/--join-ca-key)"
                 .to_string(),
         ),
-        Some(_) if matches!(allowed, Some(Err(_))) => {
-            let wait = match allowed {
-                Some(Err(w)) => w,
-                _ => Duration::ZERO,
-            };
-            warn!(node = %session.node, "refusing certificate renewal: renewed less than {RENEWAL_MIN_INTERVAL:?} ago");
-            Err(format!(
-                "renewed too recently; try again in {}s",
-                wait.as_secs()
-            ))
-        }
-        Some(j) => tether_certs::sign_edge_csr(
+        Some(j) => renewal_answer(
+            &j.renewals,
             &j.ca,
-            &csr_pem,
             &session.node,
+            &csr_pem,
             renewal.renew_for.unwrap_or(j.validity),
-        )
-        .map(|issued| {
-            info!(node = %session.node, serial = %issued.serial, "renewed the edge's certificate");
-            issued.cert_pem
-        })
-        .map_err(|e| {
-            warn!(node = %session.node, error = %e, "refusing certificate renewal");
-            e.to_string()
-        }),
+            std::time::Instant::now(),
+        ),
     };
     out.send(Frame::RenewedCert { result }).await?;
     Ok(false)
@@ -1810,18 +1880,84 @@ mod renewal_tests {
         assert!(cert_lifetime(&renewed).unwrap() <= life + Duration::from_secs(1));
     }
 
+    /// `--renewal-min-interval` (was a fixed 600 s), set to 90 s: one new
+    /// certificate per node within it; the same key asking again within it
+    /// (its answer was lost) gets that certificate again, another key is
+    /// refused; after it, a new certificate. Other nodes are not affected.
     #[test]
-    fn a_node_renews_at_most_once_per_interval() {
+    fn a_node_gets_one_certificate_per_interval_and_its_repeats_get_it_again() {
+        let interval = crate::config::test_config(&[
+            "--join-store=s.json",
+            "--join-ca-cert=ca.crt",
+            "--join-ca-key=ca.key",
+            "--renewal-min-interval=90s",
+        ])
+        .unwrap()
+        .join
+        .unwrap()
+        .renewal_min_interval;
+        assert_eq!(interval, Duration::from_secs(90));
+        let limiter = std::sync::Mutex::new(RenewalLimiter::new(interval));
+        let ca = tether_certs::Ca::new("renewal CA", Duration::from_secs(86400)).unwrap();
+        let day = Duration::from_secs(86400);
+        let t = Instant::now();
+        let answer = |csr: &str, node: &str, after: u64| {
+            renewal_answer(
+                &limiter,
+                &ca,
+                node,
+                csr,
+                day,
+                t + Duration::from_secs(after),
+            )
+        };
+        let (req, other) = (
+            tether_certs::make_edge_csr("edge-1").unwrap(),
+            tether_certs::make_edge_csr("edge-1").unwrap(),
+        );
+        let first = answer(&req.csr_pem, "edge-1", 0).unwrap();
+        let leaf = tether_certs::pem::certs_from_pem(&first, "c")
+            .unwrap()
+            .remove(0);
+        assert!(tether_certs::certifies_key(&leaf, &req.public_key));
+        // The same key within the interval: the same certificate, to the end.
+        assert_eq!(answer(&req.csr_pem, "edge-1", 1).unwrap(), first);
+        assert_eq!(answer(&req.csr_pem, "edge-1", 89).unwrap(), first);
+        // Another key within it: refused, with the time left.
+        let e = answer(&other.csr_pem, "edge-1", 30).unwrap_err();
+        assert_eq!(e, "renewed too recently; try again in 60s");
+        // Other nodes are not affected.
+        let req2 = tether_certs::make_edge_csr("edge-2").unwrap();
+        assert!(answer(&req2.csr_pem, "edge-2", 1).is_ok());
+        // After the interval, a new certificate, even for the same key.
+        let later = answer(&req.csr_pem, "edge-1", 90).unwrap();
+        assert_ne!(later, first);
+        // Nonsense is refused without counting.
+        assert!(answer("not a csr", "edge-3", 0).is_err());
+        assert!(answer(
+            &tether_certs::make_edge_csr("edge-3").unwrap().csr_pem,
+            "edge-3",
+            0
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn a_failed_signing_counts_and_answers_no_repeat() {
         let mut l = RenewalLimiter::new(Duration::from_secs(600));
         let t = Instant::now();
-        assert!(l.try_renew("edge-1", t).is_ok());
-        let wait = l
-            .try_renew("edge-1", t + Duration::from_secs(1))
-            .unwrap_err();
-        assert_eq!(wait, Duration::from_secs(599));
-        // Other nodes are not affected; the node may renew again later.
-        assert!(l.try_renew("edge-2", t).is_ok());
-        assert!(l.try_renew("edge-1", t + Duration::from_secs(600)).is_ok());
+        assert_eq!(l.decide("edge-1", b"k1", t), RenewalDecision::Sign);
+        // Nothing recorded (the signing failed): the same key is refused,
+        // as is another one.
+        assert_eq!(
+            l.decide("edge-1", b"k1", t + Duration::from_secs(1)),
+            RenewalDecision::TooSoon(Duration::from_secs(599))
+        );
+        l.issued("edge-1", b"k2", "pem", "01");
+        assert_eq!(
+            l.decide("edge-1", b"k2", t + Duration::from_secs(1)),
+            RenewalDecision::TooSoon(Duration::from_secs(599))
+        );
     }
 }
 

@@ -3,7 +3,9 @@
 //! sends no hello, never commits, or grants no stream credit for the cloud's
 //! welcome or refusal; `--control-write-timeout` for an attached edge that
 //! grants none for a resume ticket or the answer to a revoked certificate's
-//! renewal. Each such edge is hand-driven over QUIC (and keeps its connection
+//! renewal; `--renewal-min-interval` for a renewal asked again, with the
+//! same key after its answer was lost (the same certificate again) or with
+//! another (refused). Each such edge is hand-driven over QUIC (and keeps its connection
 //! alive with QUIC PINGs, so no idle timeout ends it first); each must be
 //! closed within its bound, and give its `--max-edges` slot back, while an
 //! edge beside it keeps serving.
@@ -124,8 +126,14 @@ type Attached = (quinn::Connection, quinn::SendStream, quinn::RecvStream);
 
 /// Hello, welcome and commit on `conn`.
 async fn attach(conn: quinn::Connection) -> Attached {
+    attach_reading(conn).await.0
+}
+
+/// [`attach`], with the reader of the control stream (to read on after the welcome).
+async fn attach_reading(conn: quinn::Connection) -> (Attached, FrameReader) {
     let (mut send, mut recv) = hello(&conn, NODE).await;
-    let welcome = tokio::time::timeout(BOUND, FrameReader::new(1 << 20).next(&mut recv))
+    let mut reader = FrameReader::new(1 << 20);
+    let welcome = tokio::time::timeout(BOUND, reader.next(&mut recv))
         .await
         .expect("a welcome");
     let Ok(Some(Frame::Welcome(w))) = welcome else {
@@ -134,7 +142,7 @@ async fn attach(conn: quinn::Connection) -> Attached {
     write_frame(&mut send, &Frame::Commit { session: w.session }, 1 << 20)
         .await
         .unwrap();
-    (conn, send, recv)
+    ((conn, send, recv), reader)
 }
 
 /// A well-behaved edge gets in (the `--max-edges` slot is free).
@@ -244,6 +252,28 @@ async fn an_edge_that_takes_no_welcome_or_refusal_is_closed_after_the_handshake_
     let _good = a_good_edge_gets_in(&env).await;
 }
 
+/// [`cloud`] with renewals enabled (`extra` flags too): a join CA and an
+/// empty join-token store made in `dir`; the store's path (to revoke in).
+async fn renewing_cloud(dir: &std::path::Path, extra: &[&str]) -> (Env, std::path::PathBuf) {
+    let join_ca = tether_certs::Ca::new("join-ca", Duration::from_secs(3600)).unwrap();
+    let (ca_cert, ca_key) = (dir.join("join-ca.crt"), dir.join("join-ca.key"));
+    std::fs::write(&ca_cert, &join_ca.cert_pem).unwrap();
+    std::fs::write(&ca_key, join_ca.key_pem()).unwrap();
+    let store_path = dir.join("join-store.json");
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (store_arg, cert_arg, key_arg) = (path(&store_path), path(&ca_cert), path(&ca_key));
+    let mut flags = vec![
+        "--join-store",
+        &store_arg,
+        "--join-ca-cert",
+        &cert_arg,
+        "--join-ca-key",
+        &key_arg,
+    ];
+    flags.extend_from_slice(extra);
+    (cloud(&flags).await, store_path)
+}
+
 /// An edge whose certificate is revoked while it is connected asks for a
 /// renewal and reads nothing more (1 byte of receive window): the cloud's
 /// refusal cannot leave, and the connection is closed all the same, after
@@ -251,25 +281,7 @@ async fn an_edge_that_takes_no_welcome_or_refusal_is_closed_after_the_handshake_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_edge_that_takes_no_refusal_is_closed_all_the_same() {
     let dir = tempfile::tempdir().unwrap();
-    let join_ca = tether_certs::Ca::new("join-ca", Duration::from_secs(3600)).unwrap();
-    let (ca_cert, ca_key) = (
-        dir.path().join("join-ca.crt"),
-        dir.path().join("join-ca.key"),
-    );
-    std::fs::write(&ca_cert, &join_ca.cert_pem).unwrap();
-    std::fs::write(&ca_key, join_ca.key_pem()).unwrap();
-    let store_path = dir.path().join("join-store.json");
-    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
-    let (store_arg, cert_arg, key_arg) = (path(&store_path), path(&ca_cert), path(&ca_key));
-    let env = cloud(&[
-        "--join-store",
-        &store_arg,
-        "--join-ca-cert",
-        &cert_arg,
-        "--join-ca-key",
-        &key_arg,
-    ])
-    .await;
+    let (env, store_path) = renewing_cloud(dir.path(), &[]).await;
 
     // Connected and committed, reading the welcome a byte at a time.
     let (conn, mut send, _recv) = attach(dial(&env, &endpoint(&env, Some(1))).await).await;
@@ -302,6 +314,99 @@ async fn a_revoked_edge_that_takes_no_refusal_is_closed_all_the_same() {
             .contains("the revoked edge took no refusal within --control-write-timeout"),
         "the untaken refusal is not logged"
     );
+}
+
+/// A renewal whose answer is lost: the edge asks, the cloud signs, and the
+/// connection is gone before the edge reads the answer. Reconnected, the
+/// edge asks again with the same CSR (same key) and gets the certificate
+/// already issued, not "renewed too recently" and ten more minutes; no
+/// second certificate is minted. Another key within
+/// `--renewal-min-interval` (1 h here) is refused with the time left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_whose_answer_was_lost_is_answered_again_with_the_same_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let (env, _store) = renewing_cloud(dir.path(), &["--renewal-min-interval", "1h"]).await;
+    let req = tether_certs::csr::make_edge_csr(NODE).unwrap();
+
+    // Asked; the cloud signs; the connection ends before the answer is read.
+    let (conn, mut send, _recv) = attach(dial(&env, &endpoint(&env, None)).await).await;
+    let first = Frame::RenewCert {
+        csr_pem: req.csr_pem.clone(),
+    };
+    write_frame(&mut send, &first, 1 << 20).await.unwrap();
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while !env.cloud_log().contains("renewed the edge's certificate") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the cloud did not renew: {}",
+            env.cloud_log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    conn.close(0u32.into(), b"link lost");
+
+    // Reconnected: the same request again gets the certificate issued.
+    let ((_conn, mut send, mut recv), mut reader) =
+        attach_reading(dial(&env, &endpoint(&env, None)).await).await;
+    let mut control = (&mut send, &mut recv, &mut reader);
+    let again = renewal_answer(&mut control, &req.csr_pem).await;
+    let cert_pem = again.unwrap_or_else(|e| panic!("the repeated request was refused: {e}"));
+    let leaf = tether_certs::pem::certs_from_pem(&cert_pem, "answer")
+        .unwrap()
+        .remove(0);
+    assert!(tether_certs::certifies_key(&leaf, &req.public_key));
+    let log = env.cloud_log();
+    let serial_in = |what: &str| -> Vec<String> {
+        log.lines()
+            .filter(|l| l.contains(what) && l.contains(NODE))
+            .filter_map(|l| {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix("serial="))
+                    .map(str::to_string)
+            })
+            .collect()
+    };
+    let (minted, repeated) = (
+        serial_in("renewed the edge's certificate"),
+        serial_in("answering a repeated renewal request with the certificate already issued"),
+    );
+    assert_eq!(minted.len(), 1, "one certificate minted: {log}");
+    assert_eq!(repeated, minted, "the same certificate answered: {log}");
+
+    // Another key within the interval: refused, with the time left of 1 h.
+    let other = tether_certs::csr::make_edge_csr(NODE).unwrap();
+    let refused = renewal_answer(&mut control, &other.csr_pem)
+        .await
+        .unwrap_err();
+    let left: u64 = refused
+        .strip_prefix("renewed too recently; try again in ")
+        .and_then(|s| s.strip_suffix('s'))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("refused otherwise: {refused}"));
+    assert!(left > 3000, "{refused}");
+}
+
+/// Sends a renewal request for `csr_pem` on an attached edge's control
+/// stream and reads on to the answer (within [`BOUND`]).
+async fn renewal_answer(
+    (send, recv, reader): &mut (
+        &mut quinn::SendStream,
+        &mut quinn::RecvStream,
+        &mut FrameReader,
+    ),
+    csr_pem: &str,
+) -> Result<String, String> {
+    let ask = Frame::RenewCert {
+        csr_pem: csr_pem.to_string(),
+    };
+    write_frame(send, &ask, 1 << 20).await.unwrap();
+    loop {
+        match tokio::time::timeout(BOUND, reader.next(recv)).await {
+            Ok(Ok(Some(Frame::RenewedCert { result }))) => return result,
+            Ok(Ok(Some(_))) => {}
+            other => panic!("no renewal answer within {BOUND:?}: {other:?}"),
+        }
+    }
 }
 
 /// The pod the well-behaved edge beside a misbehaving one serves.
