@@ -36,6 +36,10 @@
 //! attempt timed out, the next round allows twice as long (up to
 //! `--handshake-timeout-max`, 8× by default), so a link slower than the
 //! setting still gets the edge back.
+//!
+//! Beside each connection runs the certificate renewer
+//! ([`renew_certificate`]); a renewal request not answered yet outlives the
+//! connection ([`PendingRenewal`]) and is asked again with the same key.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -102,7 +106,17 @@ pub struct Dialer {
     /// What the adaptive keep-alive learned of the NAT (kept across
     /// connections: it is a property of the network, not of a connection).
     keepalive: crate::keepalive::Learner,
+    /// The renewal request still waiting for its answer (kept across
+    /// connections, see [`renew_certificate`]).
+    renewal: PendingRenewal,
 }
+
+/// A certificate renewal request (key and CSR) sent but not answered yet.
+/// Asked again, with the same key, until an answer is written or the cloud
+/// refuses: the cloud answers a repeated request with the certificate it
+/// already issued for the key, so a lost answer costs nothing. In memory
+/// only; a restart of the edge loses it.
+type PendingRenewal = std::sync::Mutex<Option<Arc<tether_certs::csr::EdgeRequest>>>;
 
 /// How a connection ended.
 enum Ended {
@@ -202,6 +216,7 @@ impl Dialer {
             grace: Duration::from_secs(300),
             disconnected_since: None,
             metrics,
+            renewal: std::sync::Mutex::new(None),
         })
     }
 
@@ -489,7 +504,13 @@ impl Dialer {
             &self.node,
         );
         let control = read_control(recv, renewed_tx, &self.node, &self.ticket);
-        let renewer = renew_certificate(&self.cfg, &self.node, out_tx.clone(), renewed_rx);
+        let renewer = renew_certificate(
+            &self.cfg,
+            &self.node,
+            &self.renewal,
+            out_tx.clone(),
+            renewed_rx,
+        );
         let mut learner = self.keepalive.clone();
         let keeper = keep_alive(
             &conn,
@@ -852,14 +873,25 @@ async fn read_control(
 /// Renews the edge's certificate over the authenticated session when two
 /// thirds of its lifetime have passed: a new key is made here, only its CSR
 /// is sent, and key and certificate are written atomically (the key first).
+/// A request left unanswered is asked again with the same key, on this
+/// connection or the next (`pending`, see [`PendingRenewal`]).
 /// The new certificate is used from the next connection on; streams in
 /// flight are not touched. Never returns.
 async fn renew_certificate(
     cfg: &EdgeConfig,
     node: &str,
+    pending: &PendingRenewal,
     out: tokio::sync::mpsc::Sender<Frame>,
     mut renewed: tokio::sync::mpsc::Receiver<Result<String, String>>,
 ) {
+    // Dropped once its answer is written or the cloud refuses (if no other
+    // request took its place).
+    let settle = |req: &Arc<tether_certs::csr::EdgeRequest>| {
+        let mut p = pending.lock().unwrap_or_else(|p| p.into_inner());
+        if p.as_ref().is_some_and(|r| Arc::ptr_eq(r, req)) {
+            *p = None;
+        }
+    };
     loop {
         let due = std::fs::read(&cfg.cert)
             .map_err(|e| e.to_string())
@@ -881,7 +913,7 @@ async fn renew_certificate(
             tokio::time::sleep(wait.min(Duration::from_secs(3600))).await;
             continue;
         }
-        let req = match tether_certs::make_edge_csr(node) {
+        let (req, again) = match pending_request(pending, node) {
             Ok(r) => r,
             Err(e) => {
                 warn!(node, error = %e, "cannot make a renewal request");
@@ -889,16 +921,21 @@ async fn renew_certificate(
                 continue;
             }
         };
-        info!(
-            node,
-            "certificate is two thirds through its lifetime; asking the cloud to renew it"
-        );
+        if again {
+            info!(node, "asking again for the unanswered renewal (same key)");
+        } else {
+            info!(
+                node,
+                "certificate is two thirds through its lifetime; asking the cloud to renew it"
+            );
+        }
         // An answer still queued is an earlier request's, come after its
-        // wait ran out; dropped so the queue has room for this one's.
+        // wait ran out; dropped so the queue has room for this one's (the
+        // cloud answers a request for the same key with the same certificate).
         while renewed.try_recv().is_ok() {}
         if out
             .send(Frame::RenewCert {
-                csr_pem: req.csr_pem,
+                csr_pem: req.csr_pem.clone(),
             })
             .await
             .is_err()
@@ -935,6 +972,7 @@ async fn renew_certificate(
                         node,
                         "the renewed certificate does not name this node; ignoring it"
                     );
+                    settle(&req);
                     tokio::time::sleep(Duration::from_secs(600)).await;
                     continue;
                 }
@@ -944,6 +982,7 @@ async fn renew_certificate(
                     tether_certs::files::replace_pair(&cfg.cert, &cert_pem, &cfg.key, &req.key_pem);
                 match written {
                     Ok(()) => {
+                        settle(&req);
                         info!(node, cert = %cfg.cert.display(), "certificate renewed; used from the next connection");
                         // Certificates are back-dated a little; never renew twice in a row.
                         tokio::time::sleep(Duration::from_secs(60)).await;
@@ -955,6 +994,7 @@ async fn renew_certificate(
                 }
             }
             Ok(Some(Err(reason))) => {
+                settle(&req);
                 warn!(node, %reason, "the cloud refused to renew the certificate; retrying in 10 minutes");
                 tokio::time::sleep(Duration::from_secs(600)).await;
             }
@@ -968,6 +1008,21 @@ async fn renew_certificate(
             }
         }
     }
+}
+
+/// The renewal request to send: the unanswered one if there is one
+/// (`true`), else a new key and CSR, kept in `pending` until settled.
+fn pending_request(
+    pending: &PendingRenewal,
+    node: &str,
+) -> Result<(Arc<tether_certs::csr::EdgeRequest>, bool), tether_certs::JoinError> {
+    let mut p = pending.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(req) = p.as_ref() {
+        return Ok((req.clone(), true));
+    }
+    let req = Arc::new(tether_certs::make_edge_csr(node)?);
+    *p = Some(req.clone());
+    Ok((req, false))
 }
 
 /// Whether the leaf of `cert_pem` certifies `public_key`; `true` for one that
@@ -1691,7 +1746,8 @@ mod tests {
     /// taken, a minute later, as the answer to the next request, made with a
     /// new key: the pair written did not match, and the edge could not
     /// start again. A queued answer is now dropped before the next request.
-    /// (Paused time: the 30 s and the minute pass at once.)
+    /// An unanswered request now keeps its key, so the next request with
+    /// another key follows a refusal. (Paused time: the waits pass at once.)
     #[tokio::test(start_paused = true)]
     async fn a_late_renewal_answer_is_not_taken_for_the_next_request() {
         late_renewal_answer(false).await;
@@ -1713,11 +1769,38 @@ mod tests {
         ca: tether_certs::Ca,
         /// The certificate it is due to replace.
         due: String,
+        /// The request waiting for its answer, across connections.
+        pending: Arc<PendingRenewal>,
         /// The frames it sends.
         out: tokio::sync::mpsc::Receiver<Frame>,
         /// Where the cloud's answers go.
         answers: tokio::sync::mpsc::Sender<Result<String, String>>,
         task: tokio::task::JoinHandle<()>,
+    }
+
+    impl DueRenewer {
+        /// The connection is lost and a new one made: the renewer starts
+        /// over, with new channels, as `connected` starts it.
+        fn reconnect(&mut self) {
+            self.task.abort();
+            (self.out, self.answers, self.task) = start_renewer(&self.cfg, &self.pending);
+        }
+    }
+
+    type Renewer = (
+        tokio::sync::mpsc::Receiver<Frame>,
+        tokio::sync::mpsc::Sender<Result<String, String>>,
+        tokio::task::JoinHandle<()>,
+    );
+
+    fn start_renewer(cfg: &EdgeConfig, pending: &Arc<PendingRenewal>) -> Renewer {
+        let (out_tx, out) = tokio::sync::mpsc::channel(4);
+        let (answers, answers_rx) = tokio::sync::mpsc::channel(1);
+        let (cfg, pending) = (cfg.clone(), pending.clone());
+        let task = tokio::spawn(async move {
+            renew_certificate(&cfg, "edge-t", &pending, out_tx, answers_rx).await
+        });
+        (out, answers, task)
     }
 
     fn due_renewer(extra: &[&str]) -> DueRenewer {
@@ -1727,17 +1810,14 @@ mod tests {
         let due = ca.issue_edge("edge-t", Duration::from_secs(60)).unwrap();
         std::fs::write(&cfg.cert, &due.cert_pem).unwrap();
         std::fs::write(&cfg.key, &due.key_pem).unwrap();
-        let (out_tx, out) = tokio::sync::mpsc::channel(4);
-        let (answers, answers_rx) = tokio::sync::mpsc::channel(1);
-        let task = {
-            let cfg = cfg.clone();
-            tokio::spawn(async move { renew_certificate(&cfg, "edge-t", out_tx, answers_rx).await })
-        };
+        let pending = Arc::new(std::sync::Mutex::new(None));
+        let (out, answers, task) = start_renewer(&cfg, &pending);
         DueRenewer {
             cfg,
             dir,
             ca,
             due: due.cert_pem,
+            pending,
             out,
             answers,
             task,
@@ -1752,6 +1832,22 @@ mod tests {
         }
     }
 
+    /// Waits (10 s of real time at most) until the certificate file is no
+    /// longer `due`; then the pair written must match.
+    async fn written_pair(r: &DueRenewer) -> String {
+        let start = std::time::Instant::now();
+        while std::fs::read_to_string(&r.cfg.cert).unwrap() == r.due {
+            assert!(start.elapsed() < Duration::from_secs(10), "nothing written");
+            tokio::task::yield_now().await;
+        }
+        let (cert, key) = (
+            std::fs::read_to_string(&r.cfg.cert).unwrap(),
+            std::fs::read_to_string(&r.cfg.key).unwrap(),
+        );
+        assert!(cert_for_key(&cert, &key), "the written pair does not match");
+        cert
+    }
+
     /// `--renewal-answer-timeout` (was a fixed 30 s): set to 5 s, a request
     /// left unanswered is given up after 5 s and asked again a minute
     /// later, 65 s after the first, not 90. (Paused time: exact.)
@@ -1763,7 +1859,7 @@ mod tests {
         let asked = tokio::time::Instant::now();
         let second = next_request(&mut r.out).await;
         let waited = asked.elapsed();
-        assert_ne!(first, second);
+        assert_eq!(first, second);
         assert!(
             waited >= Duration::from_secs(65) && waited < Duration::from_secs(66),
             "the second request came {waited:?} after the first (5 s + 60 s expected)"
@@ -1772,9 +1868,45 @@ mod tests {
         let _ = std::fs::remove_dir_all(r.dir);
     }
 
-    /// A renewal whose first request goes unanswered for 31 s; its answer
-    /// comes before the second request, or after it (`after_next`); then
-    /// the second's. The pair written must be the second's.
+    /// A request whose answer was lost (the cloud signed it) was asked
+    /// again with a new key, which the cloud refused for ten minutes. The
+    /// retry now sends the same CSR, on the same connection and after a
+    /// reconnect, and the certificate for the first request is written
+    /// with the key kept; the next request after that has a new key.
+    #[tokio::test(start_paused = true)]
+    async fn an_unanswered_renewal_request_keeps_its_key_across_retries_and_reconnects() {
+        let mut r = due_renewer(&[]);
+        let key_of = |csr: &str| tether_certs::csr_public_key(csr).unwrap();
+        let first = next_request(&mut r.out).await;
+        // Unanswered: asked again after the wait and a minute, same key.
+        let again = next_request(&mut r.out).await;
+        assert_eq!(key_of(&again), key_of(&first));
+        // The connection is lost before the answer; the next one asks
+        // with the same key.
+        r.reconnect();
+        let after_reconnect = next_request(&mut r.out).await;
+        assert_eq!(key_of(&after_reconnect), key_of(&first));
+        // The cloud answers with the certificate it signed for the first.
+        let day = Duration::from_secs(86400);
+        let cert = tether_certs::sign_edge_csr(&r.ca, &first, "edge-t", day)
+            .unwrap()
+            .cert_pem;
+        r.answers.send(Ok(cert.clone())).await.unwrap();
+        assert_eq!(written_pair(&r).await, cert);
+        // Settled: the next renewal makes a new key.
+        let start = std::time::Instant::now();
+        while r.pending.lock().unwrap().is_some() {
+            assert!(start.elapsed() < Duration::from_secs(10), "still pending");
+            tokio::task::yield_now().await;
+        }
+        r.task.abort();
+        let _ = std::fs::remove_dir_all(r.dir);
+    }
+
+    /// A request is refused, so the next one, ten minutes later, has a new
+    /// key; the first request's certificate then comes (from a replica that
+    /// did sign it), before the second request (`after_next` false) or
+    /// after it; then the second's. The pair written must be the second's.
     async fn late_renewal_answer(after_next: bool) {
         let mut r = due_renewer(&[]);
         let day = Duration::from_secs(86400);
@@ -1784,31 +1916,27 @@ mod tests {
                 .cert_pem
         };
         let first = next_request(&mut r.out).await;
-        // Unanswered for 31 s: the edge gives up on it and retries in a
-        // minute. Then the first request's answer arrives, late.
+        r.answers.send(Err("refused".into())).await.unwrap();
+        // Then the first request's certificate arrives, late.
         tokio::time::sleep(Duration::from_secs(31)).await;
         let late = sign(&first);
         if !after_next {
             r.answers.send(Ok(late.clone())).await.unwrap();
         }
-        let second = next_request(&mut r.out).await;
-        assert_ne!(first, second);
+        let second = match tokio::time::timeout(Duration::from_secs(700), r.out.recv()).await {
+            Ok(Some(Frame::RenewCert { csr_pem })) => csr_pem,
+            other => panic!("no renewal request within 700 s: {other:?}"),
+        };
+        assert_ne!(
+            tether_certs::csr_public_key(&first).unwrap(),
+            tether_certs::csr_public_key(&second).unwrap()
+        );
         if after_next {
             r.answers.send(Ok(late)).await.unwrap();
         }
         let fresh = sign(&second);
         r.answers.send(Ok(fresh.clone())).await.unwrap();
-        let start = std::time::Instant::now();
-        while std::fs::read_to_string(&r.cfg.cert).unwrap() == r.due {
-            assert!(start.elapsed() < Duration::from_secs(10), "nothing written");
-            tokio::task::yield_now().await;
-        }
-        let (cert, key) = (
-            std::fs::read_to_string(&r.cfg.cert).unwrap(),
-            std::fs::read_to_string(&r.cfg.key).unwrap(),
-        );
-        assert!(cert_for_key(&cert, &key), "the written pair does not match");
-        assert_eq!(cert, fresh);
+        assert_eq!(written_pair(&r).await, fresh);
         r.task.abort();
         let _ = std::fs::remove_dir_all(r.dir);
     }
