@@ -595,7 +595,7 @@ struct JoinCtx {
 /// repeated within the interval for the same key is one whose answer was
 /// lost (the link dropped between request and answer): it gets the
 /// certificate already issued, and nothing new is minted. Bounded memory:
-/// entries older than the interval are forgotten when the table grows.
+/// entries older than the interval are forgotten at each new certificate.
 struct RenewalLimiter {
     interval: Duration,
     last: std::collections::HashMap<String, LastRenewal>,
@@ -644,11 +644,11 @@ impl RenewalLimiter {
                 };
             }
         }
-        if self.last.len() >= 100_000 {
-            let interval = self.interval;
-            self.last
-                .retain(|_, l| now.saturating_duration_since(l.at) < interval);
-        }
+        // Only renewals within the interval are kept (each with its
+        // certificate): a sweep per new certificate, which is rare.
+        let interval = self.interval;
+        self.last
+            .retain(|_, l| now.saturating_duration_since(l.at) < interval);
         self.last.insert(
             node.to_string(),
             LastRenewal {
@@ -1958,6 +1958,27 @@ mod renewal_tests {
             l.decide("edge-1", b"k2", t + Duration::from_secs(1)),
             RenewalDecision::TooSoon(Duration::from_secs(599))
         );
+    }
+
+    /// The table holds only renewals within the interval, each with its
+    /// certificate: older ones go at the next new certificate.
+    #[test]
+    fn only_renewals_within_the_interval_are_remembered() {
+        let mut l = RenewalLimiter::new(Duration::from_secs(600));
+        let t = Instant::now();
+        for (i, node) in ["edge-1", "edge-2", "edge-3"].into_iter().enumerate() {
+            let at = t + Duration::from_secs(i as u64 * 300);
+            assert_eq!(l.decide(node, b"k", at), RenewalDecision::Sign);
+            l.issued(node, b"k", "pem", "01");
+        }
+        // At 600 s edge-1's entry (0 s) is gone; edge-2's (300 s) is not.
+        assert_eq!(l.last.len(), 2);
+        assert!(!l.last.contains_key("edge-1"));
+        assert_eq!(
+            l.decide("edge-4", b"k", t + Duration::from_secs(1200)),
+            RenewalDecision::Sign
+        );
+        assert_eq!(l.last.len(), 1);
     }
 }
 
