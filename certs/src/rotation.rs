@@ -27,6 +27,16 @@ pub fn renewal_time(cert_der: &[u8]) -> Result<SystemTime, CertError> {
     Ok(UNIX_EPOCH + Duration::from_secs(due))
 }
 
+/// How long after it is issued a certificate valid for `valid_for` (as
+/// [`crate::mint`] makes it: back-dated by
+/// [`NOT_BEFORE_BACKDATE`](crate::mint::NOT_BEFORE_BACKDATE)) is due for
+/// renewal: [`renewal_time`] less the issue time, zero if due at once.
+pub fn due_after_issue(valid_for: Duration) -> Duration {
+    let back = crate::mint::NOT_BEFORE_BACKDATE;
+    let life = valid_for.saturating_add(back);
+    (life - life / 3).saturating_sub(back)
+}
+
 /// Whether the certificate is due for renewal at `now`.
 pub fn renewal_due(cert_der: &[u8], now: SystemTime) -> Result<bool, CertError> {
     Ok(now >= renewal_time(cert_der)?)
@@ -55,5 +65,22 @@ mod tests {
         let secs = at.duration_since(now).unwrap().as_secs();
         assert!((7000..7300).contains(&secs), "{secs}");
         assert!(renewal_time(b"junk").is_err());
+        // The same from the validity alone: 2/3 of 3 h 5 min, less 5 min.
+        let after = due_after_issue(Duration::from_secs(3 * 3600));
+        assert_eq!(after, Duration::from_secs(7100));
+        assert!(secs.abs_diff(after.as_secs()) <= 2, "{secs} {after:?}");
+    }
+
+    /// A certificate valid for less than half its back-dating is due at
+    /// once; the largest validity does not overflow.
+    #[test]
+    fn due_after_issue_is_exact_and_bounded() {
+        assert_eq!(due_after_issue(Duration::ZERO), Duration::ZERO);
+        assert_eq!(due_after_issue(Duration::from_secs(150)), Duration::ZERO);
+        assert_eq!(
+            due_after_issue(Duration::from_secs(1050)),
+            Duration::from_secs(600)
+        );
+        assert!(due_after_issue(Duration::MAX) > Duration::from_secs(u64::MAX / 2));
     }
 }

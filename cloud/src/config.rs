@@ -347,6 +347,32 @@ pub struct JoinConfig {
     pub renewal_min_interval: Duration,
 }
 
+impl JoinConfig {
+    /// Why these settings would let edges' certificates lapse, if they
+    /// would: a certificate issued for `validity` is due for renewal again
+    /// before `renewal_min_interval` has passed, so the cloud refuses that
+    /// renewal (another key within the interval) and the edge retries only
+    /// after its 10 minutes, maybe after the certificate expired. (A
+    /// certificate presented with a shorter life is renewed for that life;
+    /// the cloud logs each refusal.)
+    pub fn renewal_warning(&self) -> Option<String> {
+        let due = tether_certs::rotation::due_after_issue(self.validity);
+        if due >= self.renewal_min_interval {
+            return None;
+        }
+        // validity >= 3/2 (interval + backdate) - backdate, to the second.
+        let back = tether_certs::mint::NOT_BEFORE_BACKDATE.as_secs();
+        let least =
+            (self.renewal_min_interval.as_secs().saturating_add(back) * 3).div_ceil(2) - back;
+        Some(format!(
+            "--join-cert-validity {:?}: a certificate is due for renewal {:?} after it is issued, \
+             within --renewal-min-interval ({:?}), so its renewal is refused and it may expire; \
+             give at least {least}s of validity or a shorter --renewal-min-interval",
+            self.validity, due, self.renewal_min_interval
+        ))
+    }
+}
+
 /// How this replica finds and talks to the others.
 #[derive(Debug, Clone)]
 pub struct PeerConfig {
@@ -797,6 +823,34 @@ mod tests {
             let e = test_config(&["--renewal-min-interval", bad]).unwrap_err();
             assert!(e.contains("renewal-min-interval"), "{bad}: {e}");
         }
+    }
+
+    /// A certificate validity so short that a renewed certificate is due
+    /// again within --renewal-min-interval is warned about at start-up,
+    /// naming the least validity that is not; the defaults are not.
+    #[test]
+    fn a_validity_due_again_within_the_renewal_interval_is_warned_about() {
+        let join = |extra: &[&str]| {
+            let mut flags = vec!["--join-store=s.json", "--join-ca-cert=c", "--join-ca-key=k"];
+            flags.extend_from_slice(extra);
+            test_config(&flags).unwrap().join.unwrap().renewal_warning()
+        };
+        assert_eq!(join(&[]), None);
+        // Due 2/3 x (1,050 + 300) - 300 = 600 s after issue: just enough.
+        assert_eq!(join(&["--join-cert-validity=1050s"]), None);
+        let w = join(&["--join-cert-validity=1049s"]).unwrap();
+        assert!(
+            w.contains("at least 1050s") && w.contains("--renewal-min-interval"),
+            "{w}"
+        );
+        let w = join(&["--join-cert-validity=18s"]).unwrap();
+        assert!(w.contains("due for renewal 0ns after"), "{w}");
+        assert_eq!(
+            join(&["--join-cert-validity=10m", "--renewal-min-interval=1m"]),
+            None
+        );
+        let w = join(&["--join-cert-validity=10m", "--renewal-min-interval=601s"]).unwrap();
+        assert!(w.contains("at least 1052s"), "{w}");
     }
 
     #[test]

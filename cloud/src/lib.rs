@@ -122,6 +122,13 @@ impl Cloud {
                 None
             }
         };
+        if let Some(w) = cfg
+            .join
+            .as_ref()
+            .and_then(config::JoinConfig::renewal_warning)
+        {
+            tracing::warn!("{w}");
+        }
         let registry = Arc::new(
             registry::Registry::with_authority(
                 cfg.grace,
