@@ -34,7 +34,8 @@ use crate::token::{Grant, IssuedCert, JoinStore};
 pub const ALPN_JOIN: &[u8] = b"tether-join/1";
 /// Largest join message, either direction.
 pub const MAX_JOIN_MESSAGE: usize = 64 * 1024;
-/// How long the cloud waits for a joining edge's request.
+/// How long the cloud waits for a joining edge's request: the default of
+/// its `--join-request-timeout`.
 pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Edge → cloud: "I am `node`, here is my token and my CSR."

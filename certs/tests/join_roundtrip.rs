@@ -98,7 +98,9 @@ async fn start_cloud() -> Cloud {
                 match alpn.as_deref() {
                     Some(p) if p == ALPN_JOIN => {
                         j.fetch_add(1, Ordering::SeqCst);
-                        if let Err(e) = cloud_join::serve_join(conn, s, c, DAY).await {
+                        if let Err(e) =
+                            cloud_join::serve_join(conn, s, c, DAY, Default::default()).await
+                        {
                             eprintln!("serve_join: {e:#}");
                         }
                     }

@@ -7,8 +7,9 @@
 //! (a list, then a watch from its `resourceVersion`; on `410 Gone` or any
 //! failure it backs off and lists again, and the new list replaces the table
 //! atomically). Every list must be done within `--apiserver-sync-timeout`,
-//! every read on the connection within [`APISERVER_READ_TIMEOUT`]: an
-//! apiserver that stops answering is logged and asked again, never waited
+//! every read on the connection within `--apiserver-read-timeout` (300 s by
+//! default, above the [`WATCH_SILENCE`] of an idle watch): an apiserver that
+//! stops answering is logged, naming the flag, and asked again, never waited
 //! for forever. Edge pod reports and hello addresses are only hints checked
 //! against this table by the [`crate::registry`]: a hint naming another node's
 //! pod or address is refused, logged with both nodes and counted.
@@ -178,7 +179,7 @@ fn node_entry(n: &Node) -> (String, Vec<String>) {
 
 /// A client for the apiserver: from `kubeconfig` if given, else the in-cluster
 /// service account (never a guess from `~/.kube/config`).
-pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
+pub async fn client(kubeconfig: Option<&Path>, read_timeout: Duration) -> anyhow::Result<Client> {
     let config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
@@ -194,24 +195,42 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
              pass --insecure-trust-edge-reports",
         )?,
     };
-    client_of(config)
+    client_of(config, read_timeout)
 }
 
-/// The client of `config`, every read bounded by [`APISERVER_READ_TIMEOUT`]
-/// (kube's default is none), counted from each request sent rather than
-/// from when its pooled connection went idle.
-fn client_of(mut config: kube::Config) -> anyhow::Result<Client> {
-    config.read_timeout = Some(APISERVER_READ_TIMEOUT);
+/// The client of `config`, every read bounded by `read_timeout`
+/// (`--apiserver-read-timeout`; kube's default is none), counted from each
+/// request sent rather than from when its pooled connection went idle.
+fn client_of(mut config: kube::Config, read_timeout: Duration) -> anyhow::Result<Client> {
+    config.read_timeout = Some(read_timeout);
     config.reset_reader_on_write = true;
     Client::try_from(config).context("building the apiserver client")
 }
 
-/// Longest silence on a connection to the apiserver before its request
-/// fails: above the watch's own bound (kube-runtime asks the apiserver to
-/// end a watch after 290 s and gives up on a silent one 5 s later), so an
-/// idle watch is never cut, but no request (a list, a watch being opened)
-/// waits for an apiserver that stopped answering forever.
-const APISERVER_READ_TIMEOUT: Duration = Duration::from_secs(300);
+/// Longest an idle watch is silent: kube-runtime asks the apiserver to end
+/// a watch after 290 s and gives up on a silent one 5 s later. The default
+/// `--apiserver-read-timeout` (300 s) is above it, so an idle watch is never
+/// cut, but no request (a list, a watch being opened) waits for an apiserver
+/// that stopped answering forever. A shorter one is accepted (a test, or an
+/// operator who wants a hung apiserver noticed sooner) and warned about: an
+/// idle watch is then cut after it and opened again from its
+/// `resourceVersion` (no new list), with a warning each time.
+pub const WATCH_SILENCE: Duration = Duration::from_secs(295);
+
+/// Whether `e` (or an error under it) is a read that timed out: the
+/// apiserver was silent for `--apiserver-read-timeout`.
+fn is_read_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
 
 /// A watcher of pods or nodes whose every list is bounded.
 ///
@@ -227,6 +246,8 @@ struct BoundedWatch<K> {
     /// What is watched, for the logs: "pods", "nodes".
     what: &'static str,
     list_timeout: Duration,
+    /// The client's `--apiserver-read-timeout`, for the logs.
+    read_timeout: Duration,
     events: futures_util::stream::BoxStream<'static, Result<Event<K>, watcher::Error>>,
     /// While a list is under way: when it must be done.
     list_deadline: Option<tokio::time::Instant>,
@@ -236,12 +257,18 @@ impl<K> BoundedWatch<K>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
-    fn new(api: Api<K>, what: &'static str, list_timeout: Duration) -> Self {
+    fn new(
+        api: Api<K>,
+        what: &'static str,
+        list_timeout: Duration,
+        read_timeout: Duration,
+    ) -> Self {
         let events = Self::start(&api);
         BoundedWatch {
             api,
             what,
             list_timeout,
+            read_timeout,
             events,
             list_deadline: None,
         }
@@ -293,7 +320,16 @@ where
                 Some(Err(e)) => {
                     // The backoff before the next attempt is not the list's.
                     self.list_deadline = None;
-                    warn!(error = %e, "watching {what} on the apiserver failed; trying again");
+                    if is_read_timeout(&e) {
+                        warn!(
+                            error = %e,
+                            "watching {what}: no answer from the apiserver within {:?} \
+                             (--apiserver-read-timeout); asking again",
+                            self.read_timeout
+                        );
+                    } else {
+                        warn!(error = %e, "watching {what} on the apiserver failed; trying again");
+                    }
                 }
                 // The watcher's stream does not end; should it, start anew.
                 None => self.events = Self::start(&self.api),
@@ -306,12 +342,22 @@ where
 /// first lists are in, or fails after `sync_timeout`. The watches run (and
 /// re-list after errors, `410 Gone` included, each list again within
 /// `sync_timeout`: see [`BoundedWatch`]) until the process ends.
-pub async fn watch(client: Client, sync_timeout: Duration) -> anyhow::Result<Arc<Authority>> {
+/// `read_timeout` is the one `client` was built with (for the logs).
+pub async fn watch(
+    client: Client,
+    sync_timeout: Duration,
+    read_timeout: Duration,
+) -> anyhow::Result<Arc<Authority>> {
     let authority = Arc::new(Authority::new());
     let (pods_tx, mut pods_rx) = tokio_watch::channel(false);
     let (nodes_tx, mut nodes_rx) = tokio_watch::channel(false);
     let a = authority.clone();
-    let mut pods = BoundedWatch::new(Api::<Pod>::all(client.clone()), "pods", sync_timeout);
+    let mut pods = BoundedWatch::new(
+        Api::<Pod>::all(client.clone()),
+        "pods",
+        sync_timeout,
+        read_timeout,
+    );
     tokio::spawn(async move {
         let mut buffer = Vec::new();
         loop {
@@ -335,7 +381,12 @@ pub async fn watch(client: Client, sync_timeout: Duration) -> anyhow::Result<Arc
         }
     });
     let a = authority.clone();
-    let mut nodes = BoundedWatch::new(Api::<Node>::all(client), "nodes", sync_timeout);
+    let mut nodes = BoundedWatch::new(
+        Api::<Node>::all(client),
+        "nodes",
+        sync_timeout,
+        read_timeout,
+    );
     tokio::spawn(async move {
         let mut buffer = Vec::new();
         loop {
@@ -480,8 +531,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stalled_relist_is_abandoned_and_asked_again() {
         let (url, pod_lists) = stalling_apiserver().await;
-        let client = client_of(kube::Config::new(url.parse().unwrap())).unwrap();
-        let authority = watch(client, Duration::from_secs(1)).await.unwrap();
+        let read = Duration::from_secs(300);
+        let client = client_of(kube::Config::new(url.parse().unwrap()), read).unwrap();
+        let authority = watch(client, Duration::from_secs(1), read).await.unwrap();
         assert_eq!(
             authority.pod("default", "p1"),
             PodPlacement::On("edge-a".into())

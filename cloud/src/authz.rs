@@ -21,8 +21,9 @@ use sha2::{Digest, Sha256};
 
 /// Longest bearer token accepted (service-account JWTs are ~1 KiB).
 pub const MAX_TOKEN_BYTES: usize = 8192;
-/// Entries per cache before expired ones are swept (and, if still full, all).
-const MAX_CACHE_ENTRIES: usize = 10_000;
+/// Default of `--review-cache-entries`: entries per cache before expired
+/// ones are swept (and, if still full, all).
+pub const DEFAULT_CACHE_ENTRIES: usize = 10_000;
 
 /// Who made a request.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -113,17 +114,24 @@ pub struct ReviewSettings {
     pub allowed_ttl: Duration,
     pub denied_ttl: Duration,
     pub timeout: Duration,
+    /// Entries per cache (`--review-cache-entries`) before expired ones are
+    /// swept and, if it is still full, all of them: a bound on the memory
+    /// many tokens or callers can take.
+    pub cache_entries: usize,
 }
 
 struct Cache<K, V> {
+    /// Most entries (and turns) kept; see [`ReviewSettings::cache_entries`].
+    max_entries: usize,
     entries: Mutex<HashMap<K, (Instant, V)>>,
     /// One review per key at a time ([`Cache::turn`]).
     turns: Mutex<HashMap<K, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl<K: std::hash::Hash + Eq + Clone, V: Clone> Cache<K, V> {
-    fn new() -> Self {
+    fn new(max_entries: usize) -> Self {
         Cache {
+            max_entries,
             entries: Mutex::new(HashMap::new()),
             turns: Mutex::new(HashMap::new()),
         }
@@ -150,7 +158,7 @@ impl<K: std::hash::Hash + Eq + Clone, V: Clone> Cache<K, V> {
     async fn turn(&self, k: &K) -> tokio::sync::OwnedMutexGuard<()> {
         let gate = {
             let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
-            if turns.len() >= MAX_CACHE_ENTRIES {
+            if turns.len() >= self.max_entries {
                 turns.retain(|_, g| Arc::strong_count(g) > 1);
             }
             turns.entry(k.clone()).or_default().clone()
@@ -168,10 +176,10 @@ impl<K: std::hash::Hash + Eq + Clone, V: Clone> Cache<K, V> {
             return;
         }
         let mut map = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= MAX_CACHE_ENTRIES {
+        if map.len() >= self.max_entries {
             let now = Instant::now();
             map.retain(|_, (until, _)| *until > now);
-            if map.len() >= MAX_CACHE_ENTRIES {
+            if map.len() >= self.max_entries {
                 map.clear();
             }
         }
@@ -217,9 +225,9 @@ impl Reviewer {
     pub fn new(client: kube::Client, settings: ReviewSettings) -> Reviewer {
         Reviewer {
             client,
+            tokens: Cache::new(settings.cache_entries),
+            decisions: Cache::new(settings.cache_entries),
             settings,
-            tokens: Cache::new(),
-            decisions: Cache::new(),
         }
     }
 
@@ -366,7 +374,7 @@ mod tests {
 
     #[tokio::test]
     async fn reviews_of_one_key_take_turns_and_other_keys_do_not_wait() {
-        let c: Cache<u32, u32> = Cache::new();
+        let c: Cache<u32, u32> = Cache::new(DEFAULT_CACHE_ENTRIES);
         let held = c.turn(&1).await;
         let t0 = Instant::now();
         // Another key: no wait.
@@ -394,17 +402,65 @@ mod tests {
     }
 
     #[test]
-    fn cache_expires_and_is_bounded() {
-        let c: Cache<u32, u32> = Cache::new();
+    fn cache_expires() {
+        let c: Cache<u32, u32> = Cache::new(DEFAULT_CACHE_ENTRIES);
         c.put(1, 10, Duration::from_millis(30));
         assert_eq!(c.get(&1), Some(10));
         std::thread::sleep(Duration::from_millis(40));
         assert_eq!(c.get(&1), None);
         c.put(2, 20, Duration::ZERO);
         assert_eq!(c.get(&2), None);
-        for i in 0..(MAX_CACHE_ENTRIES as u32 + 5) {
+    }
+
+    /// `--review-cache-entries` bounds the answers kept: at 8, the ninth
+    /// live answer sweeps the table (none expired: all go), and no more than
+    /// 8 are ever held; expired ones are what a sweep drops first.
+    #[test]
+    fn the_cache_holds_at_most_its_configured_entries() {
+        let c: Cache<u32, u32> = Cache::new(8);
+        for i in 0..8 {
             c.put(i, i, Duration::from_secs(60));
         }
-        assert!(c.entries.lock().unwrap().len() <= MAX_CACHE_ENTRIES);
+        assert_eq!(c.entries.lock().unwrap().len(), 8);
+        assert_eq!(c.get(&0), Some(0));
+        c.put(8, 8, Duration::from_secs(60));
+        assert_eq!(
+            c.entries.lock().unwrap().len(),
+            1,
+            "a full table of live answers is cleared"
+        );
+        assert_eq!(c.get(&0), None);
+        assert_eq!(c.get(&8), Some(8));
+        for i in 0..100 {
+            c.put(i, i, Duration::from_secs(60));
+            assert!(c.entries.lock().unwrap().len() <= 8);
+        }
+        // Expired answers go first; the live ones stay.
+        let c: Cache<u32, u32> = Cache::new(4);
+        c.put(1, 1, Duration::from_secs(60));
+        for i in 2..5 {
+            c.put(i, i, Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        c.put(5, 5, Duration::from_secs(60));
+        assert_eq!(c.entries.lock().unwrap().len(), 2);
+        assert_eq!((c.get(&1), c.get(&5)), (Some(1), Some(5)));
+    }
+
+    /// The turns of keys nobody waits on are swept at the same bound.
+    #[tokio::test]
+    async fn idle_turns_are_swept_at_the_configured_entries() {
+        let c: Cache<u32, u32> = Cache::new(4);
+        let held = c.turn(&0).await;
+        for i in 1..20 {
+            drop(c.turn(&i).await);
+            let n = c.turns.lock().unwrap().len();
+            assert!(n <= 4, "{n} turns kept with a bound of 4");
+        }
+        assert!(
+            c.turns.lock().unwrap().contains_key(&0),
+            "a held turn is kept"
+        );
+        drop(held);
     }
 }

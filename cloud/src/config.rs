@@ -20,6 +20,10 @@ const MIN_PEER_STREAMS: u32 = 4;
 const MAX_PEER_STREAMS: u32 = 1 << 20;
 /// Most runtime threads `--worker-threads` accepts.
 const MAX_WORKER_THREADS: usize = 1024;
+/// Longest `--apiserver-read-timeout` accepted: a day is no bound in
+/// practice, and the HTTP client's timer adds the value to the clock
+/// unchecked (a value near `u64::MAX` seconds would panic there).
+const MAX_APISERVER_READ_TIMEOUT: Duration = Duration::from_secs(86_400);
 /// Most TCP keep-alive probes `--apiserver-keep-alive-probes` accepts
 /// (Linux's bound on `TCP_KEEPCNT`).
 const MAX_KEEP_ALIVE_PROBES: u32 = 127;
@@ -112,6 +116,10 @@ pub struct CloudArgs {
     /// How long a review may take before the request fails with 503.
     #[arg(long, env = "TETHER_REVIEW_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub review_timeout: Duration,
+    /// Answers kept per review cache (TokenReviews; SubjectAccessReviews)
+    /// before expired ones are swept, and all of them if it is still full.
+    #[arg(long, env = "TETHER_REVIEW_CACHE_ENTRIES", default_value_t = crate::authz::DEFAULT_CACHE_ENTRIES)]
+    pub review_cache_entries: usize,
     /// Accept apiserver connections without a client certificate. Local development only.
     #[arg(long, env = "TETHER_INSECURE_SKIP_CLIENT_AUTH")]
     pub insecure_skip_client_auth: bool,
@@ -132,6 +140,11 @@ pub struct CloudArgs {
     /// a later list that takes longer is logged as stalled and asked again.
     #[arg(long, env = "TETHER_APISERVER_SYNC_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub apiserver_sync_timeout: Duration,
+    /// Longest silence on a connection to the apiserver of the pod and node
+    /// watches before its request fails and is asked again. Below 295s an
+    /// idle watch is cut too (warned about at start; it resumes, no re-list).
+    #[arg(long, env = "TETHER_APISERVER_READ_TIMEOUT", default_value = "300s", value_parser = parse_duration)]
+    pub apiserver_read_timeout: Duration,
     /// How long to wait for the kubelet's response head before answering 504.
     #[arg(long, env = "TETHER_RESPONSE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub response_timeout: Duration,
@@ -219,6 +232,15 @@ pub struct CloudArgs {
     /// CA private key (PEM) for signing joining edges' certificates.
     #[arg(long, env = "TETHER_JOIN_CA_KEY")]
     pub join_ca_key: Option<PathBuf>,
+    /// How long a joining edge may take to send its request after the handshake.
+    #[arg(long, env = "TETHER_JOIN_REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub join_request_timeout: Duration,
+    /// How long a joining edge's QUIC may take to accept the answer (stream credit).
+    #[arg(long, env = "TETHER_JOIN_ANSWER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub join_answer_timeout: Duration,
+    /// How long the answer to a join may take to be acknowledged before the close.
+    #[arg(long, env = "TETHER_JOIN_LINGER", default_value = "5s", value_parser = parse_duration)]
+    pub join_linger: Duration,
     /// Lifetime of certificates issued to joining edges.
     #[arg(long, env = "TETHER_JOIN_CERT_VALIDITY", default_value = "720h", value_parser = parse_duration)]
     pub join_cert_validity: Duration,
@@ -269,6 +291,11 @@ pub struct CloudArgs {
     /// prove their address with a QUIC Retry first.
     #[arg(long, env = "TETHER_HANDSHAKES_PER_SOURCE", default_value_t = 20)]
     pub handshakes_per_source: u32,
+    /// Source IPs whose --handshakes-per-source budget is remembered; past
+    /// it, idle sources are forgotten, then all (a forgotten source starts
+    /// with a full budget).
+    #[arg(long, env = "TETHER_HANDSHAKE_RATE_SOURCES", default_value_t = crate::gate::DEFAULT_MAX_SOURCES)]
+    pub handshake_rate_sources: usize,
     /// UDP address of the peer listener other replicas dial (QUIC, mutual
     /// TLS with peer certificates only). Unset: this replica runs alone.
     #[arg(long, env = "TETHER_PEER_LISTEN", requires_all = ["peer_cert", "peer_key", "peer_ca"])]
@@ -312,6 +339,13 @@ pub struct CloudArgs {
     /// fails with a 502 that names this flag.
     #[arg(long, env = "TETHER_PEER_MAX_STREAMS", default_value_t = 4096)]
     pub peer_max_streams: u32,
+    /// Sends of the hello that asks a dialled peer for relayed copies of
+    /// interactive writes, the first included; a peer that answers none gets no copies.
+    #[arg(long, env = "TETHER_PEER_COPY_HELLO_TRIES", default_value_t = 5)]
+    pub peer_copy_hello_tries: u32,
+    /// Wait before the first resend of an unanswered relayed-copy hello; doubled after each.
+    #[arg(long, env = "TETHER_PEER_COPY_HELLO_RESEND", default_value = "1s", value_parser = parse_duration)]
+    pub peer_copy_hello_resend: Duration,
     /// With peers: how long a request for an edge that is known but
     /// connected to no replica (moving between replicas) waits for it before
     /// the 502; also bounds re-routing after a stale route.
@@ -342,6 +376,8 @@ pub struct JoinConfig {
     pub store: PathBuf,
     pub ca_cert: PathBuf,
     pub ca_key: PathBuf,
+    /// `--join-request-timeout`, `--join-answer-timeout`, `--join-linger`.
+    pub waits: crate::join::JoinWaits,
     pub validity: Duration,
     /// Least time between two renewals of one node's certificate.
     pub renewal_min_interval: Duration,
@@ -392,7 +428,8 @@ pub struct PeerConfig {
     /// Concurrent streams a peer may open on its link here (`--peer-max-streams`).
     pub max_streams: u32,
     /// Bounds of the relayed copies this replica sends on its peer links
-    /// (`--interactive-copy-bytes`, `--interactive-copies-per-sec`).
+    /// (`--interactive-copy-bytes`, `--interactive-copies-per-sec`) and of
+    /// its hellos asking for them (`--peer-copy-hello-tries`, `--peer-copy-hello-resend`).
     pub copies: tether_proto::copies::CopySettings,
     /// QUIC datagrams buffered per peer link each way (`--datagram-buffer`).
     pub datagram_buffer: usize,
@@ -417,6 +454,8 @@ pub enum AuthoritySource {
     Apiserver {
         kubeconfig: Option<PathBuf>,
         sync_timeout: Duration,
+        /// Longest silence on an apiserver connection (`--apiserver-read-timeout`).
+        read_timeout: Duration,
     },
     /// The edges' own reports (`--insecure-trust-edge-reports`).
     EdgeReports,
@@ -465,6 +504,8 @@ pub struct CloudConfig {
     pub max_pending_handshakes: usize,
     pub max_waiting_handshakes: usize,
     pub handshakes_per_source: u32,
+    /// Sources the Initial rate gate remembers (`--handshake-rate-sources`).
+    pub handshake_rate_sources: usize,
     pub metrics_listen: SocketAddr,
     pub shutdown_grace: Duration,
     pub drain_spread: Duration,
@@ -520,6 +561,12 @@ impl CloudArgs {
         if self.peer_timeout.is_zero() || self.peer_resolve_interval.is_zero() {
             return Err("--peer-timeout and --peer-resolve-interval must be positive".into());
         }
+        if self.peer_copy_hello_tries == 0 {
+            return Err("--peer-copy-hello-tries must be at least 1".into());
+        }
+        if self.peer_copy_hello_resend.is_zero() {
+            return Err("--peer-copy-hello-resend must be more than 0".into());
+        }
         if self.peer_max_message_bytes < 4096 {
             return Err("--peer-max-message-bytes must be at least 4KiB".into());
         }
@@ -546,7 +593,11 @@ impl CloudArgs {
             replica_name,
             max_message_bytes: self.peer_max_message_bytes as usize,
             max_streams: self.peer_max_streams,
-            copies: quic.copies,
+            copies: tether_proto::copies::CopySettings {
+                hello_tries: self.peer_copy_hello_tries,
+                hello_resend: self.peer_copy_hello_resend,
+                ..quic.copies
+            },
             datagram_buffer: quic.datagram_buffer,
         }))
     }
@@ -573,8 +624,10 @@ impl CloudArgs {
             ("--max-edges", self.max_edges),
             ("--max-announced-addresses", self.max_announced_addresses),
             ("--max-departed-pods", self.max_departed_pods),
+            ("--review-cache-entries", self.review_cache_entries),
             ("--max-pending-handshakes", self.max_pending_handshakes),
             ("--max-waiting-handshakes", self.max_waiting_handshakes),
+            ("--handshake-rate-sources", self.handshake_rate_sources),
             (
                 "--max-apiserver-connections",
                 self.max_apiserver_connections,
@@ -596,6 +649,9 @@ impl CloudArgs {
             ("--apiserver-keep-alive", self.apiserver_keep_alive),
             ("--join-cert-validity", self.join_cert_validity),
             ("--renewal-min-interval", self.renewal_min_interval),
+            ("--join-request-timeout", self.join_request_timeout),
+            ("--join-answer-timeout", self.join_answer_timeout),
+            ("--join-linger", self.join_linger),
         ] {
             if d.is_zero() {
                 return Err(format!("{flag} must be more than 0"));
@@ -635,6 +691,7 @@ impl CloudArgs {
                 allowed_ttl: self.authorization_cache_ttl,
                 denied_ttl: self.authorization_denied_cache_ttl,
                 timeout: self.review_timeout,
+                cache_entries: self.review_cache_entries,
             },
         });
         if webhook.is_some() && self.insecure_skip_client_auth {
@@ -662,9 +719,17 @@ impl CloudArgs {
                 if self.apiserver_sync_timeout.is_zero() {
                     return Err("--apiserver-sync-timeout must be more than 0".into());
                 }
+                if self.apiserver_read_timeout.is_zero()
+                    || self.apiserver_read_timeout > MAX_APISERVER_READ_TIMEOUT
+                {
+                    return Err(
+                        "--apiserver-read-timeout must be more than 0 and at most 24h".into(),
+                    );
+                }
                 AuthoritySource::Apiserver {
                     kubeconfig: self.apiserver_kubeconfig,
                     sync_timeout: self.apiserver_sync_timeout,
+                    read_timeout: self.apiserver_read_timeout,
                 }
             },
             response_timeout: self.response_timeout,
@@ -685,6 +750,7 @@ impl CloudArgs {
             max_pending_handshakes: self.max_pending_handshakes,
             max_waiting_handshakes: self.max_waiting_handshakes,
             handshakes_per_source: self.handshakes_per_source,
+            handshake_rate_sources: self.handshake_rate_sources,
             metrics_listen: self.metrics_listen,
             shutdown_grace: self.shutdown_grace,
             drain_spread: self.drain_spread,
@@ -696,6 +762,11 @@ impl CloudArgs {
                     store,
                     ca_cert,
                     ca_key,
+                    waits: crate::join::JoinWaits {
+                        request: self.join_request_timeout,
+                        answer: self.join_answer_timeout,
+                        linger: self.join_linger,
+                    },
                     validity: self.join_cert_validity,
                     renewal_min_interval: self.renewal_min_interval,
                 }),
@@ -762,6 +833,12 @@ mod tests {
             ("--join-cert-validity", "0s"),
             ("--renewal-min-interval", "0s"),
             ("--worker-threads", "0"),
+            ("--review-cache-entries", "0"),
+            ("--handshake-rate-sources", "0"),
+            ("--apiserver-read-timeout", "0s"),
+            ("--join-request-timeout", "0s"),
+            ("--join-answer-timeout", "0s"),
+            ("--join-linger", "0s"),
         ] {
             let e = test_config(&[flag, zero]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
@@ -853,6 +930,85 @@ mod tests {
         assert!(w.contains("at least 1052s"), "{w}");
     }
 
+    /// The limits and waits that were constants have their old values by
+    /// default and take others.
+    #[test]
+    fn former_constants_have_their_defaults_and_take_other_values() {
+        // The reviews need a client CA (test_config has none).
+        let reviews = |extra: &[&str]| {
+            let mut args = vec![
+                "tether-cloud",
+                "--tunnel-cert=t.crt",
+                "--tunnel-key=t.key",
+                "--edge-ca=e.crt",
+                "--kubelet-cert=k.crt",
+                "--kubelet-key=k.key",
+                "--apiserver-client-ca=ca.crt",
+                "--authorization-webhook",
+            ];
+            args.extend_from_slice(extra);
+            CloudArgs::try_parse_from(args)
+                .unwrap()
+                .into_config()
+                .map(|c| c.webhook.unwrap().reviews.cache_entries)
+        };
+        assert_eq!(reviews(&[]), Ok(10_000));
+        assert_eq!(reviews(&["--review-cache-entries=8"]), Ok(8));
+        assert!(reviews(&["--review-cache-entries=0"])
+            .unwrap_err()
+            .contains("--review-cache-entries"));
+        let c = test_config(&[]).unwrap();
+        assert_eq!(c.handshake_rate_sources, 65_536);
+        let apiserver = |extra: &[&str]| match test_config(extra).map(|c| c.authority) {
+            Ok(AuthoritySource::Apiserver { read_timeout, .. }) => Ok(read_timeout),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e),
+        };
+        assert_eq!(apiserver(&[]), Ok(Duration::from_secs(300)));
+        assert_eq!(
+            apiserver(&["--apiserver-read-timeout", "10s"]),
+            Ok(Duration::from_secs(10))
+        );
+        assert_eq!(
+            apiserver(&["--apiserver-read-timeout", "24h"]),
+            Ok(Duration::from_secs(86_400))
+        );
+        for bad in ["0s", "86401s"] {
+            assert!(apiserver(&["--apiserver-read-timeout", bad])
+                .unwrap_err()
+                .contains("--apiserver-read-timeout must be more than 0 and at most 24h"));
+        }
+        let join = ["--join-store=s", "--join-ca-cert=c", "--join-ca-key=k"];
+        let j = test_config(&join).unwrap().join.unwrap();
+        assert_eq!(j.waits, crate::join::JoinWaits::default());
+        assert_eq!(
+            (j.waits.request, j.waits.answer, j.waits.linger),
+            (
+                Duration::from_secs(10),
+                Duration::from_secs(10),
+                Duration::from_secs(5)
+            )
+        );
+        let mut flags = join.to_vec();
+        flags.extend([
+            "--handshake-rate-sources=16",
+            "--join-request-timeout=1s",
+            "--join-answer-timeout=2s",
+            "--join-linger=3s",
+        ]);
+        let c = test_config(&flags).unwrap();
+        assert_eq!(c.handshake_rate_sources, 16);
+        let w = c.join.unwrap().waits;
+        assert_eq!(
+            (w.request, w.answer, w.linger),
+            (
+                Duration::from_secs(1),
+                Duration::from_secs(2),
+                Duration::from_secs(3)
+            )
+        );
+    }
+
     #[test]
     fn worker_threads_default_to_the_cpus_and_are_bounded() {
         assert_eq!(test_config(&[]).unwrap().worker_threads, None);
@@ -895,6 +1051,25 @@ mod tests {
         assert_eq!(p.replica_name, "tether-0");
         assert_eq!(p.timeout, Duration::from_secs(2));
         assert_eq!(p.resolve_interval, Duration::from_secs(5));
+        assert_eq!(p.copies.hello_tries, 5);
+        assert_eq!(p.copies.hello_resend, Duration::from_secs(1));
+        let mut flags = PEER.to_vec();
+        flags.extend([
+            "--peer-copy-hello-tries=2",
+            "--peer-copy-hello-resend=100ms",
+            "--interactive-copy-bytes=64",
+        ]);
+        let copies = test_config(&flags).unwrap().peer.unwrap().copies;
+        assert_eq!(
+            (copies.hello_tries, copies.hello_resend, copies.max_payload),
+            (2, Duration::from_millis(100), 64)
+        );
+        for bad in ["--peer-copy-hello-tries=0", "--peer-copy-hello-resend=0s"] {
+            let mut flags = PEER.to_vec();
+            flags.push(bad);
+            let e = test_config(&flags).unwrap_err();
+            assert!(e.contains(bad.split('=').next().unwrap()), "{bad}: {e}");
+        }
         // Peers without a peer listener, a listener without its certificate,
         // a peer without a port: refused at start.
         assert!(test_config(&["--peers=10.0.0.1:7000"]).is_err());

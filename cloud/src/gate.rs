@@ -23,9 +23,10 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::Instant;
 
-/// Largest number of sources remembered; beyond it, full (idle) buckets are
-/// forgotten first, then the whole table (a forgotten source starts full).
-const MAX_SOURCES: usize = 65_536;
+/// Default of `--handshake-rate-sources`: the most sources remembered;
+/// beyond it, full (idle) buckets are forgotten first, then the whole table
+/// (a forgotten source starts full).
+pub const DEFAULT_MAX_SOURCES: usize = 65_536;
 
 /// What to do with one Initial.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +44,8 @@ pub enum Verdict {
 pub struct Gate {
     per_source: f64,
     retry_above: usize,
+    /// Most sources remembered (`--handshake-rate-sources`).
+    max_sources: usize,
     buckets: HashMap<IpAddr, Bucket>,
 }
 
@@ -54,11 +57,13 @@ struct Bucket {
 
 impl Gate {
     /// `per_source`: handshakes a second (and burst) per source IP, at least 1;
-    /// `max_pending`: the handshake slots; Retry starts at a quarter of them.
-    pub fn new(per_source: u32, max_pending: usize) -> Gate {
+    /// `max_pending`: the handshake slots; Retry starts at a quarter of them;
+    /// `max_sources`: the sources whose bucket is remembered, at least 1.
+    pub fn new(per_source: u32, max_pending: usize, max_sources: usize) -> Gate {
         Gate {
             per_source: f64::from(per_source.max(1)),
             retry_above: max_pending / 4,
+            max_sources: max_sources.max(1),
             buckets: HashMap::new(),
         }
     }
@@ -76,7 +81,7 @@ impl Gate {
         if !validated && pending >= self.retry_above {
             return Verdict::Retry;
         }
-        if self.buckets.len() >= MAX_SOURCES && !self.buckets.contains_key(&source) {
+        if self.buckets.len() >= self.max_sources && !self.buckets.contains_key(&source) {
             self.prune(now);
         }
         let rate = self.per_source;
@@ -105,7 +110,7 @@ impl Gate {
         self.buckets.retain(|_, b| {
             b.tokens + now.saturating_duration_since(b.at).as_secs_f64() * rate < rate
         });
-        if self.buckets.len() >= MAX_SOURCES {
+        if self.buckets.len() >= self.max_sources {
             self.buckets.clear();
         }
     }
@@ -122,7 +127,7 @@ mod tests {
 
     #[test]
     fn unvalidated_sources_get_a_retry_only_under_load() {
-        let mut g = Gate::new(10, 16);
+        let mut g = Gate::new(10, 16, DEFAULT_MAX_SOURCES);
         let t = Instant::now();
         assert_eq!(g.check(ip(1), false, 0, t), Verdict::Admit);
         assert_eq!(g.check(ip(2), false, 3, t), Verdict::Admit);
@@ -132,7 +137,7 @@ mod tests {
 
     #[test]
     fn one_source_is_held_to_its_rate_and_refills() {
-        let mut g = Gate::new(5, 512);
+        let mut g = Gate::new(5, 512, DEFAULT_MAX_SOURCES);
         let t = Instant::now();
         for _ in 0..5 {
             assert_eq!(g.check(ip(1), true, 0, t), Verdict::Admit);
@@ -146,13 +151,34 @@ mod tests {
         assert_eq!(g.check(ip(1), true, 0, t2), Verdict::SourceLimited);
     }
 
+    /// `--handshake-rate-sources` bounds the table: with 16, a seventeenth
+    /// source sweeps it. Sources whose bucket refilled (idle) are forgotten
+    /// first; a forgotten source starts with a full bucket again.
     #[test]
-    fn the_source_table_stays_bounded() {
-        let mut g = Gate::new(1, 512);
+    fn the_source_table_holds_at_most_its_configured_sources() {
+        let mut g = Gate::new(1, 512, 16);
         let t = Instant::now();
-        for n in 0..(MAX_SOURCES as u32 + 1000) {
+        for n in 0..1000 {
+            assert_eq!(g.check(ip(n), true, 0, t), Verdict::Admit);
+            assert!(
+                g.sources() <= 16,
+                "{} sources with a bound of 16",
+                g.sources()
+            );
+        }
+        // Sixteen sources that just spent their token; one second later
+        // fifteen of them have refilled (idle) and one is spent again.
+        let mut g = Gate::new(1, 512, 16);
+        for n in 0..16 {
             assert_eq!(g.check(ip(n), true, 0, t), Verdict::Admit);
         }
-        assert!(g.sources() <= MAX_SOURCES, "{} sources", g.sources());
+        assert_eq!(g.sources(), 16);
+        let t1 = t + Duration::from_secs(1);
+        assert_eq!(g.check(ip(0), true, 0, t1), Verdict::Admit);
+        // A new source: the idle fifteen are swept, the spent one is kept
+        // and still limited.
+        assert_eq!(g.check(ip(100), true, 0, t1), Verdict::Admit);
+        assert_eq!(g.sources(), 2);
+        assert_eq!(g.check(ip(0), true, 0, t1), Verdict::SourceLimited);
     }
 }

@@ -10,9 +10,12 @@
 //! moves the two messages and logs the outcome with the node's name.
 //!
 //! A join connection never reaches the tunnel: whatever it sends, it gets at
-//! most one answer and is closed. A slow or silent edge is cut off after
-//! `JOIN_REQUEST_TIMEOUT`; an oversized or undecodable request closes that
-//! connection only.
+//! most one answer and is closed. Every wait on the joining edge is bounded
+//! ([`JoinWaits`]): a slow or silent edge is cut off after
+//! `--join-request-timeout`, one that does not take the answer after
+//! `--join-answer-timeout`, and the wait for the answer to arrive before the
+//! close is at most `--join-linger`. An oversized or undecodable request
+//! closes that connection only.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -22,45 +25,51 @@ use tether_certs::join::{self, JoinRequest, JoinResponse, JOIN_REQUEST_TIMEOUT};
 use tether_certs::{Ca, JoinStore};
 use tracing::{info, warn};
 
-/// How long the cloud waits for the edge to read the answer before closing.
-const ANSWER_LINGER: Duration = Duration::from_secs(5);
-/// How long the answer may take to be accepted by the edge's QUIC (a client
-/// that never grants stream credit must not hold its edge slot forever).
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The waits on a joining edge, from configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JoinWaits {
+    /// How long the edge may take to send its request, from the end of the
+    /// handshake (`--join-request-timeout`).
+    pub request: Duration,
+    /// How long the answer may take to be accepted by the edge's QUIC: a
+    /// client that never grants stream credit must not hold its edge slot
+    /// forever (`--join-answer-timeout`).
+    pub answer: Duration,
+    /// How long the cloud waits for the edge to acknowledge the answer
+    /// before closing; the join has succeeded either way (`--join-linger`).
+    pub linger: Duration,
+}
+
+impl Default for JoinWaits {
+    fn default() -> Self {
+        JoinWaits {
+            request: JOIN_REQUEST_TIMEOUT,
+            answer: Duration::from_secs(10),
+            linger: Duration::from_secs(5),
+        }
+    }
+}
 
 /// QUIC close code of a finished join connection.
 const JOIN_DONE: u32 = 0;
 
 /// Handles one established join connection: read the request, decide,
 /// answer, close. `validity` is the lifetime of the certificates issued.
+/// Every step is bounded by `waits`, so a join connection holds its edge
+/// slot for at most the request timeout + the decision + the answer timeout
+/// + the linger.
 pub async fn serve_join(
     conn: quinn::Connection,
     store: Arc<JoinStore>,
     ca: Arc<Ca>,
     validity: Duration,
+    waits: JoinWaits,
 ) -> anyhow::Result<()> {
-    serve_join_within(
-        conn,
-        store,
-        ca,
-        validity,
-        JOIN_REQUEST_TIMEOUT,
-        ANSWER_TIMEOUT,
-    )
-    .await
-}
-
-/// [`serve_join`] with its time limits given: every step of a join
-/// connection is bounded, so it holds its edge slot for at most
-/// `request_timeout` + the decision + `answer_timeout` + `ANSWER_LINGER`.
-async fn serve_join_within(
-    conn: quinn::Connection,
-    store: Arc<JoinStore>,
-    ca: Arc<Ca>,
-    validity: Duration,
-    request_timeout: Duration,
-    answer_timeout: Duration,
-) -> anyhow::Result<()> {
+    let JoinWaits {
+        request: request_timeout,
+        answer: answer_timeout,
+        linger,
+    } = waits;
     let remote = conn.remote_address();
     let read = async {
         let (send, mut recv) = conn
@@ -87,7 +96,9 @@ async fn serve_join_within(
         }
         Err(_) => {
             conn.close(JOIN_DONE.into(), b"no join request in time");
-            anyhow::bail!("join from {remote}: no request within {request_timeout:?}");
+            anyhow::bail!(
+                "join from {remote}: no request within {request_timeout:?} (--join-request-timeout)"
+            );
         }
     };
     let claimed = req.node.clone();
@@ -128,13 +139,14 @@ async fn serve_join_within(
         Err(_) => {
             conn.close(JOIN_DONE.into(), b"join answer not accepted in time");
             anyhow::bail!(
-                "join from node {claimed} at {remote}: the answer was not accepted within {answer_timeout:?}"
+                "join from node {claimed} at {remote}: the answer was not accepted within \
+                 {answer_timeout:?} (--join-answer-timeout)"
             );
         }
     }
     let _ = send.finish();
     // Let the answer arrive before the connection goes away.
-    let _ = tokio::time::timeout(ANSWER_LINGER, send.stopped()).await;
+    let _ = tokio::time::timeout(linger, send.stopped()).await;
     let reason: &[u8] = match answer {
         JoinResponse::Granted { .. } => b"joined",
         JoinResponse::Refused { .. } => b"join refused",
@@ -146,8 +158,10 @@ async fn serve_join_within(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::Ipv4Addr;
+    use std::net::{Ipv4Addr, SocketAddr};
     use std::time::Instant;
+
+    const DAY: Duration = Duration::from_secs(86_400);
 
     fn provider() -> Arc<rustls::crypto::CryptoProvider> {
         // Joins are one-off bootstrap handshakes (this file is also built
@@ -155,15 +169,11 @@ mod tests {
         Arc::new(rustls::crypto::ring::default_provider())
     }
 
-    /// A join listener and a client whose stream receive window is 1 byte:
-    /// it sends a request and never lets the answer through.
-    #[tokio::test]
-    async fn a_client_that_grants_no_credit_is_cut_off() {
-        let dir = tempfile::tempdir().unwrap();
-        let day = Duration::from_secs(86_400);
-        let ca = Ca::new("test-ca", day).unwrap();
+    /// A join listener, its CA and store (in `dir`).
+    fn listener(dir: &std::path::Path) -> (quinn::Endpoint, Arc<Ca>, Arc<JoinStore>) {
+        let ca = Ca::new("test-ca", DAY).unwrap();
         let server = ca
-            .issue_server(&["tether-cloud"], &[Ipv4Addr::LOCALHOST.into()], day)
+            .issue_server(&["tether-cloud"], &[Ipv4Addr::LOCALHOST.into()], DAY)
             .unwrap();
         let mut tls = rustls::ServerConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13])
@@ -179,8 +189,12 @@ mod tests {
             quinn::crypto::rustls::QuicServerConfig::try_from(tls).unwrap(),
         ));
         let server_ep = quinn::Endpoint::server(sc, (Ipv4Addr::LOCALHOST, 0).into()).unwrap();
-        let addr = server_ep.local_addr().unwrap();
+        let store = Arc::new(JoinStore::open(dir.join("store.json")).unwrap());
+        (server_ep, Arc::new(ca), store)
+    }
 
+    /// A join client of `ca`'s listener at `addr` with the transport `tc`.
+    async fn client(ca: &Ca, addr: SocketAddr, tc: quinn::TransportConfig) -> quinn::Connection {
         let mut roots = rustls::RootCertStore::empty();
         for c in tether_certs::pem::certs_from_pem(&ca.cert_pem, "ca").unwrap() {
             roots.add(c).unwrap();
@@ -194,49 +208,136 @@ mod tests {
         let mut cc = quinn::ClientConfig::new(Arc::new(
             quinn::crypto::rustls::QuicClientConfig::try_from(ctls).unwrap(),
         ));
-        let mut tc = quinn::TransportConfig::default();
-        tc.stream_receive_window(1u32.into());
         cc.transport_config(Arc::new(tc));
         let mut client_ep = quinn::Endpoint::client((Ipv4Addr::LOCALHOST, 0).into()).unwrap();
         client_ep.set_default_client_config(cc);
-
-        let store = Arc::new(JoinStore::open(dir.path().join("store.json")).unwrap());
-        let ca = Arc::new(ca);
-        let served = tokio::spawn(async move {
-            let conn = server_ep.accept().await.unwrap().await.unwrap();
-            let t = Instant::now();
-            let r = serve_join_within(
-                conn,
-                store,
-                ca,
-                day,
-                Duration::from_secs(2),
-                Duration::from_secs(1),
-            )
-            .await;
-            (r, t.elapsed())
-        });
-        let conn = client_ep
+        client_ep
             .connect(addr, "tether-cloud")
             .unwrap()
             .await
-            .unwrap();
-        let (mut send, _recv) = conn.open_bi().await.unwrap();
-        let req = JoinRequest {
+            .unwrap()
+    }
+
+    /// Serves the next join connection on `server_ep` with `waits`: its
+    /// result and how long it took from the end of the handshake.
+    fn serve_next(
+        server_ep: quinn::Endpoint,
+        ca: Arc<Ca>,
+        store: Arc<JoinStore>,
+        waits: JoinWaits,
+    ) -> tokio::task::JoinHandle<(anyhow::Result<()>, Duration)> {
+        tokio::spawn(async move {
+            let conn = server_ep.accept().await.unwrap().await.unwrap();
+            let t = Instant::now();
+            let r = serve_join(conn, store, ca, DAY, waits).await;
+            (r, t.elapsed())
+        })
+    }
+
+    fn request() -> Vec<u8> {
+        join::encode(&JoinRequest {
             token: "abcdef.0123456789abcdef".into(),
             node: "edge-1".into(),
             csr_pem: "not a csr".into(),
-        };
-        send.write_all(&join::encode(&req).unwrap()).await.unwrap();
-        let (r, took) = tokio::time::timeout(Duration::from_secs(20), served)
+        })
+        .unwrap()
+    }
+
+    /// Waits for the served join: it must end within 20 s.
+    async fn served(
+        h: tokio::task::JoinHandle<(anyhow::Result<()>, Duration)>,
+    ) -> (anyhow::Result<()>, Duration) {
+        tokio::time::timeout(Duration::from_secs(20), h)
             .await
             .expect("the join connection is still held after 20 s")
-            .unwrap();
-        assert!(
-            r.is_err(),
-            "a join whose answer never left counts as failed"
-        );
-        assert!(took < Duration::from_secs(10), "held for {took:?}");
+            .unwrap()
+    }
+
+    /// A client whose stream receive window is 1 byte sends a request and
+    /// never lets the answer through: cut off after `--join-answer-timeout`.
+    #[tokio::test]
+    async fn a_client_that_grants_no_credit_is_cut_off_after_the_answer_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server_ep, ca, store) = listener(dir.path());
+        let addr = server_ep.local_addr().unwrap();
+        let waits = JoinWaits {
+            answer: Duration::from_millis(300),
+            ..JoinWaits::default()
+        };
+        let h = serve_next(server_ep, ca.clone(), store, waits);
+        let mut tc = quinn::TransportConfig::default();
+        tc.stream_receive_window(1u32.into());
+        let conn = client(&ca, addr, tc).await;
+        let (mut send, _recv) = conn.open_bi().await.unwrap();
+        send.write_all(&request()).await.unwrap();
+        let (r, took) = served(h).await;
+        let e = r.expect_err("a join whose answer never left counts as failed");
+        assert!(format!("{e:#}").contains("--join-answer-timeout"), "{e:#}");
+        // 10 s was the fixed bound.
+        assert!(took < Duration::from_secs(3), "held for {took:?}");
         drop(conn);
+    }
+
+    /// A client that sends nothing is cut off after `--join-request-timeout`.
+    #[tokio::test]
+    async fn a_silent_client_is_cut_off_after_the_request_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server_ep, ca, store) = listener(dir.path());
+        let addr = server_ep.local_addr().unwrap();
+        let waits = JoinWaits {
+            request: Duration::from_millis(300),
+            ..JoinWaits::default()
+        };
+        let h = serve_next(server_ep, ca.clone(), store, waits);
+        let conn = client(&ca, addr, quinn::TransportConfig::default()).await;
+        let (r, took) = served(h).await;
+        let e = r.expect_err("no request is a failed join");
+        assert!(format!("{e:#}").contains("--join-request-timeout"), "{e:#}");
+        assert!(
+            (Duration::from_millis(300)..Duration::from_secs(3)).contains(&took),
+            "held for {took:?}"
+        );
+        drop(conn);
+    }
+
+    /// A client that stops acknowledging once its request is in (its
+    /// runtime frozen): the answer is written, and the wait for its
+    /// acknowledgement ends after `--join-linger`; the join itself is done.
+    #[tokio::test]
+    async fn the_wait_for_the_answer_to_arrive_ends_after_the_linger() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server_ep, ca, store) = listener(dir.path());
+        let addr = server_ep.local_addr().unwrap();
+        let waits = JoinWaits {
+            linger: Duration::from_millis(300),
+            ..JoinWaits::default()
+        };
+        let h = serve_next(server_ep, ca.clone(), store, waits);
+        // The client on a runtime of its own, so that blocking its only
+        // thread stops its QUIC (no acknowledgement goes out).
+        let frozen = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let conn = client(&ca, addr, quinn::TransportConfig::default()).await;
+                let (mut send, _recv) = conn.open_bi().await.unwrap();
+                send.write_all(&request()).await.unwrap();
+                send.finish().unwrap();
+                // The cloud acknowledged the whole request.
+                let _ = tokio::time::timeout(Duration::from_secs(5), send.stopped()).await;
+                std::thread::sleep(Duration::from_secs(8));
+                drop(conn);
+            })
+        });
+        let (r, took) = served(h).await;
+        r.expect("the answer was written: the join is served");
+        // 5 s was the fixed linger.
+        assert!(
+            (Duration::from_millis(300)..Duration::from_secs(3)).contains(&took),
+            "held for {took:?}"
+        );
+        frozen.join().unwrap();
     }
 }

@@ -106,9 +106,19 @@ impl Cloud {
             config::AuthoritySource::Apiserver {
                 kubeconfig,
                 sync_timeout,
+                read_timeout,
             } => {
-                let client = authority::client(kubeconfig.as_deref()).await?;
-                let a = authority::watch(client, *sync_timeout)
+                if *read_timeout < authority::WATCH_SILENCE {
+                    tracing::warn!(
+                        read_timeout = ?read_timeout,
+                        "--apiserver-read-timeout is below {:?}, the longest an idle watch of \
+                         pods or nodes stays silent: idle watches are cut after it and opened \
+                         again (from where they were, no new list), each with a warning",
+                        authority::WATCH_SILENCE
+                    );
+                }
+                let client = authority::client(kubeconfig.as_deref(), *read_timeout).await?;
+                let a = authority::watch(client, *sync_timeout, *read_timeout)
                     .await
                     .context("watching pods and nodes on the apiserver")?;
                 info!("routing by the apiserver's pods and nodes");

@@ -302,6 +302,7 @@ pub async fn serve(
                 revocations: crate::revocation::Revocations::new(store.clone()),
                 store,
                 ca: Arc::new(ca),
+                waits: j.waits,
                 validity: j.validity,
                 renewals: std::sync::Mutex::new(RenewalLimiter::new(j.renewal_min_interval)),
             }))
@@ -317,7 +318,11 @@ pub async fn serve(
             TicketKey::random().context("drawing the resume-ticket key")?
         }
     });
-    let mut gate = Gate::new(cfg.handshakes_per_source, cfg.max_pending_handshakes);
+    let mut gate = Gate::new(
+        cfg.handshakes_per_source,
+        cfg.max_pending_handshakes,
+        cfg.handshake_rate_sources,
+    );
     // One sweep notices every edge's migration (no timer per edge).
     let moves = crate::migration::Watcher::new();
     let _sweeps = AbortOnDrop(tokio::spawn(moves.clone().run(crate::migration::SWEEP)));
@@ -584,6 +589,8 @@ struct JoinCtx {
     /// The store's certificate revocations, checked at every handshake.
     revocations: crate::revocation::Revocations,
     ca: Arc<tether_certs::Ca>,
+    /// Waits on a joining edge (`--join-request-timeout` and the others).
+    waits: crate::join::JoinWaits,
     validity: Duration,
     /// When each node last had a certificate renewed, and what it got.
     renewals: std::sync::Mutex<RenewalLimiter>,
@@ -774,6 +781,7 @@ async fn attach(
             j.store.clone(),
             j.ca.clone(),
             j.validity,
+            j.waits,
         ))
         .await
         .map(|()| None);

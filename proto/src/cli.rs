@@ -185,6 +185,7 @@ impl QuicArgs {
                 max_payload: usize::try_from(self.interactive_copy_bytes)
                     .map_err(|_| "interactive-copy-bytes too large".to_string())?,
                 per_sec: self.interactive_copies_per_sec,
+                ..crate::copies::CopySettings::default()
             },
             ..QuicSettings::default()
         };

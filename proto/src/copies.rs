@@ -32,7 +32,9 @@
 //! without this module never gets datagrams it would leave queued.
 //! Datagrams are unreliable: an unanswered `hello` is sent again 1, 3, 7 and
 //! 15 s after the first, then no more (a cloud that never answers does not
-//! read copies).
+//! read copies); the cloud sets the tries and the first wait of its peer
+//! links' hellos (`--peer-copy-hello-tries`, `--peer-copy-hello-resend`,
+//! [`CopySettings`]).
 //!
 //! **Relayed streams.** A stream whose apiserver connection reached another
 //! cloud replica than the one holding the edge's connection (the owner and
@@ -70,10 +72,6 @@ const HEARD: u8 = 2;
 const RELAYED: u8 = 3;
 /// Longest node name in a relayed copy (a DNS subdomain name).
 pub const MAX_NODE: usize = 253;
-/// Sends of an unanswered `hello`, the first one included.
-const HELLO_TRIES: u32 = 5;
-/// Wait before the first resend of an unanswered `hello`; doubled after each.
-const HELLO_RESEND: Duration = Duration::from_secs(1);
 /// Longest LEB128 encoding of a `u64`.
 const VARINT_MAX: usize = 10;
 /// A copy's bytes besides its payload (kind and three varints).
@@ -86,6 +84,10 @@ pub struct CopySettings {
     pub max_payload: usize,
     /// Copies one stream may send per second; writes beyond go only once.
     pub per_sec: u32,
+    /// Sends of an unanswered `hello`, the first one included (at least 1).
+    pub hello_tries: u32,
+    /// Wait before the first resend of an unanswered `hello`; doubled after each.
+    pub hello_resend: Duration,
 }
 
 impl Default for CopySettings {
@@ -93,6 +95,8 @@ impl Default for CopySettings {
         CopySettings {
             max_payload: 256,
             per_sec: 200,
+            hello_tries: 5,
+            hello_resend: Duration::from_secs(1),
         }
     }
 }
@@ -363,7 +367,8 @@ impl CopyLink {
 
     /// The asking side (the edge; a cloud replica on the peer links it
     /// dialled): announces that this end reads copies (a `hello`, resent
-    /// until answered, a bounded number of times), then hands every copy the
+    /// until answered, [`CopySettings::hello_tries`] times at most, after
+    /// [`CopySettings::hello_resend`], then twice that, …), then hands every copy the
     /// peer sends to `apply`, until the connection ends. `who` names the peer
     /// in log lines.
     pub async fn announce_and_serve(&self, apply: impl Fn(ReceivedCopy) -> Fate, who: &str) {
@@ -371,23 +376,25 @@ impl CopyLink {
         // disabled, and no copies go either way.
         let _ = self.conn.send_datagram(hello());
         let mut tries = 1;
-        let mut wait = HELLO_RESEND;
-        let mut resend_at = tokio::time::Instant::now() + wait;
+        let mut wait = self.settings.hello_resend;
+        // A resend beyond the clock's range (a huge configured wait, or
+        // doubled too often) is never due: `None`, no more resends.
+        let mut resend_at = tokio::time::Instant::now().checked_add(wait);
         // Whether the peer heard our hello (its `heard`, or a copy: it sends
         // those only after hearing us).
         let mut heard_back = false;
         loop {
-            let waiting = !heard_back && tries < HELLO_TRIES;
+            let due = resend_at.filter(|_| !heard_back && tries < self.settings.hello_tries);
             tokio::select! {
                 d = self.conn.read_datagram() => match d {
                     Ok(d) => heard_back |= self.on_datagram(&d, &apply, who),
                     Err(_) => return,
                 },
-                () = tokio::time::sleep_until(resend_at), if waiting => {
+                () = async { tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)).await }, if due.is_some() => {
                     let _ = self.conn.send_datagram(hello());
                     tries += 1;
-                    wait *= 2;
-                    resend_at += wait;
+                    wait = wait.saturating_mul(2);
+                    resend_at = resend_at.and_then(|at| at.checked_add(wait));
                 }
             }
         }
@@ -716,6 +723,72 @@ mod tests {
         // Sent at 0, 1 and 3 s (the next at 7 s).
         assert!((2..=3).contains(&hellos), "{hellos} hellos in 3.5 s");
         assert!(!la.send_copy(1, 0, b"x"));
+    }
+
+    /// The tries and the first wait come from the settings (the cloud's
+    /// `--peer-copy-hello-tries`, `--peer-copy-hello-resend`): with 3 tries
+    /// 50 ms apart, doubling, an unanswered hello goes at 0, 50 and 150 ms
+    /// and never again.
+    #[tokio::test]
+    async fn an_unanswered_hello_is_sent_its_configured_tries() {
+        let (a, b, _endpoints) = crate::testing::quic_pair().await.unwrap();
+        let settings = CopySettings {
+            hello_tries: 3,
+            hello_resend: Duration::from_millis(50),
+            ..CopySettings::default()
+        };
+        let la = CopyLink::new(a, settings, CopyCounters::default());
+        let la2 = la.clone();
+        tokio::spawn(async move { la2.announce_and_serve(|_| Fate::Unused, "b").await });
+        let mut hellos = 0;
+        // Well past the third (150 ms); a fourth would go at 350 ms.
+        let until = tokio::time::Instant::now() + Duration::from_millis(1500);
+        while let Ok(Ok(d)) = tokio::time::timeout_at(until, b.read_datagram()).await {
+            assert_eq!(decode(&d), Ok(Received::Hello));
+            hellos += 1;
+        }
+        assert_eq!(
+            hellos, 3,
+            "{hellos} hellos in 1.5 s with 3 tries 50 ms apart"
+        );
+        assert!(!la.send_copy(1, 0, b"x"));
+    }
+
+    /// The largest settings do not overflow the resend's clock: one hello
+    /// goes, the next is never due, and the copy path keeps serving.
+    #[tokio::test]
+    async fn the_largest_hello_settings_do_not_overflow() {
+        let (a, b, _endpoints) = crate::testing::quic_pair().await.unwrap();
+        for resend in [Duration::MAX, Duration::from_secs(u64::MAX / 4)] {
+            let settings = CopySettings {
+                hello_tries: u32::MAX,
+                hello_resend: resend,
+                ..CopySettings::default()
+            };
+            let la = CopyLink::new(a.clone(), settings, CopyCounters::default());
+            let serving =
+                tokio::spawn(async move { la.announce_and_serve(|_| Fate::Unused, "b").await });
+            let d = tokio::time::timeout(Duration::from_secs(5), b.read_datagram())
+                .await
+                .expect("no hello within 5 s")
+                .unwrap();
+            assert_eq!(decode(&d), Ok(Received::Hello));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert!(!serving.is_finished(), "the copy path ended (a panic?)");
+            serving.abort();
+        }
+        // Doubling a wait many times saturates instead of panicking.
+        let settings = CopySettings {
+            hello_tries: 200,
+            hello_resend: Duration::from_nanos(1),
+            ..CopySettings::default()
+        };
+        let la = CopyLink::new(a, settings, CopyCounters::default());
+        let serving =
+            tokio::spawn(async move { la.announce_and_serve(|_| Fate::Unused, "b").await });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!serving.is_finished(), "the copy path ended (a panic?)");
+        serving.abort();
     }
 
     /// A peer link's relayed copies: the sink of one relayed stream sends

@@ -1048,6 +1048,7 @@ mod tests {
             settings: crate::copies::CopySettings {
                 max_payload: 4,
                 per_sec: 100,
+                ..crate::copies::CopySettings::default()
             },
             sent: Mutex::new(Vec::new()),
         });

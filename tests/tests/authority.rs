@@ -170,3 +170,72 @@ async fn claims_of_another_nodes_pod_or_address_are_refused_and_watches_recover(
     }
     check().await;
 }
+
+/// An apiserver that takes the connections and requests of the pod and
+/// node lists and never answers: with `--apiserver-read-timeout 300ms`,
+/// each list fails after it, is logged naming the flag and is asked again,
+/// until `--apiserver-sync-timeout` gives up the start. With the fixed 300 s
+/// bound the lists waited the whole sync timeout without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_apiserver_fails_each_read_after_the_apiserver_read_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = tether_tests::pki::mint(dir.path(), &["edge-1"]).unwrap();
+    // A bound port nobody accepts on: the kernel takes the connection and
+    // the request, and nothing answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: http://{}\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
+            silent.local_addr().unwrap()
+        ),
+    )
+    .unwrap();
+    let flags: Vec<std::ffi::OsString> = pki
+        .cloud_flags()
+        .into_iter()
+        .filter(|f| f != "--insecure-trust-edge-reports")
+        .collect();
+    let mut cmd = std::process::Command::new(bins::binary("tether-cloud").unwrap());
+    cmd.args(&flags)
+        .args([
+            "--tunnel-listen",
+            "127.0.0.1:0",
+            "--kubelet-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--apiserver-sync-timeout",
+            "4s",
+            "--apiserver-read-timeout",
+            "300ms",
+        ])
+        .arg("--apiserver-kubeconfig")
+        .arg(&kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("TETHER_INSECURE_TRUST_EDGE_REPORTS")
+        .env("NO_COLOR", "1");
+    let started = Instant::now();
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "started without pods and nodes: {err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(40), "{err}");
+    // The shorter bound is warned about at start.
+    assert!(
+        err.contains("--apiserver-read-timeout is below 295s"),
+        "{err}"
+    );
+    // Both lists timed out on the read, each named the flag.
+    for what in ["pods", "nodes"] {
+        let timed_out = format!(
+            "watching {what}: no answer from the apiserver within 300ms (--apiserver-read-timeout)"
+        );
+        assert!(err.contains(&timed_out), "no {timed_out:?} in: {err}");
+    }
+    assert!(err.contains("within 4s"), "{err}");
+    drop(silent);
+}
