@@ -333,11 +333,10 @@ mod tests {
         });
         let (r, took) = served(h).await;
         r.expect("the answer was written: the join is served");
-        // 5 s was the fixed linger.
-        assert!(
-            (Duration::from_millis(300)..Duration::from_secs(3)).contains(&took),
-            "held for {took:?}"
-        );
+        // 5 s was the fixed linger. No lower bound: should the answer ride
+        // in the packet that acknowledged the request, the client's QUIC may
+        // acknowledge it before its runtime is frozen, and the wait ends early.
+        assert!(took < Duration::from_secs(3), "held for {took:?}");
         frozen.join().unwrap();
     }
 }
