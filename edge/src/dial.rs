@@ -995,8 +995,9 @@ async fn renew_certificate(
             }
             Ok(Some(Err(reason))) => {
                 settle(&req);
-                warn!(node, %reason, "the cloud refused to renew the certificate; retrying in 10 minutes");
-                tokio::time::sleep(Duration::from_secs(600)).await;
+                let retry = refusal_retry(&reason);
+                warn!(node, %reason, ?retry, "the cloud refused to renew the certificate");
+                tokio::time::sleep(retry).await;
             }
             _ => {
                 warn!(
@@ -1008,6 +1009,19 @@ async fn renew_certificate(
             }
         }
     }
+}
+
+/// How long to wait after the cloud refused a renewal: the time its
+/// `--renewal-min-interval` has left when it says so (`try again in Ns`),
+/// within a minute and a day; else 10 minutes.
+fn refusal_retry(reason: &str) -> Duration {
+    reason
+        .split_once("try again in ")
+        .and_then(|(_, rest)| rest.split_once('s'))
+        .and_then(|(secs, _)| secs.parse::<u64>().ok())
+        .map_or(Duration::from_secs(600), |s| {
+            Duration::from_secs(s.clamp(60, 86_400))
+        })
 }
 
 /// The renewal request to send: the unanswered one if there is one
@@ -1937,6 +1951,55 @@ mod tests {
         let fresh = sign(&second);
         r.answers.send(Ok(fresh.clone())).await.unwrap();
         assert_eq!(written_pair(&r).await, fresh);
+        r.task.abort();
+        let _ = std::fs::remove_dir_all(r.dir);
+    }
+
+    /// A refusal's retry follows the time the cloud says is left (its
+    /// `--renewal-min-interval` is a flag), within a minute and a day;
+    /// anything else waits 10 minutes.
+    #[test]
+    fn a_refused_renewal_is_retried_when_the_cloud_says() {
+        let retry = |r: &str| refusal_retry(r).as_secs();
+        assert_eq!(retry("renewed too recently; try again in 3599s"), 3599);
+        assert_eq!(retry("renewed too recently; try again in 0s"), 60);
+        assert_eq!(
+            retry("renewed too recently; try again in 999999999s"),
+            86_400
+        );
+        assert_eq!(
+            retry("certificate renewal is not enabled on this cloud"),
+            600
+        );
+        assert_eq!(retry("try again in soon"), 600);
+        assert_eq!(retry("try again in 18446744073709551616s"), 600);
+    }
+
+    /// End to end in the renewer (paused time): refused with an hour left,
+    /// the edge asks again (a new key) after that hour, not after 10 minutes
+    /// and not before the hour.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_renewal_asks_again_after_the_time_the_cloud_gives() {
+        let mut r = due_renewer(&[]);
+        let first = next_request(&mut r.out).await;
+        let refused = tokio::time::Instant::now();
+        r.answers
+            .send(Err("renewed too recently; try again in 3600s".into()))
+            .await
+            .unwrap();
+        let second = match tokio::time::timeout(Duration::from_secs(7200), r.out.recv()).await {
+            Ok(Some(Frame::RenewCert { csr_pem })) => csr_pem,
+            other => panic!("no renewal request within 2 h: {other:?}"),
+        };
+        let after = refused.elapsed();
+        assert!(
+            (Duration::from_secs(3600)..Duration::from_secs(3700)).contains(&after),
+            "asked again after {after:?}"
+        );
+        assert_ne!(
+            tether_certs::csr_public_key(&first).unwrap(),
+            tether_certs::csr_public_key(&second).unwrap()
+        );
         r.task.abort();
         let _ = std::fs::remove_dir_all(r.dir);
     }
