@@ -708,9 +708,11 @@ fn renewal_answer(
                 "refusing certificate renewal: renewed less than {:?} ago (--renewal-min-interval)",
                 limiter.interval
             );
+            // Rounded up: an edge that asks again after it is not refused
+            // again for the fraction of a second left.
             Err(format!(
                 "renewed too recently; try again in {}s",
-                wait.as_secs()
+                wait.as_secs() + u64::from(wait.subsec_nanos() > 0)
             ))
         }
         RenewalDecision::Sign => match tether_certs::sign_edge_csr(ca, csr_pem, node, valid_for) {
@@ -1934,6 +1936,17 @@ mod renewal_tests {
         // Another key within it: refused, with the time left.
         let e = answer(&other.csr_pem, "edge-1", 30).unwrap_err();
         assert_eq!(e, "renewed too recently; try again in 60s");
+        // A fraction of a second left counts as a whole one.
+        let e = renewal_answer(
+            &limiter,
+            &ca,
+            "edge-1",
+            &other.csr_pem,
+            day,
+            t + Duration::from_millis(89_500),
+        )
+        .unwrap_err();
+        assert_eq!(e, "renewed too recently; try again in 1s");
         // Other nodes are not affected.
         let req2 = tether_certs::make_edge_csr("edge-2").unwrap();
         assert!(answer(&req2.csr_pem, "edge-2", 1).is_ok());
