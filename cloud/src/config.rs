@@ -784,6 +784,12 @@ impl CloudArgs {
 /// here) and `--insecure-skip-client-auth`, then `extra`.
 #[cfg(test)]
 pub(crate) fn test_config(extra: &[&str]) -> Result<CloudConfig, String> {
+    test_config_with_auth(&["--insecure-skip-client-auth"], extra)
+}
+
+/// [`test_config`] with `auth` instead of `--insecure-skip-client-auth`.
+#[cfg(test)]
+pub(crate) fn test_config_with_auth(auth: &[&str], extra: &[&str]) -> Result<CloudConfig, String> {
     let mut args = vec![
         "tether-cloud",
         "--tunnel-cert=t.crt",
@@ -791,8 +797,8 @@ pub(crate) fn test_config(extra: &[&str]) -> Result<CloudConfig, String> {
         "--edge-ca=e.crt",
         "--kubelet-cert=k.crt",
         "--kubelet-key=k.key",
-        "--insecure-skip-client-auth",
     ];
+    args.extend_from_slice(auth);
     args.extend_from_slice(extra);
     CloudArgs::try_parse_from(args)
         .map_err(|e| e.to_string())?
@@ -936,21 +942,11 @@ mod tests {
     fn former_constants_have_their_defaults_and_take_other_values() {
         // The reviews need a client CA (test_config has none).
         let reviews = |extra: &[&str]| {
-            let mut args = vec![
-                "tether-cloud",
-                "--tunnel-cert=t.crt",
-                "--tunnel-key=t.key",
-                "--edge-ca=e.crt",
-                "--kubelet-cert=k.crt",
-                "--kubelet-key=k.key",
-                "--apiserver-client-ca=ca.crt",
-                "--authorization-webhook",
-            ];
-            args.extend_from_slice(extra);
-            CloudArgs::try_parse_from(args)
-                .unwrap()
-                .into_config()
-                .map(|c| c.webhook.unwrap().reviews.cache_entries)
+            test_config_with_auth(
+                &["--apiserver-client-ca=ca.crt", "--authorization-webhook"],
+                extra,
+            )
+            .map(|c| c.webhook.unwrap().reviews.cache_entries)
         };
         assert_eq!(reviews(&[]), Ok(10_000));
         assert_eq!(reviews(&["--review-cache-entries=8"]), Ok(8));

@@ -186,10 +186,7 @@ async fn a_silent_apiserver_fails_each_read_after_the_apiserver_read_timeout() {
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::write(
         &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: http://{}\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
-            silent.local_addr().unwrap()
-        ),
+        tether_tests::pki::token_kubeconfig(&format!("http://{}", silent.local_addr().unwrap())),
     )
     .unwrap();
     let flags: Vec<std::ffi::OsString> = pki

@@ -443,10 +443,7 @@ async fn cloud_without_an_apiserver_refuses_to_start_unless_opted_in() {
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::write(
         &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://{}\n    insecure-skip-tls-verify: true\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
-            silent.local_addr().unwrap()
-        ),
+        tether_tests::pki::token_kubeconfig(&format!("https://{}", silent.local_addr().unwrap())),
     )
     .unwrap();
     let mut cmd = std::process::Command::new(&cloud);
