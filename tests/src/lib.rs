@@ -33,6 +33,17 @@
 //! Every wait in this crate is bounded in time; a bound that expires is an error that
 //! says what was being waited for.
 
+/// `tether-cloud`'s three listeners on loopback ports of the kernel's choosing, for tests
+/// that read the addresses from its log or need none.
+pub const LOOPBACK_LISTENS: [&str; 6] = [
+    "--tunnel-listen",
+    "127.0.0.1:0",
+    "--kubelet-listen",
+    "127.0.0.1:0",
+    "--metrics-listen",
+    "127.0.0.1:0",
+];
+
 pub mod bins;
 pub mod cluster;
 pub mod containerd;

@@ -189,20 +189,11 @@ async fn a_silent_apiserver_fails_each_read_after_the_apiserver_read_timeout() {
         tether_tests::pki::token_kubeconfig(&format!("http://{}", silent.local_addr().unwrap())),
     )
     .unwrap();
-    let flags: Vec<std::ffi::OsString> = pki
-        .cloud_flags()
-        .into_iter()
-        .filter(|f| f != "--insecure-trust-edge-reports")
-        .collect();
+    let flags = pki.cloud_cert_flags();
     let mut cmd = std::process::Command::new(bins::binary("tether-cloud").unwrap());
     cmd.args(&flags)
+        .args(tether_tests::LOOPBACK_LISTENS)
         .args([
-            "--tunnel-listen",
-            "127.0.0.1:0",
-            "--kubelet-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
             "--apiserver-sync-timeout",
             "4s",
             "--apiserver-read-timeout",

@@ -103,36 +103,29 @@ async fn edge_joins_with_a_token_then_serves() {
         .to_string();
 
     let mut cmd = tokio::process::Command::new(binary("tether-cloud").unwrap());
-    cmd.args([
-        "--tunnel-listen",
-        "127.0.0.1:0",
-        "--kubelet-listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ])
-    .arg("--tunnel-cert")
-    .arg(pki.join("tunnel.crt"))
-    .arg("--tunnel-key")
-    .arg(pki.join("tunnel.key"))
-    .arg("--edge-ca")
-    .arg(pki.join("ca.crt"))
-    .arg("--kubelet-cert")
-    .arg(pki.join("kubelet.crt"))
-    .arg("--kubelet-key")
-    .arg(pki.join("kubelet.key"))
-    .arg("--apiserver-client-ca")
-    .arg(pki.join("ca.crt"))
-    .arg("--insecure-trust-edge-reports")
-    .arg("--join-store")
-    .arg(pki.join("join-tokens.json"))
-    .arg("--join-ca-cert")
-    .arg(pki.join("ca.crt"))
-    .arg("--join-ca-key")
-    .arg(pki.join("ca.key"))
-    // Short-lived certificates, so the renewal at two thirds happens in the test.
-    .args(["--join-cert-validity", "18s"])
-    .env("RUST_BACKTRACE", "0");
+    cmd.args(tether_tests::LOOPBACK_LISTENS)
+        .arg("--tunnel-cert")
+        .arg(pki.join("tunnel.crt"))
+        .arg("--tunnel-key")
+        .arg(pki.join("tunnel.key"))
+        .arg("--edge-ca")
+        .arg(pki.join("ca.crt"))
+        .arg("--kubelet-cert")
+        .arg(pki.join("kubelet.crt"))
+        .arg("--kubelet-key")
+        .arg(pki.join("kubelet.key"))
+        .arg("--apiserver-client-ca")
+        .arg(pki.join("ca.crt"))
+        .arg("--insecure-trust-edge-reports")
+        .arg("--join-store")
+        .arg(pki.join("join-tokens.json"))
+        .arg("--join-ca-cert")
+        .arg(pki.join("ca.crt"))
+        .arg("--join-ca-key")
+        .arg(pki.join("ca.key"))
+        // Short-lived certificates, so the renewal at two thirds happens in the test.
+        .args(["--join-cert-validity", "18s"])
+        .env("RUST_BACKTRACE", "0");
     let mut cloud = Proc::spawn("tether-cloud", cmd, d, SpawnOptions::default()).unwrap();
     let ready = cloud
         .wait_line("cloud ready", Duration::from_secs(20), |l| {

@@ -408,22 +408,11 @@ async fn cloud_without_an_apiserver_refuses_to_start_unless_opted_in() {
     let dir = tempfile::tempdir().unwrap();
     let pki = tether_tests::pki::mint(dir.path(), &["edge-1"]).unwrap();
     let cloud = tether_tests::bins::binary("tether-cloud").unwrap();
-    // pki.cloud_flags() carries the opt-in: drop it.
-    let flags: Vec<std::ffi::OsString> = pki
-        .cloud_flags()
-        .into_iter()
-        .filter(|f| f != "--insecure-trust-edge-reports")
-        .collect();
+    // Without the opt-in to route by edge reports.
+    let flags = pki.cloud_cert_flags();
     let common = |cmd: &mut std::process::Command| {
         cmd.args(&flags)
-            .args([
-                "--tunnel-listen",
-                "127.0.0.1:0",
-                "--kubelet-listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "127.0.0.1:0",
-            ])
+            .args(tether_tests::LOOPBACK_LISTENS)
             .env_remove("KUBERNETES_SERVICE_HOST")
             .env_remove("KUBERNETES_SERVICE_PORT")
             .env_remove("TETHER_INSECURE_TRUST_EDGE_REPORTS")
@@ -464,15 +453,8 @@ async fn cloud_without_an_apiserver_refuses_to_start_unless_opted_in() {
     // The opt-in: it starts, and says what it gave up.
     let mut cmd = tokio::process::Command::new(&cloud);
     cmd.args(&flags)
-        .args([
-            "--tunnel-listen",
-            "127.0.0.1:0",
-            "--kubelet-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--insecure-trust-edge-reports",
-        ])
+        .args(tether_tests::LOOPBACK_LISTENS)
+        .args(["--insecure-trust-edge-reports"])
         .env_remove("KUBERNETES_SERVICE_HOST")
         .env("NO_COLOR", "1");
     let mut proc = Proc::spawn("tether-cloud", cmd, dir.path(), SpawnOptions::default()).unwrap();

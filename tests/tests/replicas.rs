@@ -89,30 +89,25 @@ async fn spawn_replica(
         .collect::<Vec<_>>()
         .join(",");
     let mut cmd = tokio::process::Command::new(tether_tests::bins::binary("tether-cloud")?);
-    cmd.args([
-        "--tunnel-listen",
-        "127.0.0.1:0",
-        "--kubelet-listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--peer-resolve-interval",
-        RESOLVE,
-        "--peer-timeout",
-        &format!("{}s", PEER_TIMEOUT.as_secs()),
-        "--replica-name",
-        name,
-        "--peer-listen",
-        &listen.to_string(),
-        "--peers",
-        &list,
-    ])
-    .args(extra)
-    .args(pki.cloud_flags())
-    .args(peers.flags_with(peer_cert))
-    .env("TETHER_LOG", "info,tether_cloud=debug")
-    .env("NO_COLOR", "1")
-    .env("RUST_BACKTRACE", "0");
+    cmd.args(tether_tests::LOOPBACK_LISTENS)
+        .args([
+            "--peer-resolve-interval",
+            RESOLVE,
+            "--peer-timeout",
+            &format!("{}s", PEER_TIMEOUT.as_secs()),
+            "--replica-name",
+            name,
+            "--peer-listen",
+            &listen.to_string(),
+            "--peers",
+            &list,
+        ])
+        .args(extra)
+        .args(pki.cloud_flags())
+        .args(peers.flags_with(peer_cert))
+        .env("TETHER_LOG", "info,tether_cloud=debug")
+        .env("NO_COLOR", "1")
+        .env("RUST_BACKTRACE", "0");
     let mut proc = Proc::spawn(name, cmd, dir, SpawnOptions::default())?;
     let ready = proc
         .wait_line("cloud ready line", Duration::from_secs(20), |l| {

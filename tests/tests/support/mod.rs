@@ -424,22 +424,15 @@ impl Env {
         names.push("edge-intruder");
         let pki = pki::mint(dir.path(), &names)?;
         let mut cmd = tokio::process::Command::new(tether_tests::bins::binary("tether-cloud")?);
-        cmd.args([
-            "--tunnel-listen",
-            "127.0.0.1:0",
-            "--kubelet-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ])
-        // With an apiserver to watch, drop the opt-in to route by edge reports.
-        .args(pki.cloud_flags().into_iter().filter(|f| {
-            !(f == "--insecure-trust-edge-reports"
-                && cloud_args.contains(&"--apiserver-kubeconfig"))
-        }))
-        .args(cloud_args)
-        .env("TETHER_LOG", "info,tether_cloud=debug")
-        .env("RUST_BACKTRACE", "0");
+        cmd.args(tether_tests::LOOPBACK_LISTENS)
+            // With an apiserver to watch, drop the opt-in to route by edge reports.
+            .args(pki.cloud_flags().into_iter().filter(|f| {
+                !(f == "--insecure-trust-edge-reports"
+                    && cloud_args.contains(&"--apiserver-kubeconfig"))
+            }))
+            .args(cloud_args)
+            .env("TETHER_LOG", "info,tether_cloud=debug")
+            .env("RUST_BACKTRACE", "0");
         let mut cloud = Proc::spawn("tether-cloud", cmd, dir.path(), SpawnOptions::default())?;
         let ready = cloud
             .wait_line("cloud ready line", Duration::from_secs(20), |l| {
