@@ -708,12 +708,7 @@ fn renewal_answer(
                 "refusing certificate renewal: renewed less than {:?} ago (--renewal-min-interval)",
                 limiter.interval
             );
-            // Rounded up: an edge that asks again after it is not refused
-            // again for the fraction of a second left.
-            Err(format!(
-                "renewed too recently; try again in {}s",
-                wait.as_secs() + u64::from(wait.subsec_nanos() > 0)
-            ))
+            Err(tether_proto::frame::renewal_too_soon(wait))
         }
         RenewalDecision::Sign => match tether_certs::sign_edge_csr(ca, csr_pem, node, valid_for) {
             Ok(issued) => {

@@ -1015,13 +1015,9 @@ async fn renew_certificate(
 /// `--renewal-min-interval` has left when it says so (`try again in Ns`),
 /// within a minute and a day; else 10 minutes.
 fn refusal_retry(reason: &str) -> Duration {
-    reason
-        .split_once("try again in ")
-        .and_then(|(_, rest)| rest.split_once('s'))
-        .and_then(|(secs, _)| secs.parse::<u64>().ok())
-        .map_or(Duration::from_secs(600), |s| {
-            Duration::from_secs(s.clamp(60, 86_400))
-        })
+    tether_proto::frame::renewal_retry_after(reason).map_or(Duration::from_secs(600), |d| {
+        d.clamp(Duration::from_secs(60), Duration::from_secs(86_400))
+    })
 }
 
 /// The renewal request to send: the unanswered one if there is one
@@ -1840,9 +1836,17 @@ mod tests {
 
     /// The next renewal request's CSR, within 120 s.
     async fn next_request(out: &mut tokio::sync::mpsc::Receiver<Frame>) -> String {
-        match tokio::time::timeout(Duration::from_secs(120), out.recv()).await {
+        next_request_within(out, Duration::from_secs(120)).await
+    }
+
+    /// The next renewal request's CSR, within `within`.
+    async fn next_request_within(
+        out: &mut tokio::sync::mpsc::Receiver<Frame>,
+        within: Duration,
+    ) -> String {
+        match tokio::time::timeout(within, out.recv()).await {
             Ok(Some(Frame::RenewCert { csr_pem })) => csr_pem,
-            other => panic!("no renewal request within 120 s: {other:?}"),
+            other => panic!("no renewal request within {within:?}: {other:?}"),
         }
     }
 
@@ -1937,10 +1941,7 @@ mod tests {
         if !after_next {
             r.answers.send(Ok(late.clone())).await.unwrap();
         }
-        let second = match tokio::time::timeout(Duration::from_secs(700), r.out.recv()).await {
-            Ok(Some(Frame::RenewCert { csr_pem })) => csr_pem,
-            other => panic!("no renewal request within 700 s: {other:?}"),
-        };
+        let second = next_request_within(&mut r.out, Duration::from_secs(700)).await;
         assert_ne!(
             tether_certs::csr_public_key(&first).unwrap(),
             tether_certs::csr_public_key(&second).unwrap()
@@ -1987,10 +1988,7 @@ mod tests {
             .send(Err("renewed too recently; try again in 3600s".into()))
             .await
             .unwrap();
-        let second = match tokio::time::timeout(Duration::from_secs(7200), r.out.recv()).await {
-            Ok(Some(Frame::RenewCert { csr_pem })) => csr_pem,
-            other => panic!("no renewal request within 2 h: {other:?}"),
-        };
+        let second = next_request_within(&mut r.out, Duration::from_secs(7200)).await;
         let after = refused.elapsed();
         assert!(
             (Duration::from_secs(3600)..Duration::from_secs(3700)).contains(&after),

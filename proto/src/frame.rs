@@ -16,6 +16,8 @@
 //!   carry the logical [`StreamId`], which outlives any QUIC connection, so a
 //!   stream can be re-attached to a new connection after a resume.
 
+use std::time::Duration;
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 
@@ -147,6 +149,25 @@ impl Frame {
             Frame::KeepAlive => "keep-alive",
         }
     }
+}
+
+/// How a [`Frame::RenewedCert`] refusal for a node renewed within the
+/// cloud's `--renewal-min-interval` starts; the seconds left and `s` follow.
+const RENEWAL_TOO_SOON: &str = "renewed too recently; try again in ";
+
+/// The refusal of a renewal asked `wait` before the cloud allows the next:
+/// `renewed too recently; try again in Ns`, N rounded up, so that an edge
+/// asking again after N seconds is not refused for the fraction left.
+pub fn renewal_too_soon(wait: Duration) -> String {
+    let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    format!("{RENEWAL_TOO_SOON}{secs}s")
+}
+
+/// The wait a refusal made by [`renewal_too_soon`] names; `None` for any
+/// other text (or a number that does not fit).
+pub fn renewal_retry_after(reason: &str) -> Option<Duration> {
+    let secs = reason.strip_prefix(RENEWAL_TOO_SOON)?.strip_suffix('s')?;
+    secs.parse().ok().map(Duration::from_secs)
 }
 
 /// What can go wrong turning bytes into a frame.
@@ -382,6 +403,31 @@ mod tests {
     use super::*;
     use crate::handshake::{PodRef, PROTOCOL_VERSION};
     use proptest::prelude::*;
+
+    /// The cloud's refusal text and the edge's reading of it are one
+    /// contract: what one writes the other reads back, whole seconds
+    /// rounded up; any other text names no wait.
+    #[test]
+    fn a_too_soon_refusal_names_its_wait_rounded_up() {
+        let text = renewal_too_soon(Duration::from_secs(60));
+        assert_eq!(text, "renewed too recently; try again in 60s");
+        assert_eq!(renewal_retry_after(&text), Some(Duration::from_secs(60)));
+        let text = renewal_too_soon(Duration::from_millis(500));
+        assert_eq!(text, "renewed too recently; try again in 1s");
+        assert_eq!(renewal_retry_after(&text), Some(Duration::from_secs(1)));
+        assert_eq!(
+            renewal_retry_after(&renewal_too_soon(Duration::from_secs(u64::MAX / 2))),
+            Some(Duration::from_secs(u64::MAX / 2))
+        );
+        for other in [
+            "certificate renewal is not enabled on this cloud (--join-ca-cert/--join-ca-key)",
+            "renewed too recently; try again in soon",
+            "renewed too recently; try again in 18446744073709551616s",
+            "",
+        ] {
+            assert_eq!(renewal_retry_after(other), None, "{other:?}");
+        }
+    }
 
     fn samples() -> Vec<Frame> {
         vec![

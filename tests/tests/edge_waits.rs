@@ -378,12 +378,9 @@ async fn a_renewal_whose_answer_was_lost_is_answered_again_with_the_same_certifi
     let refused = renewal_answer(&mut control, &other.csr_pem)
         .await
         .unwrap_err();
-    let left: u64 = refused
-        .strip_prefix("renewed too recently; try again in ")
-        .and_then(|s| s.strip_suffix('s'))
-        .and_then(|s| s.parse().ok())
+    let left = tether_proto::frame::renewal_retry_after(&refused)
         .unwrap_or_else(|| panic!("refused otherwise: {refused}"));
-    assert!(left > 3000, "{refused}");
+    assert!(left > Duration::from_secs(3000), "{refused}");
 }
 
 /// Sends a renewal request for `csr_pem` on an attached edge's control
