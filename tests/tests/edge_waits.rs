@@ -285,14 +285,7 @@ async fn a_revoked_edge_that_takes_no_refusal_is_closed_all_the_same() {
 
     // Connected and committed, reading the welcome a byte at a time.
     let (conn, mut send, _recv) = attach(dial(&env, &endpoint(&env, Some(1))).await).await;
-    let deadline = tokio::time::Instant::now() + BOUND;
-    while !env.cloud_log().contains("edge connected") {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the edge did not attach"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    cloud_logged(&env, "edge connected").await;
 
     tether_certs::JoinStore::open(&store_path)
         .unwrap()
@@ -334,15 +327,7 @@ async fn a_renewal_whose_answer_was_lost_is_answered_again_with_the_same_certifi
         csr_pem: req.csr_pem.clone(),
     };
     write_frame(&mut send, &first, 1 << 20).await.unwrap();
-    let deadline = tokio::time::Instant::now() + BOUND;
-    while !env.cloud_log().contains("renewed the edge's certificate") {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the cloud did not renew: {}",
-            env.cloud_log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    cloud_logged(&env, "renewed the edge's certificate").await;
     conn.close(0u32.into(), b"link lost");
 
     // Reconnected: the same request again gets the certificate issued.
@@ -381,6 +366,19 @@ async fn a_renewal_whose_answer_was_lost_is_answered_again_with_the_same_certifi
     let left = tether_proto::frame::renewal_retry_after(&refused)
         .unwrap_or_else(|| panic!("refused otherwise: {refused}"));
     assert!(left > Duration::from_secs(3000), "{refused}");
+}
+
+/// Waits (within [`BOUND`]) until the cloud's log has a line with `what`.
+async fn cloud_logged(env: &Env, what: &str) {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while !env.cloud_log().contains(what) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no {what:?} in the cloud's log within {BOUND:?}: {}",
+            env.cloud_log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Sends a renewal request for `csr_pem` on an attached edge's control
