@@ -388,7 +388,7 @@ impl JoinConfig {
     /// would: a certificate issued for `validity` is due for renewal again
     /// before `renewal_min_interval` has passed, so the cloud refuses that
     /// renewal (another key within the interval) and the edge retries only
-    /// after its 10 minutes, maybe after the certificate expired. (A
+    /// once the interval has passed, maybe after the certificate expired. (A
     /// certificate presented with a shorter life is renewed for that life;
     /// the cloud logs each refusal.)
     pub fn renewal_warning(&self) -> Option<String> {
