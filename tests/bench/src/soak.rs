@@ -7,6 +7,10 @@
 //! caught where it happens. Every minute the emulated link has a total outage
 //! whose length cycles through [`OUTAGES`] (5–40 s: the longer ones outlast the
 //! 30 s QUIC idle timeout, so the session is resumed over a new connection).
+//! Every other minute the link comes back slow ([`slow_return`]: 1 s RTT, 10 %
+//! loss, for [`SLOW_FOR`] or to the minute's end) instead of clean, and goes
+//! down again for [`FLAP_DOWN`] [`FLAP_AFTER`] into it, so the resumes and
+//! re-attaches of every session run over the hard return too.
 //! At the end the writers stop, every session must have echoed exactly what it
 //! wrote, and the cloud's and edge's RSS are compared with their values after
 //! the first minute (every session open, the longest outage and its resume
@@ -35,12 +39,34 @@ const CHUNK: usize = 64;
 const EVERY: Duration = Duration::from_secs(1);
 /// Outage lengths, one a minute, in turn (seconds). The first is the longest,
 /// so the warm-up minute allocates every buffer a resume needs once: RSS that
-/// grows after it is a leak, not a high-water mark.
-pub const OUTAGES: [u64; 10] = [40, 5, 20, 35, 12, 31, 8, 25, 38, 15];
+/// grows after it is a leak, not a high-water mark. The second outlasts the
+/// idle timeout too and comes back slow ([`back_slow`]), so even the short
+/// soak's two minutes resume every session over the hard return.
+pub const OUTAGES: [u64; 10] = [40, 35, 5, 20, 12, 31, 8, 25, 38, 15];
+/// How long the link stays slow after an odd minute's outage (at most to
+/// the minute's end), before it is clean again.
+pub const SLOW_FOR: Duration = Duration::from_secs(20);
+/// How long into a slow return the link goes down again, and for how long:
+/// a flap while the sessions are being resumed and re-attached.
+pub const FLAP_AFTER: Duration = Duration::from_secs(3);
+pub const FLAP_DOWN: Duration = Duration::from_secs(2);
 /// Allowed growth of either agent's RSS from start to end.
 pub const RSS_TOLERANCE: f64 = 0.10;
 /// Opens in flight at once.
 const IN_FLIGHT: usize = 64;
+
+/// The link as it comes back after an odd minute's outage: 1 s RTT, 10 %
+/// loss (the bench's slow return, as in its outage cycles).
+pub fn slow_return() -> Impairment {
+    Impairment::clean()
+        .with_delay(Duration::from_millis(500))
+        .with_loss(10.0)
+}
+
+/// Whether minute `minute`'s outage ends with the link coming back slow.
+pub fn back_slow(minute: u64) -> bool {
+    minute % 2 == 1
+}
 
 fn pattern_byte(session: u64, i: u64) -> u8 {
     (i.wrapping_add(session.wrapping_mul(7919))
@@ -62,6 +88,11 @@ pub struct Verdict {
     pub bytes_written: u64,
     pub bytes_wrong: u64,
     pub outages: Vec<u64>,
+    /// For each minute the link came back slow: the minute and how many
+    /// times the edge connected to the cloud again while it was slow (0: its
+    /// connection outlived the outage; 1: the session was resumed over the
+    /// slow link).
+    pub slow_connects: Vec<(u64, usize)>,
     /// (start, end) KiB.
     pub cloud_rss: (u64, u64),
     pub edge_rss: (u64, u64),
@@ -139,6 +170,11 @@ async fn open(bed: &Bed, id: u64, stop: Arc<AtomicBool>) -> Result<Session> {
     })
 }
 
+/// The edge's log so far (empty if it cannot be read).
+fn edge_log(bed: &Bed) -> String {
+    std::fs::read_to_string(bed.edge.log_path()).unwrap_or_default()
+}
+
 fn rss(bed: &Bed) -> Result<(u64, u64)> {
     let cloud = bed.cloud.pid().context("cloud pid")?;
     let edge = bed.edge.pid().context("edge pid")?;
@@ -175,16 +211,43 @@ pub async fn soak(n: usize, minutes: u64) -> Result<Verdict> {
     let mut start_rss = rss(&bed)?;
     let t0 = Instant::now();
     let mut outages = Vec::new();
+    let mut slow_connects = Vec::new();
     let mut samples = Vec::new();
     for minute in 0..minutes {
         let len = OUTAGES[minute as usize % OUTAGES.len()];
+        let slow = back_slow(minute);
         tokio::time::sleep(Duration::from_secs(10)).await;
-        eprintln!("tether-bench soak: minute {minute}: {len} s outage");
+        eprintln!(
+            "tether-bench soak: minute {minute}: {len} s outage, back {}",
+            if slow { "slow" } else { "clean" }
+        );
         bed.link.outage(true)?;
         tokio::time::sleep(Duration::from_secs(len)).await;
-        bed.link.outage(false)?;
-        outages.push(len);
         let next = t0 + Duration::from_secs(60 * (minute + 1));
+        if slow {
+            // The edge's log (stderr) up to the restore.
+            let seen = edge_log(&bed).len();
+            bed.link.set(slow_return())?;
+            bed.link.outage(false)?;
+            let until = (Instant::now() + SLOW_FOR).min(next);
+            // The link flaps while the sessions re-attach: down again for
+            // FLAP_DOWN, FLAP_AFTER into the slow return, then slow again.
+            tokio::time::sleep(FLAP_AFTER).await;
+            bed.link.outage(true)?;
+            tokio::time::sleep(FLAP_DOWN).await;
+            bed.link.outage(false)?;
+            tokio::time::sleep_until(until.into()).await;
+            bed.link.set(Impairment::clean())?;
+            let connects = edge_log(&bed)
+                .get(seen..)
+                .unwrap_or_default()
+                .matches("connected to the cloud")
+                .count();
+            slow_connects.push((minute, connects));
+        } else {
+            bed.link.outage(false)?;
+        }
+        outages.push(len);
         tokio::time::sleep_until(next.into()).await;
         samples.push(rss(&bed)?);
         if minute == 0 && minutes > 1 {
@@ -209,6 +272,7 @@ pub async fn soak(n: usize, minutes: u64) -> Result<Verdict> {
         bytes_written: 0,
         bytes_wrong: 0,
         outages,
+        slow_connects,
         cloud_rss: (start_rss.0, end_rss.0),
         edge_rss: (start_rss.1, end_rss.1),
         samples,
@@ -261,8 +325,12 @@ pub async fn run(r: &mut Report, n: usize, minutes: u64) -> Result<bool> {
     r.push(&format!(
         "\n### Soak: {n} exec sessions through one edge for {minutes} min, a total outage every minute\n\n\
          Each session writes {CHUNK} bytes a second of a checksummed pattern and checks every echoed byte; \
-         outages (s): {:?}. RSS at the start (after the first minute: every session open, the longest outage and its resume behind) and at the end (still open).\n\n",
-        v.outages
+         outages (s): {:?}; after the outages of minutes 1, 3, 5, … the link comes back slow (1 s RTT, 10 % loss) \
+         for {} s or to the minute's end (down again for {} s {} s into it), then clean. RSS at the start (after the first minute: every session open, the longest outage and its resume behind) and at the end (still open).\n\n",
+        v.outages,
+        SLOW_FOR.as_secs(),
+        FLAP_DOWN.as_secs(),
+        FLAP_AFTER.as_secs()
     ));
     let mut t = Table::new(
         &[
@@ -304,6 +372,14 @@ pub async fn run(r: &mut Report, n: usize, minutes: u64) -> Result<bool> {
         v.samples
             .iter()
             .map(|s| mib(s.1))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    r.push(&format!(
+        "\nThe edge connected again while the link was slow (0: its connection outlived the outage; 1: every session resumed over the slow link): {}.\n",
+        v.slow_connects
+            .iter()
+            .map(|(m, n)| format!("minute {m}: {n}"))
             .collect::<Vec<_>>()
             .join(", ")
     ));

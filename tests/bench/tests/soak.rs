@@ -1,6 +1,10 @@
 //! The soak's short variant (issue "Hardening"): 100 exec sessions through one edge
-//! for 2 minutes with a 40 s and a 5 s total outage (the first outlasts the QUIC idle
-//! timeout, so the session is resumed over a new connection). `tether-bench --soak`
+//! for 2 minutes with a 40 s total outage, the link back clean, and a 35 s one, the
+//! link back slow (1 s RTT, 10 % loss) for 15 s and down again for 2 s 3 s into
+//! it. Both outlast the QUIC idle timeout,
+//! so every session is resumed over a new connection once on each kind of return;
+//! the report says the edge connected again while the link was slow, and the test
+//! checks it did (else the hard return was not exercised). `tether-bench --soak`
 //! exits non-zero unless every session survives with every byte echoed exactly once
 //! and both agents' RSS at the end is within 10 % of the reading after the first
 //! minute. The full soak is `scripts/soak.sh` (1,000 sessions, 10 minutes).
@@ -23,4 +27,15 @@ fn short_soak_loses_no_session_and_no_byte() {
     println!("{md}");
     assert!(status.success(), "the soak failed: {status}\n{md}");
     assert!(md.contains("| 100 | 0 |"), "no session may be lost:\n{md}");
+    // The resume over the slow link happened while it was slow: the edge
+    // connected again in minute 1 (its 35 s outage outlasts the idle timeout).
+    let connects = md
+        .split("minute 1: ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse::<u32>().ok());
+    assert!(
+        matches!(connects, Some(n) if n >= 1),
+        "the edge did not connect again while the link was slow (minute 1: {connects:?}):\n{md}"
+    );
 }
