@@ -165,6 +165,15 @@ pub struct EdgeArgs {
     // Unanswered, the edge asks again a minute later (with a new key).
     #[arg(long, env = "TETHER_RENEWAL_ANSWER_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub renewal_answer_timeout: Duration,
+    /// Sends of the copy hello to the cloud, the first included (at least 1).
+    // The datagram with which the edge asks the cloud for copies of
+    // interactive writes (`tether_proto::copies`); a cloud that answers none
+    // gets and sends no copies on this connection.
+    #[arg(long, env = "TETHER_COPY_HELLO_TRIES", default_value = "5")]
+    pub copy_hello_tries: u32,
+    /// First resend of an unanswered copy hello; doubled after each.
+    #[arg(long, env = "TETHER_COPY_HELLO_RESEND", default_value = "1s", value_parser = parse_duration)]
+    pub copy_hello_resend: Duration,
     /// A TOML file of settings (keys are the long flag names); flags and
     /// environment variables override it.
     #[arg(long, env = "TETHER_CONFIG")]
@@ -345,6 +354,7 @@ impl EdgeArgs {
             ("--silence-timeout", self.silence_timeout),
             ("--renewal-answer-timeout", self.renewal_answer_timeout),
             ("--shutdown-drain", self.shutdown_drain),
+            ("--copy-hello-resend", self.copy_hello_resend),
         ] {
             if d.is_zero() {
                 return Err(format!("{flag} must be more than 0"));
@@ -360,6 +370,13 @@ impl EdgeArgs {
                 self.handshake_timeout
             ));
         }
+        if self.copy_hello_tries == 0 {
+            return Err("--copy-hello-tries must be at least 1".into());
+        }
+        // The edge asks its cloud for copies (the cloud only answers): the
+        // hello's schedule is the edge's, not in the shared QUIC flags.
+        quic.copies.hello_tries = self.copy_hello_tries;
+        quic.copies.hello_resend = self.copy_hello_resend;
         if self.worker_threads == 0 || self.worker_threads > 64 {
             return Err("--worker-threads must be 1 to 64".into());
         }
@@ -502,6 +519,7 @@ mod tests {
             "--silence-timeout",
             "--renewal-answer-timeout",
             "--shutdown-drain",
+            "--copy-hello-resend",
         ] {
             let e = config(&[flag, "0s"]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
@@ -595,6 +613,41 @@ mod tests {
         assert_eq!(join("2s").join_timeout, Duration::from_secs(2));
         let e = join("0s").validate().unwrap_err();
         assert!(e.contains("--join-timeout"), "{e}");
+    }
+
+    /// `--copy-hello-tries`, `--copy-hello-resend` (were the fixed 5 and
+    /// 1 s): the schedule of the hello with which the edge asks its cloud
+    /// for interactive copies, in the settings its copy link is made with
+    /// (`dial.rs` hands `quic.copies` to `CopyLink::new`); 0 is refused.
+    /// The other copy bounds stay the shared flags'.
+    #[test]
+    fn the_copy_hello_schedule_comes_from_its_flags() {
+        let c = config(&[]).unwrap();
+        assert_eq!(
+            (c.quic.copies.hello_tries, c.quic.copies.hello_resend),
+            (5, Duration::from_secs(1))
+        );
+        let c = config(&[
+            "--copy-hello-tries",
+            "2",
+            "--copy-hello-resend",
+            "150ms",
+            "--interactive-copy-bytes",
+            "64",
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                c.quic.copies.hello_tries,
+                c.quic.copies.hello_resend,
+                c.quic.copies.max_payload
+            ),
+            (2, Duration::from_millis(150), 64)
+        );
+        for (flag, bad) in [("--copy-hello-tries", "0"), ("--copy-hello-resend", "0s")] {
+            let e = config(&[flag, bad]).expect_err(flag);
+            assert!(e.contains(flag), "{flag} {bad}: {e}");
+        }
     }
 
     #[test]

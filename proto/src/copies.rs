@@ -31,8 +31,9 @@
 //! only to a peer it heard from (a `hello`, a `heard` or a copy), so a peer
 //! without this module never gets datagrams it would leave queued.
 //! Datagrams are unreliable: an unanswered `hello` is sent again 1, 3, 7 and
-//! 15 s after the first, then no more (a cloud that never answers does not
-//! read copies); the cloud sets the tries and the first wait of its peer
+//! 15 s after the first by default, then no more (a cloud that never answers does not
+//! read copies); the edge sets the tries and the first wait of its hello
+//! (`--copy-hello-tries`, `--copy-hello-resend`), the cloud those of its peer
 //! links' hellos (`--peer-copy-hello-tries`, `--peer-copy-hello-resend`,
 //! [`CopySettings`]).
 //!
@@ -725,7 +726,8 @@ mod tests {
         assert!(!la.send_copy(1, 0, b"x"));
     }
 
-    /// The tries and the first wait come from the settings (the cloud's
+    /// The tries and the first wait come from the settings (the edge's
+    /// `--copy-hello-tries`, `--copy-hello-resend`, the cloud's
     /// `--peer-copy-hello-tries`, `--peer-copy-hello-resend`): with 3 tries
     /// 50 ms apart, doubling, an unanswered hello goes at 0, 50 and 150 ms
     /// and never again.
