@@ -391,22 +391,58 @@ impl JoinConfig {
     /// once the interval has passed, maybe after the certificate expired. (A
     /// certificate presented with a shorter life is renewed for that life;
     /// the cloud logs each refusal.)
+    /// The edge's own warning, per connection, is the tunnel's: a
+    /// certificate presented with a shorter life than this (see
+    /// [`renewal_shortfall`]).
     pub fn renewal_warning(&self) -> Option<String> {
-        let due = tether_certs::rotation::due_after_issue(self.validity);
-        if due >= self.renewal_min_interval {
-            return None;
-        }
-        // validity >= 3/2 (interval + backdate) - backdate, to the second.
-        let back = tether_certs::mint::NOT_BEFORE_BACKDATE.as_secs();
-        let least =
-            (self.renewal_min_interval.as_secs().saturating_add(back) * 3).div_ceil(2) - back;
+        let short = renewal_shortfall(self.validity, self.renewal_min_interval)?;
         Some(format!(
             "--join-cert-validity {:?}: a certificate is due for renewal {:?} after it is issued, \
              within --renewal-min-interval ({:?}), so its renewal is refused and it may expire; \
-             give at least {least}s of validity or a shorter --renewal-min-interval",
-            self.validity, due, self.renewal_min_interval
+             give at least {}s of validity or a shorter --renewal-min-interval",
+            self.validity,
+            short.due,
+            self.renewal_min_interval,
+            short.least.as_secs()
         ))
     }
+}
+
+/// How a certificate validity falls short of `--renewal-min-interval`
+/// ([`renewal_shortfall`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenewalShortfall {
+    /// How long after it is issued a certificate of that validity is due
+    /// for renewal (less than the interval).
+    pub due: Duration,
+    /// The least validity, in whole seconds, whose certificate is due no
+    /// sooner than the interval.
+    pub least: Duration,
+}
+
+/// Whether a certificate issued for `validity` (as the cloud renews:
+/// back-dated, due at two thirds of its life,
+/// [`tether_certs::rotation::due_after_issue`]) is due for renewal again
+/// within `min_interval` of being issued. Its next renewal would then be
+/// refused (another key within the interval) and the edge would ask again
+/// only once the interval has passed, maybe after the certificate expired.
+/// One piece of arithmetic for both warnings: `--join-cert-validity` at
+/// start-up ([`JoinConfig::renewal_warning`]) and a shorter-lived
+/// certificate an edge presents (the tunnel's, once per connection).
+pub fn renewal_shortfall(validity: Duration, min_interval: Duration) -> Option<RenewalShortfall> {
+    let due = tether_certs::rotation::due_after_issue(validity);
+    if due >= min_interval {
+        return None;
+    }
+    // validity >= 3/2 (interval + backdate) - backdate, rounded up to the
+    // second; in nanoseconds, where no `Duration` overflows.
+    let back = tether_certs::mint::NOT_BEFORE_BACKDATE.as_nanos();
+    let need = ((min_interval.as_nanos() + back) * 3).div_ceil(2) - back;
+    let least = u64::try_from(need.div_ceil(1_000_000_000)).unwrap_or(u64::MAX);
+    Some(RenewalShortfall {
+        due,
+        least: Duration::from_secs(least),
+    })
 }
 
 /// How this replica finds and talks to the others.
@@ -934,6 +970,52 @@ mod tests {
         );
         let w = join(&["--join-cert-validity=10m", "--renewal-min-interval=601s"]).unwrap();
         assert!(w.contains("at least 1052s"), "{w}");
+    }
+
+    /// The arithmetic both renewal warnings share: for the start-up one,
+    /// `--join-cert-validity` against `--renewal-min-interval` (the
+    /// defaults, 1,050 s just enough for 600 s); for the tunnel's, a
+    /// presented certificate's own lifetime (1 h due again within a 1 h
+    /// interval, 2 h not). The least validity named is exact, to the second.
+    #[test]
+    fn a_renewal_shortfall_names_when_due_and_the_least_renewable_validity() {
+        let s = Duration::from_secs;
+        // The start-up warning's cases.
+        assert_eq!(renewal_shortfall(s(720 * 3600), s(600)), None);
+        assert_eq!(renewal_shortfall(s(1050), s(600)), None);
+        let short = renewal_shortfall(s(1049), s(600)).unwrap();
+        assert_eq!(short.least, s(1050));
+        assert!(short.due < s(600), "{short:?}");
+        assert_eq!(renewal_shortfall(s(18), s(600)).unwrap().due, s(0));
+        // A presented certificate's: 2/3 x (3,600 + 300) - 300 = 2,300 s.
+        assert_eq!(
+            renewal_shortfall(s(3600), s(3600)),
+            Some(RenewalShortfall {
+                due: s(2300),
+                least: s(5550)
+            })
+        );
+        assert_eq!(renewal_shortfall(s(7200), s(3600)), None);
+        // Exact: the least validity is renewable, a second less is not.
+        for interval in [
+            s(1),
+            s(599),
+            s(600),
+            s(601),
+            s(3600),
+            s(86400),
+            Duration::from_millis(600_500),
+        ] {
+            let least = renewal_shortfall(s(1), interval).unwrap().least;
+            assert_eq!(renewal_shortfall(least, interval), None, "{interval:?}");
+            assert!(
+                renewal_shortfall(least - s(1), interval).is_some(),
+                "{interval:?}: {least:?}"
+            );
+        }
+        // The largest interval does not overflow.
+        let huge = renewal_shortfall(s(1), Duration::MAX).unwrap();
+        assert!(huge.least > s(u64::MAX / 2), "{huge:?}");
     }
 
     /// The limits and waits that were constants have their old values by

@@ -304,6 +304,7 @@ pub async fn serve(
                 ca: Arc::new(ca),
                 waits: j.waits,
                 validity: j.validity,
+                renewal_min_interval: j.renewal_min_interval,
                 renewals: std::sync::Mutex::new(RenewalLimiter::new(j.renewal_min_interval)),
             }))
         }
@@ -482,6 +483,24 @@ fn cert_lifetime(leaf: &rustls::pki_types::CertificateDer<'_>) -> Option<Duratio
     u64::try_from(secs).ok().map(Duration::from_secs)
 }
 
+/// Whether an edge's presented certificate, `presented` long, calls for a
+/// warning: renewals are for the shorter of it and `--join-cert-validity`
+/// (`validity`), and when the presented one is the shorter and so short
+/// that its renewal is due again within `--renewal-min-interval`
+/// ([`crate::config::renewal_shortfall`]), those renewals are refused and
+/// the certificate may expire. Its lifetime and the shortfall, or `None`
+/// (not shorter: the start-up warning,
+/// [`JoinConfig::renewal_warning`](crate::config::JoinConfig::renewal_warning),
+/// covers `validity`).
+fn presented_shortfall(
+    presented: Option<Duration>,
+    validity: Duration,
+    min_interval: Duration,
+) -> Option<(Duration, crate::config::RenewalShortfall)> {
+    let lifetime = presented.filter(|&l| l < validity)?;
+    crate::config::renewal_shortfall(lifetime, min_interval).map(|s| (lifetime, s))
+}
+
 /// The edge's leaf certificate.
 fn leaf_of(conn: &quinn::Connection) -> anyhow::Result<rustls::pki_types::CertificateDer<'static>> {
     let identity = conn
@@ -592,6 +611,9 @@ struct JoinCtx {
     /// Waits on a joining edge (`--join-request-timeout` and the others).
     waits: crate::join::JoinWaits,
     validity: Duration,
+    /// `--renewal-min-interval` (the limiter's; also what a presented
+    /// certificate's lifetime is checked against, [`presented_shortfall`]).
+    renewal_min_interval: Duration,
     /// When each node last had a certificate renewed, and what it got.
     renewals: std::sync::Mutex<RenewalLimiter>,
 }
@@ -1072,12 +1094,30 @@ async fn serve_attached(
     let max = cfg.limits.max_frame_bytes as usize;
     // A renewal never outlives the presented certificate's own lifetime:
     // a short-lived certificate stays short-lived.
-    let renew_for = join.as_ref().map(|j| {
-        leaf_of(&conn)
-            .ok()
-            .and_then(|leaf| cert_lifetime(&leaf))
-            .map_or(j.validity, |l| l.min(j.validity))
-    });
+    let presented = join
+        .as_ref()
+        .and_then(|_| leaf_of(&conn).ok())
+        .and_then(|leaf| cert_lifetime(&leaf));
+    let renew_for = join
+        .as_ref()
+        .map(|j| presented.map_or(j.validity, |l| l.min(j.validity)));
+    // Once per connection: a lifetime so short that the edge's renewals
+    // will be refused is said here, naming the node, not left to show as
+    // refusals and then an expired certificate.
+    if let Some((j, (lifetime, short))) = join.as_ref().and_then(|j| {
+        presented_shortfall(presented, j.validity, j.renewal_min_interval).map(|s| (j, s))
+    }) {
+        warn!(
+            node = %node,
+            ?lifetime,
+            renewal_min_interval = ?j.renewal_min_interval,
+            due = ?short.due,
+            least_validity = ?short.least,
+            "the edge's certificate is too short-lived to renew: renewed for its own lifetime, \
+             it is due again within --renewal-min-interval, so its renewals are refused and it \
+             may expire, cutting the node off; issue it for at least least_validity"
+        );
+    }
     let tickets_for_control = TicketIssuer {
         key: tickets.clone(),
         gen,
@@ -1883,6 +1923,35 @@ mod renewal_tests {
             .unwrap()
             .remove(0);
         assert!(cert_lifetime(&renewed).unwrap() <= life + Duration::from_secs(1));
+    }
+
+    /// The per-connection warning's decision: a presented certificate
+    /// shorter than `--join-cert-validity` whose renewal (for its own
+    /// lifetime) is due again within `--renewal-min-interval` is warned
+    /// about, with its lifetime and the least validity that is renewable;
+    /// a renewable one is not, nor one not shorter than the validity (the
+    /// start-up warning's), nor one whose lifetime is unknown.
+    #[test]
+    fn a_presented_certificate_too_short_lived_to_renew_calls_for_a_warning() {
+        let s = Duration::from_secs;
+        let month = s(720 * 3600);
+        let ca = tether_certs::Ca::new("ca", s(86400)).unwrap();
+        let hour = ca.issue_edge("edge-1", s(3600)).unwrap();
+        let leaf = tether_certs::pem::certs_from_pem(&hour.cert_pem, "c")
+            .unwrap()
+            .remove(0);
+        let presented = cert_lifetime(&leaf);
+        let (lifetime, short) = presented_shortfall(presented, month, s(3600)).unwrap();
+        assert!((3599..=3601).contains(&lifetime.as_secs()), "{lifetime:?}");
+        assert!(short.due < s(3600), "{short:?}");
+        assert_eq!(short.least, s(5550), "{short:?}");
+        // Renewable within the default interval, or a longer one.
+        assert_eq!(presented_shortfall(presented, month, s(600)), None);
+        assert_eq!(presented_shortfall(Some(s(7200)), month, s(3600)), None);
+        // Not shorter than --join-cert-validity, or unknown.
+        assert_eq!(presented_shortfall(Some(s(3600)), s(3600), s(3600)), None);
+        assert_eq!(presented_shortfall(Some(s(7200)), s(1000), s(3600)), None);
+        assert_eq!(presented_shortfall(None, month, s(3600)), None);
     }
 
     /// `--renewal-min-interval` (was a fixed 600 s), set to 90 s: one new

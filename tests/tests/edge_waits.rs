@@ -8,7 +8,9 @@
 //! another (refused). Each such edge is hand-driven over QUIC (and keeps its connection
 //! alive with QUIC PINGs, so no idle timeout ends it first); each must be
 //! closed within its bound, and give its `--max-edges` slot back, while an
-//! edge beside it keeps serving.
+//! edge beside it keeps serving. Also the cloud's warning about an edge
+//! presenting a certificate too short-lived to renew within
+//! `--renewal-min-interval`.
 //!
 //! Needs the binaries built first: `cargo build --workspace --bins`.
 
@@ -366,6 +368,63 @@ async fn a_renewal_whose_answer_was_lost_is_answered_again_with_the_same_certifi
     let left = tether_proto::frame::renewal_retry_after(&refused)
         .unwrap_or_else(|| panic!("refused otherwise: {refused}"));
     assert!(left > Duration::from_secs(3000), "{refused}");
+}
+
+/// A certificate an operator issued with a shorter life than
+/// `--join-cert-validity` is renewed for that life; so short that a renewal
+/// is due again within `--renewal-min-interval` (a 1 h certificate, 1 h
+/// here), the edge's renewals would be refused and the certificate would
+/// expire. The cloud says so once per connection, naming the node, the
+/// lifetime, the interval and the least validity that is renewable. Of a
+/// one-day certificate it says nothing (checked after its renewal was
+/// answered: the connection's warning comes before its control loop). Both
+/// certificates are the join CA's, trusted as the edge CA here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_too_short_lived_to_renew_is_warned_about_naming_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let join_ca = dir.path().join("join-ca.crt");
+    let edge_ca = join_ca.to_str().unwrap().to_string();
+    let (env, _store) = renewing_cloud(
+        dir.path(),
+        &["--renewal-min-interval", "1h", "--edge-ca", &edge_ca],
+    )
+    .await;
+    let read = |p: std::path::PathBuf| std::fs::read_to_string(p).unwrap();
+    let join_ca =
+        tether_certs::Ca::from_pem(&read(join_ca), &read(dir.path().join("join-ca.key"))).unwrap();
+    let edge_for = |life: Duration| {
+        let pair = join_ca.issue_edge(NODE, life).unwrap();
+        support::RawEdge::endpoint(&env.pki.tether_ca_pem, &pair.cert_pem, &pair.key_pem).unwrap()
+    };
+    let warning = "the edge's certificate is too short-lived to renew";
+
+    // A day: renewed, and no warning.
+    let ((_conn, mut send, mut recv), mut reader) =
+        attach_reading(dial(&env, &edge_for(Duration::from_secs(86400))).await).await;
+    let req = tether_certs::csr::make_edge_csr(NODE).unwrap();
+    renewal_answer(&mut (&mut send, &mut recv, &mut reader), &req.csr_pem)
+        .await
+        .unwrap_or_else(|e| panic!("a one-day certificate's renewal was refused: {e}"));
+    assert!(
+        !env.cloud_log().contains(warning),
+        "a one-day certificate warned about: {}",
+        env.cloud_log()
+    );
+
+    // An hour: warned about once, on connecting, with what to do.
+    let _short = attach(dial(&env, &edge_for(Duration::from_secs(3600))).await).await;
+    cloud_logged(&env, warning).await;
+    let log = env.cloud_log();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains(warning)).collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    for field in [
+        format!("node={NODE}"),
+        "lifetime=3600s".into(),
+        "renewal_min_interval=3600s".into(),
+        "least_validity=5550s".into(),
+    ] {
+        assert!(lines[0].contains(&field), "no {field} in {}", lines[0]);
+    }
 }
 
 /// Waits (within [`BOUND`]) until the cloud's log has a line with `what`.
