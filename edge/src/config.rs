@@ -618,7 +618,9 @@ mod tests {
     /// `--copy-hello-tries`, `--copy-hello-resend` (were the fixed 5 and
     /// 1 s): the schedule of the hello with which the edge asks its cloud
     /// for interactive copies, in the settings its copy link is made with
-    /// (`dial.rs` hands `quic.copies` to `CopyLink::new`); 0 is refused.
+    /// (`dial.rs` hands `quic.copies` to `CopyLink::new`; its test
+    /// `the_copy_hello_goes_its_configured_tries_on_the_edges_connection`
+    /// counts them on a connection); 0 is refused.
     /// The other copy bounds stay the shared flags'.
     #[test]
     fn the_copy_hello_schedule_comes_from_its_flags() {

@@ -2088,6 +2088,109 @@ mod tests {
         }
     }
 
+    /// `--copy-hello-tries`, `--copy-hello-resend` end to end: on the
+    /// edge's own connection, welcomed by a hand-driven cloud that never
+    /// answers the copy hello, the edge sends it 3 times 50 ms apart,
+    /// doubling (at 0, 50 and 150 ms), and no more in the 2.5 s watched;
+    /// with the defaults (5 tries from 1 s) only 2 would come in that time.
+    #[tokio::test]
+    async fn the_copy_hello_goes_its_configured_tries_on_the_edges_connection() {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let (cfg, dir) = test_config(
+            socket.local_addr().unwrap(),
+            &["--copy-hello-tries", "3", "--copy-hello-resend", "50ms"],
+        );
+        // The hand-driven cloud's certificate for the name the edge checks,
+        // from a CA of its own that becomes the edge's --ca (this cloud asks
+        // for no client certificate).
+        let day = Duration::from_secs(86400);
+        let cloud_ca = tether_certs::Ca::new("hand-driven cloud CA", day).unwrap();
+        let server = cloud_ca.issue_server(&["cloud.test"], &[], day).unwrap();
+        std::fs::write(&cfg.ca, &cloud_ca.cert_pem).unwrap();
+        let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                tether_certs::pem::certs_from_pem(&server.cert_pem, "cloud").unwrap(),
+                tether_certs::pem::key_from_pem(&server.key_pem, "cloud").unwrap(),
+            )
+            .unwrap();
+        tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
+        let sc = quinn::ServerConfig::with_crypto(Arc::new(
+            quinn::crypto::rustls::QuicServerConfig::try_from(tls).unwrap(),
+        ));
+        let runtime = quinn::default_runtime().unwrap();
+        let cloud =
+            quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(sc), socket, runtime)
+                .unwrap();
+        let mut dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
+        let edge = tokio::spawn(async move {
+            dialer.connect_once().await;
+        });
+
+        // Hello, welcome, commit.
+        let within = Duration::from_secs(10);
+        let conn = tokio::time::timeout(within, async {
+            cloud.accept().await.expect("the endpoint closed").await
+        })
+        .await
+        .expect("no connection within 10 s")
+        .unwrap();
+        let (mut send, mut recv) = tokio::time::timeout(within, conn.accept_bi())
+            .await
+            .expect("no control stream within 10 s")
+            .unwrap();
+        let max = Limits::default().max_frame_bytes as usize;
+        let mut reader = FrameReader::new(max);
+        let hello = tokio::time::timeout(within, reader.next(&mut recv))
+            .await
+            .expect("no hello within 10 s");
+        let Ok(Some(Frame::Hello(hello))) = hello else {
+            panic!("expected a hello, got {hello:?}");
+        };
+        let welcome = Welcome {
+            version: PROTOCOL_VERSION,
+            session: SessionId(7),
+            resumed: false,
+            gen: 1,
+            ticket: tether_proto::ticket::TicketKey::random().unwrap().issue(
+                &hello.node,
+                SessionId(7),
+                1,
+                u64::MAX,
+                &hello.resume,
+            ),
+            grace_ms: 1000,
+            limits: Limits::default(),
+        };
+        write_frame(&mut send, &Frame::Welcome(welcome), max)
+            .await
+            .unwrap();
+        let commit = tokio::time::timeout(within, reader.next(&mut recv))
+            .await
+            .expect("no commit within 10 s");
+        assert!(
+            matches!(commit, Ok(Some(Frame::Commit { .. }))),
+            "{commit:?}"
+        );
+
+        // The copy hellos, never answered.
+        let mut hellos = 0;
+        let until = tokio::time::Instant::now() + Duration::from_millis(2500);
+        while let Ok(Ok(d)) = tokio::time::timeout_at(until, conn.read_datagram()).await {
+            if d == copies::hello() {
+                hellos += 1;
+            }
+        }
+        assert_eq!(
+            hellos, 3,
+            "{hellos} copy hellos in 2.5 s with 3 tries 50 ms apart"
+        );
+        edge.abort();
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     /// On a link with a sub-millisecond RTT (loopback) the cloud's delayed
     /// ACK of a probing keep-alive (quinn's 25 ms) came after the verdict was
     /// read, so it fell into the next gap, no gap was ever quiet and the
