@@ -26,7 +26,13 @@
 //!   back-to-back kubectl execs: every request succeeds, none is answered wrongly
 //!   (failures, if any, are printed as `FIGURE roll failure` lines); then
 //!   `kill -9` of the replica holding edge-1: its edges serve again through every
-//!   survivor within a bound.
+//!   survivor within a bound;
+//! - an exec and a `logs -f` owned by one replica while the replica holding their
+//!   edge is SIGTERMed (also with 10 % of the edge site's packets dropped each way
+//!   from before the SIGTERM on), `kill -9`ed, or cut off for 60 s with the link
+//!   coming back lossy (10 %) and the edge sent to another replica: every byte and
+//!   line exactly once; and the owner's SIGTERM ends both with clear errors after
+//!   its drain.
 //!
 //! Needs root, `ip`, `nft`, kubectl and the workspace binaries
 //! (`cargo build --workspace --bins`). Figures are printed as `FIGURE …` lines (run
@@ -1512,11 +1518,35 @@ async fn roll_kubectl(bed: &Bed, newest: bool) -> Result<Kubectl> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_of_the_edges_holder_loses_no_byte_of_a_stream_owned_elsewhere() {
+    sigterm_of_the_holder(None).await;
+}
+
+/// The same roll with the edge on a bad link: 10 % of the edge site's packets
+/// dropped each way from before the SIGTERM to the sessions' end, so the
+/// drain's move, the edge's new handshake and the streams' re-attach all
+/// cross it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_of_the_edges_holder_on_a_lossy_edge_link_loses_no_byte() {
+    sigterm_of_the_holder(Some(10)).await;
+}
+
+/// SIGTERM of the replica holding edge-1 while an exec and a `logs -f` owned
+/// by another replica flow; `loss`: the edge site's packet loss (percent,
+/// each way) from just before the SIGTERM on.
+async fn sigterm_of_the_holder(loss: Option<u32>) {
     let dir = tempdir();
     let mut bed = roll_bed(dir.path()).await;
     let result = async {
         let k = roll_kubectl(&bed, false).await?;
-        let mut s = Sessions::start(&bed, &k, "sigterm-holder").await?;
+        let tag = if loss.is_some() {
+            "sigterm-holder-lossy"
+        } else {
+            "sigterm-holder"
+        };
+        let mut s = Sessions::start(&bed, &k, tag).await?;
+        if let Some(percent) = loss {
+            bed.set_edge_site_loss(percent)?;
+        }
         // The load balancer takes the draining replica out; the edge moves to C.
         bed.set_udp_backends(&[THIRD])?;
         bed.sigterm_replica(HOLDER)?;
@@ -1526,7 +1556,12 @@ async fn sigterm_of_the_edges_holder_loses_no_byte_of_a_stream_owned_elsewhere()
             .wait_replica_exit(HOLDER, Duration::from_secs(30))
             .await?;
         ensure!(status.success(), "the holder exited with {status:?}");
-        held_by_third_then_finish(&bed, s, t, Duration::from_secs(20), "holder SIGTERM").await
+        let what = if loss.is_some() {
+            "holder SIGTERM, lossy edge link"
+        } else {
+            "holder SIGTERM"
+        };
+        held_by_third_then_finish(&bed, s, t, Duration::from_secs(20), what).await
     }
     .await;
     finish(bed, dir, result);
@@ -1563,8 +1598,11 @@ async fn a_60_s_outage_then_another_replica_loses_no_byte() {
         bed.cut_edge_site(true)?;
         s.feed_for(Duration::from_secs(60)).await?;
         // The link comes back, and the load balancer now sends the edge to C (its
-        // reconnect rounds dial from new source ports: new flows).
+        // reconnect rounds dial from new source ports: new flows). It comes back
+        // bad: 10 % of the edge site's packets dropped each way, to the sessions'
+        // end, so the new handshake, the resume and the replay all cross it.
         bed.set_udp_backends(&[THIRD])?;
+        bed.set_edge_site_loss(10)?;
         bed.cut_edge_site(false)?;
         let t = Instant::now();
         s.feed_for(Duration::from_secs(3)).await?;
@@ -1573,7 +1611,7 @@ async fn a_60_s_outage_then_another_replica_loses_no_byte() {
             s,
             t,
             Duration::from_secs(60),
-            "60 s outage (since the link came back)",
+            "60 s outage (since the link came back, lossy)",
         )
         .await
     }
