@@ -338,13 +338,38 @@ fn connects(log_lines: &[String]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_address_change_migrates_without_reconnect() {
+    address_change(None).await;
+}
+
+/// The handover of a cellular edge on a bad link: the address changes while
+/// the link has 200 ms RTT, 20 ms jitter and 5 % loss each way (kept until
+/// both streams end), so the cloud's path validation and the streams' bytes
+/// on the new path cross it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_address_change_on_a_lossy_link_migrates_without_reconnect() {
+    address_change(Some(
+        Impairment::clean()
+            .with_delay(Duration::from_millis(100))
+            .with_jitter(Duration::from_millis(20))
+            .with_loss(5.0),
+    ))
+    .await;
+}
+
+/// The edge's address changes mid-stream (on `link`, if given, set a second
+/// before): the connection migrates, no reconnect, every byte and line once.
+async fn address_change(link: Option<Impairment>) {
     let env = NsEnv::start(&[], &[]).await;
     let traffic = Traffic::start(&env.client).await;
+    if let Some(bad) = link {
+        env.link.set(bad).unwrap();
+    }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let new_ip = env.link.change_edge_address().unwrap();
     let t = Instant::now();
     let stall = traffic.wait_flowing(t, Duration::from_secs(20)).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
+    let stats = link.and_then(|_| env.link.stats().ok());
     let (bytes, lines) = traffic.finish_intact().await;
     assert_eq!(
         connects(&env.edge.lines()),
@@ -357,7 +382,12 @@ async fn edge_address_change_migrates_without_reconnect() {
         log.contains("edge migrated to a new address") && log.contains(&new_ip.to_string()),
         "cloud must see the migration"
     );
-    println!("FIGURE address change to {new_ip}: streams moving again after {:.0} ms; {bytes} bytes and {lines} lines intact; no reconnect", stall.as_secs_f64() * 1e3);
+    let on = if link.is_some() {
+        " (200 ms RTT, 5 % loss)"
+    } else {
+        ""
+    };
+    println!("FIGURE address change{on} to {new_ip}: streams moving again after {:.0} ms; {bytes} bytes and {lines} lines intact; no reconnect; link stats {stats:?}", stall.as_secs_f64() * 1e3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
