@@ -2002,6 +2002,26 @@ mod tests {
         let _ = std::fs::remove_dir_all(r.dir);
     }
 
+    /// A hand-driven cloud's welcome for `node` (session 7, generation 1,
+    /// a ticket for `resume` that never expires) with `limits`.
+    fn test_welcome(node: &str, resume: &ResumeToken, limits: Limits) -> Welcome {
+        Welcome {
+            version: PROTOCOL_VERSION,
+            session: SessionId(7),
+            resumed: false,
+            gen: 1,
+            ticket: tether_proto::ticket::TicketKey::random().unwrap().issue(
+                node,
+                SessionId(7),
+                1,
+                u64::MAX,
+                resume,
+            ),
+            grace_ms: 1000,
+            limits,
+        }
+    }
+
     /// Item 2 of the control-stream audit: limits in the welcome that the
     /// edge cannot use (no data at all, or payloads that cannot fit in the
     /// cloud's frames) were taken as they came, and every stream then sent
@@ -2035,21 +2055,7 @@ mod tests {
                 ticket: None,
             };
             let max = Limits::default().max_frame_bytes as usize;
-            let welcome = Welcome {
-                version: PROTOCOL_VERSION,
-                session: SessionId(7),
-                resumed: false,
-                gen: 1,
-                ticket: tether_proto::ticket::TicketKey::random().unwrap().issue(
-                    "edge-t",
-                    SessionId(7),
-                    1,
-                    u64::MAX,
-                    &token,
-                ),
-                grace_ms: 1000,
-                limits: cloud_limits,
-            };
+            let welcome = test_welcome("edge-t", &token, cloud_limits);
             let cloud_side = tokio::spawn(async move {
                 let (mut send, mut recv) = cloud.accept_bi().await.unwrap();
                 let mut reader = FrameReader::new(max);
@@ -2149,21 +2155,7 @@ mod tests {
         let Ok(Some(Frame::Hello(hello))) = hello else {
             panic!("expected a hello, got {hello:?}");
         };
-        let welcome = Welcome {
-            version: PROTOCOL_VERSION,
-            session: SessionId(7),
-            resumed: false,
-            gen: 1,
-            ticket: tether_proto::ticket::TicketKey::random().unwrap().issue(
-                &hello.node,
-                SessionId(7),
-                1,
-                u64::MAX,
-                &hello.resume,
-            ),
-            grace_ms: 1000,
-            limits: Limits::default(),
-        };
+        let welcome = test_welcome(&hello.node, &hello.resume, Limits::default());
         write_frame(&mut send, &Frame::Welcome(welcome), max)
             .await
             .unwrap();
