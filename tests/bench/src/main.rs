@@ -547,12 +547,7 @@ fn survived(f: &StreamFate, after: Instant) -> (bool, String) {
 async fn outage_cycles_run(r: &mut Report, plan: &Plan) -> Result<()> {
     let returns = [
         ("clean", Impairment::clean()),
-        (
-            "1 s RTT, 10 % loss",
-            Impairment::clean()
-                .with_delay(Duration::from_millis(500))
-                .with_loss(10.0),
-        ),
+        ("1 s RTT, 10 % loss", soak::slow_return()),
     ];
     r.push(&format!(
         "\n### Outage cycles: {} × {} s total outage, the link back clean or slow, watched {} s after each restore\n\n\

@@ -46,9 +46,10 @@ pub const OUTAGES: [u64; 10] = [40, 35, 5, 20, 12, 31, 8, 25, 38, 15];
 /// How long the link stays slow after an odd minute's outage (at most to
 /// the minute's end), before it is clean again.
 pub const SLOW_FOR: Duration = Duration::from_secs(20);
-/// How long into a slow return the link goes down again, and for how long:
-/// a flap while the sessions are being resumed and re-attached.
+/// How long into a slow return the link goes down again ([`FLAP_DOWN`]): a
+/// flap while the sessions are being resumed and re-attached.
 pub const FLAP_AFTER: Duration = Duration::from_secs(3);
+/// How long that flap lasts.
 pub const FLAP_DOWN: Duration = Duration::from_secs(2);
 /// Allowed growth of either agent's RSS from start to end.
 pub const RSS_TOLERANCE: f64 = 0.10;
@@ -56,7 +57,7 @@ pub const RSS_TOLERANCE: f64 = 0.10;
 const IN_FLIGHT: usize = 64;
 
 /// The link as it comes back after an odd minute's outage: 1 s RTT, 10 %
-/// loss (the bench's slow return, as in its outage cycles).
+/// loss (the bench's slow return: its outage cycles use it too).
 pub fn slow_return() -> Impairment {
     Impairment::clean()
         .with_delay(Duration::from_millis(500))
