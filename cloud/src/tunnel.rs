@@ -1094,30 +1094,27 @@ async fn serve_attached(
     let max = cfg.limits.max_frame_bytes as usize;
     // A renewal never outlives the presented certificate's own lifetime:
     // a short-lived certificate stays short-lived.
-    let presented = join
-        .as_ref()
-        .and_then(|_| leaf_of(&conn).ok())
-        .and_then(|leaf| cert_lifetime(&leaf));
-    let renew_for = join
-        .as_ref()
-        .map(|j| presented.map_or(j.validity, |l| l.min(j.validity)));
-    // Once per connection: a lifetime so short that the edge's renewals
-    // will be refused is said here, naming the node, not left to show as
-    // refusals and then an expired certificate.
-    if let Some((j, (lifetime, short))) = join.as_ref().and_then(|j| {
-        presented_shortfall(presented, j.validity, j.renewal_min_interval).map(|s| (j, s))
-    }) {
-        warn!(
-            node = %node,
-            ?lifetime,
-            renewal_min_interval = ?j.renewal_min_interval,
-            due = ?short.due,
-            least_validity = ?short.least,
-            "the edge's certificate is too short-lived to renew: renewed for its own lifetime, \
-             it is due again within --renewal-min-interval, so its renewals are refused and it \
-             may expire, cutting the node off; issue it for at least least_validity"
-        );
-    }
+    let renew_for = join.as_ref().map(|j| {
+        let presented = leaf_of(&conn).ok().and_then(|leaf| cert_lifetime(&leaf));
+        // Once per connection: a lifetime so short that the edge's renewals
+        // will be refused is said here, naming the node, not left to show as
+        // refusals and then an expired certificate.
+        if let Some((lifetime, short)) =
+            presented_shortfall(presented, j.validity, j.renewal_min_interval)
+        {
+            warn!(
+                node = %node,
+                ?lifetime,
+                renewal_min_interval = ?j.renewal_min_interval,
+                due = ?short.due,
+                least_validity = ?short.least,
+                "the edge's certificate is too short-lived to renew: renewed for its own lifetime, \
+                 it is due again within --renewal-min-interval, so its renewals are refused and it \
+                 may expire, cutting the node off; issue it for at least least_validity"
+            );
+        }
+        presented.map_or(j.validity, |l| l.min(j.validity))
+    });
     let tickets_for_control = TicketIssuer {
         key: tickets.clone(),
         gen,
