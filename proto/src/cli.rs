@@ -315,7 +315,9 @@ pub fn apply_config_file(
 
 /// Renders the effective configuration as TOML, each value commented with
 /// where it came from; values of settings whose name suggests a secret are
-/// redacted.
+/// redacted (not a switch's: `--authentication-token-webhook` holds no
+/// token, only `true` or `false`). The output is itself a configuration file:
+/// given back through `--config`, every value shown comes back the same.
 pub fn render_config(cmd: &clap::Command, matches: &clap::ArgMatches) -> String {
     let mut out = String::new();
     for arg in cmd.get_arguments() {
@@ -334,9 +336,10 @@ pub fn render_config(cmd: &clap::Command, matches: &clap::ArgMatches) -> String 
             Some(clap::parser::ValueSource::DefaultValue) => "default",
             _ => "unset",
         };
-        let secret = ["token", "secret", "password"]
-            .iter()
-            .any(|s| long.contains(s));
+        let secret = arg.get_action().takes_values()
+            && ["token", "secret", "password"]
+                .iter()
+                .any(|s| long.contains(s));
         let shown = if secret && !values.is_empty() {
             "\"<redacted>\"".to_string()
         } else if values.is_empty() {
@@ -522,6 +525,9 @@ mod tests {
         timeout: String,
         #[arg(long, env = "TETHER_TEST_CFG_JOIN_TOKEN")]
         join_token: Option<String>,
+        /// A switch whose name says "token" but which holds none.
+        #[arg(long, env = "TETHER_TEST_CFG_TOKEN_WEBHOOK")]
+        token_webhook: bool,
         #[arg(long)]
         config: Option<std::path::PathBuf>,
         #[arg(long)]
@@ -560,6 +566,10 @@ mod tests {
         assert!(shown.contains("listen = \"2.2.2.2:2\"  # flag"), "{shown}");
         assert!(shown.contains("join-token = \"<redacted>\""), "{shown}");
         assert!(!shown.contains("abc.def"), "{shown}");
+        assert!(
+            shown.contains("token-webhook = \"false\"  # default"),
+            "a switch is shown: {shown}"
+        );
 
         std::fs::write(&file, "listne = \"x\"\n").unwrap();
         let err = apply_config_file(

@@ -398,6 +398,127 @@ fn configuration_file_env_and_flags_with_precedence_and_rejection() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("keep-alive"));
 }
 
+/// `bin --print-config` with `args`, nothing from the environment: its output.
+fn print_config(bin: &str, args: &[&str]) -> String {
+    let path = tether_tests::bins::binary(bin).unwrap();
+    let out = std::process::Command::new(&path)
+        .args(args)
+        .arg("--print-config")
+        .env_clear()
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{bin} {args:?} --print-config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The settings `--print-config` shows with a value, as `key = value` lines
+/// (the comment saying where each came from cut off), redacted ones left out.
+fn shown_settings(printed: &str) -> Vec<String> {
+    printed
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.contains("<redacted>"))
+        .map(|l| l.rsplit_once("  # ").map_or(l, |(kv, _)| kv).to_string())
+        .collect()
+}
+
+/// `--print-config`'s output is a configuration file for both binaries: given back
+/// through `--config`, with no flag and no environment, every setting it showed comes
+/// back with the same value, now from the file. The first print sets values of every
+/// kind away from their defaults by flag (an address, a duration, a count, a size, a
+/// switch, a list, a name), so a setting the file could not carry, or could only carry
+/// changed (one without an environment variable, a value printed in a form its parser
+/// refuses), fails here.
+#[test]
+fn print_config_output_round_trips_through_a_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let edge = [
+        "--cloud",
+        "127.0.0.1:1",
+        "--ca",
+        "a",
+        "--cert",
+        "b",
+        "--key",
+        "c",
+        "--kubelet-url",
+        "https://127.0.0.1:10250",
+        "--kubelet-insecure-skip-tls-verify",
+        "--announce-address",
+        "10.0.0.1",
+        "--announce-address",
+        "10.0.0.2",
+        "--copy-hello-tries",
+        "3",
+        "--copy-hello-resend",
+        "250ms",
+        "--max-data-payload",
+        "16KiB",
+        "--log-format",
+        "json",
+    ];
+    let cloud = [
+        "--tunnel-cert",
+        "a",
+        "--tunnel-key",
+        "b",
+        "--edge-ca",
+        "c",
+        "--kubelet-cert",
+        "d",
+        "--kubelet-key",
+        "e",
+        "--insecure-skip-client-auth",
+        "--peer-listen",
+        "0.0.0.0:7000",
+        "--peer-cert",
+        "f",
+        "--peer-key",
+        "g",
+        "--peer-ca",
+        "h",
+        "--peers",
+        "10.0.0.1:7000,10.0.0.2:7000",
+        "--replica-name",
+        "r0",
+        "--renewal-min-interval",
+        "1h",
+        "--max-edges",
+        "5",
+        "--peer-copy-hello-resend",
+        "300ms",
+    ];
+    for (bin, args) in [("tether-edge", &edge[..]), ("tether-cloud", &cloud[..])] {
+        let first = print_config(bin, args);
+        let settings = shown_settings(&first);
+        for flag in args.iter().filter_map(|a| a.strip_prefix("--")) {
+            assert!(
+                settings
+                    .iter()
+                    .any(|s| s.starts_with(&format!("{flag} = "))),
+                "{bin}: --{flag} set by flag is not shown: {first}"
+            );
+        }
+        let file = dir.path().join(format!("{bin}.toml"));
+        std::fs::write(&file, settings.join("\n") + "\n").unwrap();
+        let again = print_config(bin, &["--config", file.to_str().unwrap()]);
+        assert_eq!(
+            shown_settings(&again),
+            settings,
+            "{bin}: the printed configuration given back as a file"
+        );
+        for line in again.lines().filter(|l| !l.starts_with('#')) {
+            assert!(
+                line.ends_with("  # env or file") || line.contains("<redacted>"),
+                "{bin}: {line:?} is not from the file"
+            );
+        }
+    }
+}
+
 /// Without an apiserver to watch, the cloud refuses to start unless told to
 /// route by edge reports (`--insecure-trust-edge-reports`, warned about);
 /// with a kubeconfig whose apiserver does not answer, it gives up after
