@@ -568,10 +568,13 @@ impl StreamState {
         self.apply_ack(peer_delivered, peer_fin_received)?;
         self.sent = peer_delivered;
         self.fin_sent = self.fin_acked;
-        // Our `delivered` travelled in our own Attach; an ack is due only if
-        // the fin state must be re-confirmed.
+        // Our `delivered` travelled in our own Attach; an ack is due if the fin
+        // state must be re-confirmed, or if one fell due since that Attach was
+        // made (the application reads on while the peer's Attach is under way:
+        // the peer knows only the older `delivered`, and nothing it replays
+        // now is new, so no later read would send one).
         self.fin_ack_sent = false;
-        self.ack_due = self.fin_received();
+        self.ack_due = self.ack_due || self.fin_received();
         if let Some(r) = &mut self.reset {
             r.sent = !r.local;
         }
@@ -922,6 +925,36 @@ mod tests {
     }
 
     #[test]
+    fn an_ack_due_while_the_peers_attach_is_under_way_is_sent_after_it() {
+        // b's reader is behind when the transport is lost, and catches up while
+        // a's Attach is under way: the ack that fell due must still go, or a's
+        // full replay buffer would never drain (nothing a replays is new to b).
+        let (mut a, mut b) = pair();
+        a.write(&[7; 64]);
+        pump(&mut a, &mut b);
+        assert_eq!(a.write_room(), 0);
+        a.detach();
+        b.detach();
+        let (delivered, fin_received) = offsets(b.attach_frame());
+        assert_eq!(delivered, 0, "b's Attach says nothing delivered yet");
+        assert_eq!(read_all(&mut b), (vec![7; 64], false));
+        a.attach(delivered, fin_received).unwrap();
+        let (delivered, fin_received) = offsets(a.attach_frame());
+        b.attach(delivered, fin_received).unwrap();
+        for _ in 0..4 {
+            pump(&mut a, &mut b);
+            pump(&mut b, &mut a);
+        }
+        assert_eq!(
+            a.write_room(),
+            64,
+            "offsets a {:?}, b {:?}",
+            a.offsets(),
+            b.offsets()
+        );
+    }
+
+    #[test]
     fn fresh_attach_transmits_before_the_peers_attach() {
         let mut a = StreamState::new(1, L);
         let mut b = StreamState::new(1, L);
@@ -1130,7 +1163,9 @@ mod tests {
         Transmit(bool),
         Deliver(bool),
         Finish(bool),
-        Disconnect,
+        /// The transport is lost; while each side waits for the other's
+        /// `Attach`, its application reads this much.
+        Disconnect(usize, usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -1142,7 +1177,7 @@ mod tests {
             any::<bool>().prop_map(Op::Deliver),
             any::<bool>().prop_map(Op::Deliver),
             any::<bool>().prop_map(Op::Finish),
-            Just(Op::Disconnect),
+            (0usize..80, 0usize..80).prop_map(|(a, b)| Op::Disconnect(a, b)),
         ]
     }
 
@@ -1181,7 +1216,15 @@ mod tests {
         }
     }
 
-    fn reattach(a: &mut Side, b: &mut Side, ab: &mut VecDeque<Frame>, ba: &mut VecDeque<Frame>) {
+    /// A lost transport: each side sends its `Attach`, its application reads
+    /// `reads` bytes while the peer's is under way, then takes the peer's.
+    fn reattach(
+        a: &mut Side,
+        b: &mut Side,
+        ab: &mut VecDeque<Frame>,
+        ba: &mut VecDeque<Frame>,
+        reads: (usize, usize),
+    ) {
         ab.clear();
         ba.clear();
         a.s.detach();
@@ -1201,6 +1244,8 @@ mod tests {
         else {
             unreachable!()
         };
+        a.read(reads.0);
+        b.read(reads.1);
         a.s.attach(bd, bf).unwrap();
         b.s.attach(ad, af).unwrap();
     }
@@ -1235,13 +1280,30 @@ mod tests {
                         }
                     }
                     Op::Finish(side) => if side { a.s.finish() } else { b.s.finish() },
-                    Op::Disconnect => reattach(&mut a, &mut b, &mut ab, &mut ba),
+                    Op::Disconnect(ra, rb) => reattach(&mut a, &mut b, &mut ab, &mut ba, (ra, rb)),
                 }
                 prop_assert!(a.s.replay_buffered() <= L.replay_bytes);
                 prop_assert!(b.s.replay_buffered() <= L.replay_bytes);
                 prop_assert!(a.read.len() <= b.wrote.len() && b.wrote[..a.read.len()] == a.read[..]);
                 prop_assert!(b.read.len() <= a.wrote.len() && a.wrote[..b.read.len()] == b.read[..]);
             }
+            // Quiescence with both readers reading and no end sent: every byte
+            // written is delivered and acknowledged, so no replay buffer stays
+            // full (a lost acknowledgement would stall the writer here).
+            for _ in 0..10_000 {
+                let before = (a.s.offsets(), b.s.offsets());
+                let mut sent = false;
+                if let Some(f) = a.s.poll_transmit() { ab.push_back(f); sent = true }
+                if let Some(f) = b.s.poll_transmit() { ba.push_back(f); sent = true }
+                if let Some(f) = ab.pop_front() { b.s.on_frame(f).unwrap() }
+                if let Some(f) = ba.pop_front() { a.s.on_frame(f).unwrap() }
+                a.read(64);
+                b.read(64);
+                let still = before == (a.s.offsets(), b.s.offsets());
+                if !sent && still && ab.is_empty() && ba.is_empty() { break; }
+            }
+            prop_assert_eq!(a.s.replay_buffered(), 0, "a's unacknowledged bytes: offsets a {:?}, b {:?}", a.s.offsets(), b.s.offsets());
+            prop_assert_eq!(b.s.replay_buffered(), 0, "b's unacknowledged bytes: offsets a {:?}, b {:?}", a.s.offsets(), b.s.offsets());
             // Drain: finish both, then run the loop to quiescence.
             a.s.finish();
             b.s.finish();
