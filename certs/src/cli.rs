@@ -252,7 +252,8 @@ enum TokenCommand {
     },
 }
 
-/// Parses `30s`, `15m`, `12h`, `90d`, `10y` (a year is 365 days).
+/// Parses `30s`, `15m`, `12h`, `90d`, `10y` (a year is 365 days), at most
+/// [`MAX_VALIDITY_YEARS`](tether_certs::mint::MAX_VALIDITY_YEARS) years.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s
@@ -275,7 +276,13 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     }
     n.checked_mul(secs)
         .map(Duration::from_secs)
-        .ok_or_else(|| format!("{s:?} is too long"))
+        .filter(|d| *d <= tether_certs::mint::MAX_VALIDITY)
+        .ok_or_else(|| {
+            format!(
+                "{s:?} is too long: at most {}y",
+                tether_certs::mint::MAX_VALIDITY_YEARS
+            )
+        })
 }
 
 /// Runs one command.
@@ -637,6 +644,14 @@ mod tests {
         );
         for bad in ["", "10", "h", "0h", "5w", "-1h", "99999999999999999999y"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            parse_duration("1000y").unwrap(),
+            tether_certs::mint::MAX_VALIDITY
+        );
+        for long in ["1001y", "8000y", "400000000000y"] {
+            let e = parse_duration(long).unwrap_err();
+            assert!(e.contains("at most 1000y"), "{long}: {e}");
         }
     }
 

@@ -280,7 +280,7 @@ pub fn sign_edge_csr(
     p.subject_alt_names = vec![SanType::DnsName(node.try_into().map_err(JoinError::Sign)?)];
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    set_validity(&mut p, valid_for);
+    set_validity(&mut p, valid_for).map_err(|e| JoinError::Invalid(e.to_string()))?;
     let serial = random_serial();
     p.serial_number = Some(serial.clone());
     p.use_authority_key_identifier_extension = true;

@@ -53,4 +53,6 @@ pub enum CertError {
     NoNode(String),
     #[error("not a peer certificate: {0}")]
     NotPeer(String),
+    #[error("a validity of {0:?} is longer than the {max} years a certificate may be given", max = mint::MAX_VALIDITY_YEARS)]
+    ValidityTooLong(std::time::Duration),
 }

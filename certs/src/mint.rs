@@ -71,7 +71,10 @@ pub(crate) fn random_serial() -> SerialNumber {
 }
 
 /// Sets `not_before` (five minutes back, for clock skew) and `not_after`.
-pub(crate) fn set_validity(p: &mut CertificateParams, valid_for: Duration) {
+pub(crate) fn set_validity(
+    p: &mut CertificateParams,
+    valid_for: Duration,
+) -> Result<(), CertError> {
     validity(p, valid_for)
 }
 
@@ -85,10 +88,25 @@ pub struct Ca {
 /// How far before its issue a certificate's notBefore is set (clock skew).
 pub const NOT_BEFORE_BACKDATE: Duration = Duration::from_secs(300);
 
-fn validity(p: &mut CertificateParams, valid_for: Duration) {
+/// The longest validity a certificate is given, in years of 365 days: far
+/// beyond any CA's sensible life, and well inside what X.509's dates (to the
+/// year 9999) can say.
+pub const MAX_VALIDITY_YEARS: u64 = 1000;
+
+/// [`MAX_VALIDITY_YEARS`] as a duration.
+pub const MAX_VALIDITY: Duration = Duration::from_secs(MAX_VALIDITY_YEARS * 365 * 86_400);
+
+/// Sets the validity: from [`NOT_BEFORE_BACKDATE`] ago for `valid_for`;
+/// longer than [`MAX_VALIDITY`] is refused.
+fn validity(p: &mut CertificateParams, valid_for: Duration) -> Result<(), CertError> {
+    if valid_for > MAX_VALIDITY {
+        return Err(CertError::ValidityTooLong(valid_for));
+    }
     let now = OffsetDateTime::now_utc();
-    p.not_before = now - time::Duration::seconds(NOT_BEFORE_BACKDATE.as_secs() as i64);
-    p.not_after = now + time::Duration::seconds(valid_for.as_secs() as i64);
+    // Both within MAX_VALIDITY: the conversions and sums cannot overflow.
+    p.not_before = now - NOT_BEFORE_BACKDATE;
+    p.not_after = now + valid_for;
+    Ok(())
 }
 
 impl Ca {
@@ -115,7 +133,7 @@ impl Ca {
             KeyUsagePurpose::CrlSign,
             KeyUsagePurpose::DigitalSignature,
         ];
-        validity(&mut p, valid_for);
+        validity(&mut p, valid_for)?;
         p.serial_number = Some(random_serial());
         let cert = p.self_signed(&key)?;
         Ok(Ca {
@@ -148,7 +166,7 @@ impl Ca {
 
     fn sign(&self, mut p: CertificateParams, valid_for: Duration) -> Result<CertKey, CertError> {
         let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256)?;
-        validity(&mut p, valid_for);
+        validity(&mut p, valid_for)?;
         p.serial_number = Some(random_serial());
         p.use_authority_key_identifier_extension = true;
         let cert = p.signed_by(&key, &self.issuer)?;
@@ -240,6 +258,22 @@ impl Ca {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_validity_beyond_the_bound_is_an_error_not_a_panic() {
+        for long in [Duration::MAX, MAX_VALIDITY + Duration::from_secs(1)] {
+            assert!(
+                matches!(Ca::new("ca", long), Err(CertError::ValidityTooLong(_))),
+                "{long:?}"
+            );
+        }
+        let ca = Ca::new("ca", MAX_VALIDITY).unwrap();
+        assert!(matches!(
+            ca.issue_edge("edge-1", Duration::MAX),
+            Err(CertError::ValidityTooLong(_))
+        ));
+        ca.issue_edge("edge-1", MAX_VALIDITY).unwrap();
+    }
 
     #[test]
     fn edge_certificate_names_its_node() {

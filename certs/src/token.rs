@@ -415,6 +415,12 @@ impl JoinStore {
         if uses == 0 {
             return Err(JoinError::Invalid("a token needs at least one use".into()));
         }
+        let expires_unix = i64::try_from(ttl.as_secs())
+            .ok()
+            .and_then(|ttl| unix(now).checked_add(ttl))
+            .ok_or_else(|| {
+                JoinError::Invalid(format!("a time to live of {ttl:?} is beyond any date"))
+            })?;
         if node_pattern.is_empty()
             || !node_pattern
                 .bytes()
@@ -436,7 +442,7 @@ impl JoinStore {
                 id: token.id.clone(),
                 secret_sha256: token.secret_sha256(),
                 created_unix: unix(now),
-                expires_unix: unix(now).saturating_add(ttl.as_secs() as i64),
+                expires_unix,
                 node_pattern: node_pattern.to_string(),
                 uses_left: uses,
                 revoked: false,
@@ -693,6 +699,21 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_time_to_live_beyond_any_date_is_refused_not_wrapped() {
+        let (_d, s) = store();
+        let now = SystemTime::now();
+        for ttl in [Duration::MAX, Duration::from_secs(i64::MAX as u64)] {
+            let e = s.create_with(ttl, "edge-*", 1, "", false, now).unwrap_err();
+            assert!(e.to_string().contains("beyond any date"), "{e}");
+        }
+        assert!(s.list().unwrap().is_empty(), "nothing stored");
+        let (_, r) = s
+            .create_with(Duration::from_secs(3 << 40), "edge-*", 1, "", false, now)
+            .unwrap();
+        assert!(r.expires_unix > unix(now), "{r:?}");
     }
 
     #[test]
