@@ -173,6 +173,15 @@ enum IssueCommand {
         node: String,
         #[command(flatten)]
         opts: IssueOpts,
+        /// The certificate is recorded in this join-token store, so that a token
+        /// without --allow-reissue cannot replace the node
+        /// [default: <dir>/join-tokens.json].
+        #[arg(long, env = "TETHER_JOIN_STORE", conflicts_with = "no_record")]
+        store: Option<PathBuf>,
+        /// Do not record the certificate in a join-token store (a token whose
+        /// pattern matches the node may then replace it).
+        #[arg(long)]
+        no_record: bool,
     },
     /// The peer certificate cloud replicas present to each other (tether-cloud
     /// --peer-cert/--peer-key): CN tether-peer, O tether:peers, SAN DNS
@@ -393,7 +402,7 @@ fn issue(dir: &Path, cmd: IssueCommand) -> anyhow::Result<()> {
     let (stem, opts) = match &cmd {
         IssueCommand::CloudTunnel { opts, .. } => ("tunnel".to_string(), opts),
         IssueCommand::CloudKubelet { opts, .. } => ("kubelet".to_string(), opts),
-        IssueCommand::Edge { node, opts } => (node.clone(), opts),
+        IssueCommand::Edge { node, opts, .. } => (node.clone(), opts),
         IssueCommand::ApiserverClient { opts, .. } => ("apiserver-client".to_string(), opts),
         IssueCommand::Peer { opts } => ("peer".to_string(), opts),
     };
@@ -416,11 +425,22 @@ fn issue(dir: &Path, cmd: IssueCommand) -> anyhow::Result<()> {
             let dns = server_names(names)?;
             (ca.issue_server(&dns, &names.ip, opts.validity)?, false)
         }
-        IssueCommand::Edge { node, opts } => {
+        IssueCommand::Edge {
+            node,
+            opts,
+            store,
+            no_record,
+        } => {
             if !tether_certs::identity::valid_node_name(node) {
                 bail!("{node:?} is not a valid node name (a lowercase DNS-1123 subdomain)");
             }
-            (ca.issue_edge(node, opts.validity)?, false)
+            let issued = ca.issue_edge(node, opts.validity)?;
+            if !no_record {
+                // Before any file is written: a certificate the store does not
+                // know about is one a join token could replace.
+                record_edge(dir, store.clone(), node, &issued)?;
+            }
+            (issued, false)
         }
         IssueCommand::ApiserverClient { cn, orgs, opts } => {
             let orgs: Vec<&str> = orgs.iter().map(String::as_str).collect();
@@ -448,6 +468,37 @@ fn issue(dir: &Path, cmd: IssueCommand) -> anyhow::Result<()> {
              tether-cloud --apiserver-client-ca /etc/kubernetes/pki/ca.crt"
         );
     }
+    Ok(())
+}
+
+/// Records an edge certificate made by hand in the join-token store.
+fn record_edge(
+    dir: &Path,
+    store: Option<PathBuf>,
+    node: &str,
+    issued: &CertKey,
+) -> anyhow::Result<()> {
+    let path = store_path(dir, &StoreOpt { store });
+    let der = tether_certs::pem::certs_from_pem(&issued.cert_pem, "the new certificate")?;
+    let first = der
+        .first()
+        .context("the new certificate's PEM holds no certificate")?;
+    let summary = tether_certs::inspect::summarize(first.as_ref())?;
+    let now = SystemTime::now();
+    let expires = tether_certs::token::unix(now).saturating_add(summary.expires_in_secs);
+    JoinStore::open(&path)
+        .and_then(|s| s.record_issue(node, &summary.serial, now, expires))
+        .with_context(|| {
+            format!(
+                "recording node {node:?} in the join-token store {} (--store names another, \
+                 --no-record skips it: join tokens matching the node could then replace it)",
+                path.display()
+            )
+        })?;
+    println!(
+        "recorded in {}: a join token replaces {node} only with --allow-reissue",
+        path.display()
+    );
     Ok(())
 }
 

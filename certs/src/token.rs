@@ -129,7 +129,7 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
 }
 
 /// Seconds since the Unix epoch (negative before it).
-fn unix(t: SystemTime) -> i64 {
+pub fn unix(t: SystemTime) -> i64 {
     match t.duration_since(UNIX_EPOCH) {
         Ok(d) => d.as_secs() as i64,
         Err(e) => -(e.duration().as_secs() as i64),
@@ -194,6 +194,10 @@ pub struct IssueRecord {
     pub issued_unix: i64,
     pub expires_unix: i64,
 }
+
+/// The token id of an [`IssueRecord`] made by [`JoinStore::record_issue`]:
+/// not a possible token id (those are lowercase letters and digits only).
+pub const ISSUED_BY_HAND: &str = "by-hand";
 
 /// A revoked certificate, or every certificate of a node issued before a time.
 /// The cloud refuses a matching edge certificate at the handshake.
@@ -385,6 +389,29 @@ impl JoinStore {
         let out = change(&mut f)?;
         self.save(&f)?;
         Ok(out)
+    }
+
+    /// Records a certificate for `node` made without a token (`tether-certs
+    /// issue edge`), so that a token without `--allow-reissue` cannot replace
+    /// that node any more than one it issued itself. Listed under the token
+    /// id [`ISSUED_BY_HAND`].
+    pub fn record_issue(
+        &self,
+        node: &str,
+        serial: &str,
+        now: SystemTime,
+        expires_unix: i64,
+    ) -> Result<(), JoinError> {
+        self.update(|f| {
+            f.issued.push(IssueRecord {
+                token_id: ISSUED_BY_HAND.to_string(),
+                node: node.to_string(),
+                serial: normalize_serial(serial),
+                issued_unix: unix(now),
+                expires_unix,
+            });
+            Ok(())
+        })
     }
 
     /// Creates a token valid for `ttl` from `now`, for nodes matching
@@ -699,6 +726,33 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_node_issued_by_hand_is_not_replaced_by_a_token_without_allow_reissue() {
+        let (_d, s) = store();
+        let now = SystemTime::now();
+        s.record_issue("edge-7", "0A:BC", now, unix(now) + 3600)
+            .unwrap();
+        let (t, _) = s.create(HOUR, "edge-*", 2, "", now).unwrap();
+        match issue_for(&s, &t.reveal(), "edge-7") {
+            Err(JoinError::NodeTaken { node, serial, .. }) => {
+                assert_eq!((node.as_str(), serial.as_str()), ("edge-7", "abc"));
+            }
+            other => panic!("a token displaced a node issued by hand: {other:?}"),
+        }
+        // Another node of the pattern joins, and a re-issue token may replace it.
+        issue_for(&s, &t.reveal(), "edge-8").unwrap();
+        let (r, _) = s.create_with(HOUR, "edge-7", 1, "", true, now).unwrap();
+        issue_for(&s, &r.reveal(), "edge-7").unwrap();
+        let by_hand: Vec<_> = s
+            .issued()
+            .unwrap()
+            .into_iter()
+            .filter(|i| i.token_id == ISSUED_BY_HAND)
+            .collect();
+        assert_eq!(by_hand.len(), 1, "{by_hand:?}");
+        assert!(JoinToken::parse(&format!("{ISSUED_BY_HAND}.0123456789abcdef")).is_err());
     }
 
     #[test]

@@ -333,6 +333,103 @@ fn ca_and_every_certificate_kind() {
     assert!(!bad.status.success());
 }
 
+/// An edge certificate made with `issue edge` is recorded in the join-token store, so a
+/// token whose pattern matches the node (without `--allow-reissue`) cannot replace it;
+/// `--store` names another store, `--no-record` skips it, and a store that cannot be
+/// written stops the issue before any file is written.
+#[test]
+fn an_edge_issued_by_hand_is_recorded_so_a_token_cannot_replace_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("pki");
+    ok(&dir, &["ca", "create"]);
+    let out = ok(&dir, &["issue", "edge", "--node", "edge-7"]);
+    assert!(out.contains("recorded in"), "{out}");
+    let store = tether_certs::JoinStore::open(dir.join("join-tokens.json")).unwrap();
+    let serial = tether_certs::inspect::summarize(first_cert(&dir.join("edge-7.crt")).as_ref())
+        .unwrap()
+        .serial;
+    let issued = store.issued().unwrap();
+    assert_eq!(issued.len(), 1, "{issued:?}");
+    assert_eq!(issued[0].node, "edge-7");
+    assert_eq!(
+        issued[0].serial,
+        tether_certs::token::normalize_serial(&serial)
+    );
+    let listed = ok(&dir, &["token", "list"]);
+    assert!(
+        listed.contains("by-hand") && listed.contains("edge-7"),
+        "{listed}"
+    );
+    // A token for edge-* is refused edge-7 and still joins edge-8.
+    let (token, _) = store
+        .create(
+            std::time::Duration::from_secs(3600),
+            "edge-*",
+            2,
+            "",
+            std::time::SystemTime::now(),
+        )
+        .unwrap();
+    let issue = |_: &tether_certs::Grant| {
+        Ok(tether_certs::IssuedCert {
+            cert_pem: String::new(),
+            serial: "01".into(),
+            expires_unix: i64::MAX,
+        })
+    };
+    let now = std::time::SystemTime::now();
+    let e = store
+        .redeem_and_issue(&token.reveal(), "edge-7", now, issue)
+        .unwrap_err();
+    assert!(
+        matches!(e, tether_certs::JoinError::NodeTaken { .. }),
+        "{e}"
+    );
+    store
+        .redeem_and_issue(&token.reveal(), "edge-8", now, issue)
+        .unwrap();
+
+    // --store and --no-record.
+    let other = tmp.path().join("elsewhere.json");
+    ok(
+        &dir,
+        &[
+            "issue",
+            "edge",
+            "--node",
+            "edge-9",
+            "--store",
+            other.to_str().unwrap(),
+        ],
+    );
+    let elsewhere = tether_certs::JoinStore::open(&other)
+        .unwrap()
+        .issued()
+        .unwrap();
+    assert_eq!(elsewhere.len(), 1);
+    assert_eq!(elsewhere[0].node, "edge-9");
+    let out = ok(&dir, &["issue", "edge", "--node", "edge-10", "--no-record"]);
+    assert!(!out.contains("recorded in"), "{out}");
+    assert!(!store.issued().unwrap().iter().any(|i| i.node == "edge-10"));
+
+    // A store that cannot be written: refused, nothing written.
+    let bad = run(
+        &dir,
+        &[
+            "issue",
+            "edge",
+            "--node",
+            "edge-11",
+            "--store",
+            "/dev/null/x.json",
+        ],
+    );
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("--no-record"), "{err}");
+    assert!(!dir.join("edge-11.crt").exists() && !dir.join("edge-11.key").exists());
+}
+
 #[test]
 fn every_subcommand_has_help() {
     let tmp = tempfile::tempdir().unwrap();
