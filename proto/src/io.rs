@@ -709,10 +709,21 @@ where
         }
         PeerAttach::Read => match reader.next(recv).await? {
             Some(Frame::Attach {
+                stream,
                 delivered,
                 fin_received,
-                ..
-            }) => (delivered, fin_received),
+            }) => {
+                // Another stream's offsets would be taken as this one's.
+                let id = shared.with_state(|s| s.id());
+                if stream != id {
+                    return Err(StreamError::WrongStream {
+                        expected: id,
+                        got: stream,
+                    }
+                    .into());
+                }
+                (delivered, fin_received)
+            }
             Some(other) => return Err(TransportError::NoAttach(other.kind())),
             None => return Err(TransportError::Closed),
         },
@@ -1092,6 +1103,46 @@ mod tests {
 
     fn pattern(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 7 % 251) as u8).collect()
+    }
+
+    /// A peer whose first frame on a transport is another stream's Attach: the
+    /// driver gives up on that transport at once, naming both streams, and the
+    /// stream stays resumable (its offsets untouched, not reset).
+    #[tokio::test]
+    async fn an_attach_for_another_stream_is_refused_on_that_transport() {
+        let a = SharedStream::new(StreamState::new(5, L));
+        a.with_state(|s| {
+            s.attach(0, false).unwrap();
+            s.write(b"abc");
+            while s.poll_transmit().is_some() {}
+            s.detach();
+        });
+        let (x, mut y) = duplex(16 * 1024);
+        let (xr, xw) = split(x);
+        let driver = spawn_drive(a.clone(), xr, Copying(xw), PeerAttach::Read, None);
+        let other = Frame::Attach {
+            stream: 6,
+            delivered: 3,
+            fin_received: false,
+        };
+        write_frame(&mut y, &other, 1 << 20).await.unwrap();
+        let result = tokio::time::timeout(Duration::from_secs(5), driver)
+            .await
+            .expect("the driver must give up on the transport")
+            .unwrap();
+        assert!(
+            matches!(
+                result,
+                Err(TransportError::Stream(StreamError::WrongStream {
+                    expected: 5,
+                    got: 6
+                }))
+            ),
+            "{result:?}"
+        );
+        assert!(!a.is_done());
+        assert_eq!(a.with_state(|s| s.offsets()), (3, 0, 0, 0));
+        assert!(a.with_state(|s| s.reset_reason().is_none()));
     }
 
     /// A peer that lost the stream's state (it attaches below what it had
