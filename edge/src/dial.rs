@@ -322,7 +322,10 @@ impl Dialer {
     /// `--reconnect-max` while older ones are still waiting, at most
     /// `--max-handshakes-in-flight` at once (each bounded by
     /// `--handshake-timeout`), so an attempt whose packets were lost in an
-    /// outage never delays the reconnect once the link is back.
+    /// outage never delays the reconnect once the link is back. One that
+    /// failed is replaced at the same pace (`--reconnect-max` after the last
+    /// start), never at once; the round ends when no attempt waits and the
+    /// next could not start before its deadline.
     async fn establish(&self) -> anyhow::Result<Established> {
         // `--max-handshakes-in-flight`, 2 by default: the second probes
         // while the first's Initial waits out QUIC's retransmission timer.
@@ -341,8 +344,18 @@ impl Dialer {
             self.timed_out_rounds,
         );
         let deadline = tokio::time::Instant::now() + limit;
+        // When the next attempt may start: `--reconnect-max` after the last
+        // one started, whether that one still waits or already failed. An
+        // attempt that fails at once (a name that does not resolve, no
+        // route) is so replaced at that pace, not at once: replaced at once,
+        // it spun the round on the edge's one worker thread until the
+        // deadline (thousands of attempts, each dumping the host's
+        // addresses and asking the resolver).
+        let mut next_start = tokio::time::Instant::now();
         loop {
-            if attempts.len() < max_in_flight && tokio::time::Instant::now() < deadline {
+            let now = tokio::time::Instant::now();
+            if attempts.len() < max_in_flight && now >= next_start && now < deadline {
+                next_start = now + self.cfg.reconnect_max;
                 let this = self.attempt_ctx();
                 attempts.spawn(async move {
                     tokio::time::timeout(limit, this.handshake())
@@ -354,13 +367,16 @@ impl Dialer {
                         })
                 });
             }
-            if attempts.is_empty() {
+            // Another attempt will start in this round: there is room for
+            // it and its turn comes before the deadline.
+            let another = attempts.len() < max_in_flight && next_start.max(now) < deadline;
+            if attempts.is_empty() && !another {
                 return Err(
                     last_error.unwrap_or_else(|| anyhow::anyhow!("no handshake attempt succeeded"))
                 );
             }
             tokio::select! {
-                done = attempts.join_next() => match done {
+                done = attempts.join_next(), if !attempts.is_empty() => match done {
                     // The first welcome wins; dropping the set abandons the
                     // other attempts, which costs the session nothing.
                     Some(Ok(Ok(x))) => return Ok(x),
@@ -375,7 +391,7 @@ impl Dialer {
                     Some(Err(e)) => last_error = Some(anyhow::anyhow!("handshake task failed: {e}")),
                     None => {}
                 },
-                _ = tokio::time::sleep(self.cfg.reconnect_max) => {}
+                () = tokio::time::sleep_until(next_start), if another => {}
             }
         }
     }
@@ -1664,6 +1680,47 @@ mod tests {
             assert_eq!(dialled, expected, "{extra:?}: attempts seen by the cloud");
             let _ = std::fs::remove_dir_all(dir);
         }
+    }
+
+    /// An attempt that fails at once (here: the cloud's address has port 0,
+    /// which quinn refuses before sending anything; in the field a name that
+    /// does not resolve, or no route) was replaced at once, over and over
+    /// until the round's deadline: 11,226 attempts in a 1 s round, each with
+    /// its own dump of the host's addresses, on the edge's one worker
+    /// thread. A replacement now waits for `--reconnect-max` after the last
+    /// start, as a second attempt beside a waiting one does: a round of
+    /// `limit` starts at most `--max-handshakes-in-flight` plus
+    /// `limit / --reconnect-max` (rounded up) attempts, and still replaces
+    /// a failed one within it.
+    #[tokio::test]
+    async fn attempts_that_fail_at_once_are_replaced_every_reconnect_max() {
+        const LIMIT: Duration = Duration::from_secs(2);
+        const PACE: Duration = Duration::from_millis(250);
+        let refused: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let (cfg, dir) = test_config(
+            refused,
+            &["--handshake-timeout", "2s", "--reconnect-max", "250ms"],
+        );
+        assert_eq!((cfg.handshake_timeout, cfg.reconnect_max), (LIMIT, PACE));
+        let max_in_flight = cfg.max_handshakes_in_flight as u64;
+        let dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
+        let e = tokio::time::timeout(LIMIT * 10, dialer.establish())
+            .await
+            .expect("the round did not end within 10 × --handshake-timeout")
+            .err()
+            .expect("an address with port 0 welcomed the edge");
+        let e = format!("{e:#}");
+        assert!(e.contains("starting the QUIC handshake"), "{e}");
+        let attempts = dialer.attempts.load(Ordering::Relaxed);
+        let bound = max_in_flight + LIMIT.as_nanos().div_ceil(PACE.as_nanos()) as u64;
+        assert!(
+            attempts <= bound,
+            "{attempts} attempts in one round (at most {bound}: {max_in_flight} in flight, one \
+             per --reconnect-max {PACE:?} within --handshake-timeout {LIMIT:?}); last error: {e}"
+        );
+        // Failed attempts are still replaced within the round.
+        assert!(attempts >= 2, "{attempts} attempt(s): none replaced");
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// `--handshake-timeout-max` (the doubling stopped after a fixed 3):
