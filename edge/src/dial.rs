@@ -1142,7 +1142,7 @@ async fn keep_alive(
     };
     let start = epoch;
     // The last keep-alive's deadline (not its send time: deadlines stay on
-    // the grid the pod reads use, see `report_pods`).
+    // the grid the pod reads use, see `read_pods`).
     let mut last_send = start;
     // Traffic when the current gap began, and what a quiet gap may add to
     // it (the last keep-alive and its ACK, if they had not crossed yet).
@@ -1232,14 +1232,44 @@ async fn keep_alive(
 /// and the session resumed on a new one) rather than holding the pod
 /// reports, renewals and keep-alives behind it for ever. Returns only on a
 /// control-stream error.
+///
+/// The pod reads ([`read_pods`]) run beside the writer
+/// ([`write_control`]), not in turn with it: a read may wait on a slow
+/// kubelet for up to `--kubelet-pods-timeout`, and a keep-alive or a
+/// renewal request queued meanwhile must leave at once (the keep-alive's
+/// verdict timer and the silence detector count it as sent when queued).
 async fn report_pods<W: tokio::io::AsyncWrite + Unpin>(
     target: Arc<KubeletTarget>,
     send: &mut W,
-    (epoch, every): (tokio::time::Instant, Duration),
-    (max, within): (usize, Duration),
-    mut extra: tokio::sync::mpsc::Receiver<Frame>,
+    every: (tokio::time::Instant, Duration),
+    bound: (usize, Duration),
+    extra: tokio::sync::mpsc::Receiver<Frame>,
     node: &str,
 ) -> anyhow::Result<()> {
+    // Room for one report: the next waits until the writer has taken it,
+    // so reports do not pile up behind a cloud slow to take them.
+    let (reports_tx, reports) = tokio::sync::mpsc::channel(1);
+    tokio::select! {
+        // The reads end only when `reports` is closed: never while the
+        // writer runs.
+        () = read_pods(target, every, bound.0, reports_tx, node) => Ok(()),
+        r = write_control(send, bound, reports, extra, node) => r,
+    }
+}
+
+/// The pod reads of [`report_pods`]: the kubelet's pods every `every`, on a
+/// grid from `epoch` (skipping reads a slow kubelet made us miss) shared with
+/// the keep-alive's deadlines, each list that differs from the last one
+/// reported cut to a pod report within `max` and handed to `reports`. A read
+/// that fails keeps the last report (logged once until reads work again).
+/// Returns only when `reports` is closed.
+async fn read_pods(
+    target: Arc<KubeletTarget>,
+    (epoch, every): (tokio::time::Instant, Duration),
+    max: usize,
+    reports: tokio::sync::mpsc::Sender<Frame>,
+    node: &str,
+) {
     let mut last: Option<Vec<tether_proto::handshake::PodRef>> = None;
     let mut failing = false;
     let mut reader = crate::kubelet::PodReader::new(target);
@@ -1266,9 +1296,9 @@ async fn report_pods<W: tokio::io::AsyncWrite + Unpin>(
                     } else {
                         debug!(node, pods = pods.len(), "reporting pods");
                     }
-                    send_control(send, &report, (max, within), node)
-                        .await
-                        .context("sending a pod report")?;
+                    if reports.send(report).await.is_err() {
+                        return;
+                    }
                     last = Some(pods);
                 }
             }
@@ -1283,23 +1313,42 @@ async fn report_pods<W: tokio::io::AsyncWrite + Unpin>(
                 }
             }
         }
-        // Wait for the next pod read, sending other control frames meanwhile.
-        // On a grid from `epoch` (skipping reads a slow kubelet made us
-        // miss), shared with the keep-alive's deadlines.
         let now = tokio::time::Instant::now();
         let n = (now.saturating_duration_since(epoch).as_nanos() / every.as_nanos().max(1)) + 1;
         let next = epoch + every.saturating_mul(u32::try_from(n).unwrap_or(u32::MAX));
-        loop {
-            tokio::select! {
-                () = timer.sleep_until(next) => break,
-                f = extra.recv() => match f {
-                    Some(f) => send_control(send, &f, (max, within), node).await.context("sending a control frame")?,
-                    None => {
-                        timer.sleep_until(next).await;
-                        break;
-                    }
-                },
-            }
+        timer.sleep_until(next).await;
+    }
+}
+
+/// The control stream's writer for [`report_pods`]: the pod reports and
+/// the other control frames (`extra`: keep-alives, renewal requests), each
+/// sent as it comes, within `bound` ([`send_control`]). Returns only on a
+/// control-stream error.
+async fn write_control<W: tokio::io::AsyncWrite + Unpin>(
+    send: &mut W,
+    bound: (usize, Duration),
+    mut reports: tokio::sync::mpsc::Receiver<Frame>,
+    mut extra: tokio::sync::mpsc::Receiver<Frame>,
+    node: &str,
+) -> anyhow::Result<()> {
+    // The keep-alive and the renewer hold `extra`'s senders for the
+    // connection's life; once both have gone, only reports remain.
+    let mut extra_open = true;
+    loop {
+        tokio::select! {
+            r = reports.recv() => match r {
+                Some(report) => send_control(send, &report, bound, node)
+                    .await
+                    .context("sending a pod report")?,
+                // The reads have ended: they do not, while this runs.
+                None => return Ok(()),
+            },
+            f = extra.recv(), if extra_open => match f {
+                Some(f) => send_control(send, &f, bound, node)
+                    .await
+                    .context("sending a control frame")?,
+                None => extra_open = false,
+            },
         }
     }
 }
@@ -1581,6 +1630,68 @@ mod tests {
         );
         assert!(started.elapsed() >= WITHIN, "{:?}", started.elapsed());
         drop(extra_tx);
+    }
+
+    /// Keep-alives and renewal requests were sent only between pod reads:
+    /// one queued while the kubelet was slow to answer GET /pods waited for
+    /// the read, up to `--kubelet-pods-timeout` (10 s by default), while the
+    /// keep-alive's verdict timer and the silence detector already counted
+    /// it as sent. Against a kubelet that never answers, with a pods timeout
+    /// of 30 s, control frames queued during the read now leave at once
+    /// (here: within a third of that timeout, a bound showing they did not
+    /// wait for it).
+    #[tokio::test]
+    async fn control_frames_leave_while_a_pod_read_waits_on_the_kubelet() {
+        const MAX: usize = 64 * 1024;
+        const PODS_TIMEOUT: Duration = Duration::from_secs(30);
+        let (addr, requests) = crate::kubelet::testing::unanswering_kubelet().await;
+        let target = crate::kubelet::testing::plain_target(&addr, PODS_TIMEOUT);
+        let (mut ours, mut cloud) = tokio::io::duplex(64 * 1024);
+        let (extra_tx, extra_rx) = tokio::sync::mpsc::channel(4);
+        let reporter = tokio::spawn(async move {
+            let every = (tokio::time::Instant::now(), Duration::from_secs(3600));
+            report_pods(
+                target,
+                &mut ours,
+                every,
+                (MAX, Duration::from_secs(60)),
+                extra_rx,
+                "edge-t",
+            )
+            .await
+        });
+        // The first pod read is under way: the kubelet has its request.
+        let start = Instant::now();
+        while requests.load(Ordering::SeqCst) == 0 {
+            assert!(start.elapsed() < Duration::from_secs(10), "no GET /pods");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let mut reader = FrameReader::new(MAX);
+        let csr = Frame::RenewCert {
+            csr_pem: "a renewal request".into(),
+        };
+        for frame in [Frame::KeepAlive, csr] {
+            extra_tx.send(frame.clone()).await.unwrap();
+            let got = tokio::time::timeout(PODS_TIMEOUT / 3, reader.next(&mut cloud))
+                .await
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "a {} frame queued during the pod read did not leave within {:?} \
+                         (held behind GET /pods, --kubelet-pods-timeout {PODS_TIMEOUT:?})",
+                        frame.kind(),
+                        PODS_TIMEOUT / 3
+                    )
+                })
+                .expect("a frame the cloud accepts");
+            assert_eq!(got, Some(frame));
+        }
+        // Still the one read, still waiting on the kubelet.
+        assert_eq!(requests.load(Ordering::SeqCst), 1);
+        assert!(
+            !reporter.is_finished(),
+            "the reporter gave up: {reporter:?}"
+        );
+        reporter.abort();
     }
 
     /// A test edge's configuration: certificates for `edge-t` written into

@@ -402,6 +402,39 @@ pub(crate) mod testing {
         (addr, conns)
     }
 
+    /// A plain-HTTP kubelet that accepts connections, reads requests and
+    /// never answers one (a hung kubelet); its connections stay open until
+    /// the test ends. Returns its address and a count of the request heads
+    /// it has read.
+    pub(crate) async fn unanswering_kubelet() -> (String, Arc<AtomicUsize>) {
+        use tokio::io::{AsyncBufReadExt, BufReader};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let r = requests.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                let r = r.clone();
+                tokio::spawn(async move {
+                    let mut s = BufReader::new(s);
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        match s.read_line(&mut line).await {
+                            Ok(n) if n > 0 => {}
+                            _ => return,
+                        }
+                        // The blank line ending a request head (GET: no body).
+                        if line == "\r\n" {
+                            r.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                });
+            }
+        });
+        (addr, requests)
+    }
+
     /// A pod list of `n` pods, as the kubelet serves it.
     pub(crate) fn pod_list(n: usize) -> String {
         let items: Vec<String> = (0..n)
@@ -507,18 +540,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_kubelet_that_never_answers_pods_is_given_up_on() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let server = tokio::spawn(async move {
-            // Accepts, reads, never answers (bounded by the test's end).
-            let (mut s, _) = l.accept().await.unwrap();
-            let mut buf = [0u8; 1024];
-            while tokio::io::AsyncReadExt::read(&mut s, &mut buf)
-                .await
-                .unwrap_or(0)
-                > 0
-            {}
-        });
+        let (addr, requests) = testing::unanswering_kubelet().await;
         let mut r = PodReader::new(target(&addr));
         let t = std::time::Instant::now();
         let e = tokio::time::timeout(std::time::Duration::from_secs(10), r.pods())
@@ -527,7 +549,7 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("did not answer"), "{e}");
         assert!(t.elapsed() < std::time::Duration::from_secs(3));
-        server.abort();
+        assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 
     /// A `/pods` body over `--kubelet-pods-max-bytes` fails the read with an
