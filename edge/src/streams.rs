@@ -14,10 +14,19 @@
 //! ended when no owner re-attaches it within the grace period, and at once
 //! when the replica splicing it says its owner is gone
 //! ([`stream_code::OWNER_GONE`]): no slot outlives its owner.
+//!
+//! A transport's failure acts only on the attach it carried: when the owner
+//! has re-attached the stream meanwhile (a relay splice broke and the owner
+//! moved the stream to a new one in the same flight), the old transport's
+//! failure neither arms the grace timer nor ends the stream. A stream has at
+//! most one grace timer, however often it detaches: a detach moves the
+//! deadline and the timer sleeps on to the latest.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use tether_proto::copies::CopySink;
 use tether_proto::frame::ResetCode;
@@ -33,9 +42,15 @@ use crate::forward::Forward;
 struct Live {
     shared: Arc<SharedStream>,
     driver: Option<tokio::task::AbortHandle>,
-    /// Counts the transports attached so far (a detach timer checks that
-    /// none came since).
+    /// Counts the transports attached so far: a transport's failure acts on
+    /// the stream only while its attach is still the latest.
     attaches: u64,
+    /// While detached: when the stream is ended unless re-attached, a grace
+    /// period after its latest detach. A re-attach clears it.
+    expires: Option<Instant>,
+    /// Whether the stream's grace timer (one task at most) is running: a
+    /// detach while it runs only moves `expires`, and the timer sleeps on.
+    timer: bool,
 }
 
 #[derive(Default)]
@@ -51,6 +66,17 @@ struct Table {
 }
 
 impl Table {
+    /// Ends live stream `id` at once: aborts its driver and ends it
+    /// ([`Table::end`]). Returns the stream, to reset outside the lock.
+    fn end_live(&mut self, id: StreamId, remember: usize) -> Option<Arc<SharedStream>> {
+        let mut live = self.live.remove(&id)?;
+        if let Some(d) = live.driver.take() {
+            d.abort();
+        }
+        self.end(id, remember);
+        Some(live.shared)
+    }
+
     /// Ends `id`, remembering at most `remember` ended ids.
     fn end(&mut self, id: StreamId, remember: usize) {
         self.live.remove(&id);
@@ -159,52 +185,71 @@ impl EdgeStreams {
         );
     }
 
-    /// Ends stream `id` (if it is still live) with `why`.
-    fn end_one(&self, id: StreamId, code: ResetCode, why: String) {
-        let shared = {
-            let mut t = self.map();
-            let Some(live) = t.live.get_mut(&id) else {
-                return;
-            };
-            if let Some(d) = live.driver.take() {
-                d.abort();
-            }
-            let shared = live.shared.clone();
-            t.end(id, self.remember_ended);
-            shared
-        };
+    /// Resets `shared`, stream `id`, which was just ended, with `why`.
+    fn reset_ended(&self, id: StreamId, shared: Arc<SharedStream>, code: ResetCode, why: String) {
         info!(node = %self.node, stream = %format_args!("{id:x}"), %why, "ending the stream");
         shared.reset(code, why);
         self.metrics.streams_open.set(self.len() as i64);
     }
 
-    /// After a detach: ends the stream if no owner re-attached it within
-    /// the grace period.
-    fn expire_detached(self: &Arc<Self>, id: StreamId) {
-        let attaches = match self.map().live.get(&id) {
-            Some(l) => l.attaches,
-            None => return,
-        };
+    /// After the transport of attach number `attach` of stream `id` broke:
+    /// ends the stream if no owner re-attaches it within the grace period.
+    /// Nothing to do if a newer attach holds the stream now.
+    fn expire_detached(self: &Arc<Self>, id: StreamId, attach: u64) {
         let grace = Duration::from_millis(self.grace_ms.load(std::sync::atomic::Ordering::Relaxed));
-        let this = self.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(grace).await;
-            let stale = this
-                .map()
-                .live
-                .get(&id)
-                .is_some_and(|l| l.attaches == attaches && !l.shared.is_done());
-            if stale {
-                this.end_one(
-                    id,
-                    ResetCode::SessionLost,
-                    format!(
-                        "no cloud replica re-attached stream {id:x} of edge {} within the grace period ({grace:?})",
-                        this.node
-                    ),
-                );
+        let deadline = Instant::now() + grace;
+        {
+            let mut t = self.map();
+            let Some(live) = t.live.get_mut(&id) else {
+                return;
+            };
+            if live.attaches != attach {
+                return;
             }
-        });
+            live.expires = Some(deadline);
+            if std::mem::replace(&mut live.timer, true) {
+                // Its running timer finds the new deadline and sleeps on.
+                return;
+            }
+        }
+        let timer = self.clone().grace_timer(id, deadline, grace);
+        tokio::spawn(timer);
+    }
+
+    /// The one grace timer of stream `id`: sleeps until `deadline`, then on
+    /// to the stream's latest deadline while a detach moved it, and ends the
+    /// stream if it is still detached. Stops when the stream was re-attached
+    /// or ended.
+    async fn grace_timer(self: Arc<Self>, id: StreamId, mut deadline: Instant, grace: Duration) {
+        loop {
+            tokio::time::sleep_until(deadline).await;
+            let ended = {
+                let mut t = self.map();
+                let Some(live) = t.live.get_mut(&id) else {
+                    return;
+                };
+                match live.expires {
+                    Some(later) if later > deadline => {
+                        deadline = later;
+                        continue;
+                    }
+                    Some(_) if !live.shared.is_done() => t.end_live(id, self.remember_ended),
+                    // Re-attached, or done (nothing left to deliver).
+                    _ => {
+                        live.timer = false;
+                        return;
+                    }
+                }
+            };
+            if let Some(shared) = ended {
+                let why = format!(
+                    "no cloud replica re-attached stream {id:x} of edge {} within the grace period ({grace:?})",
+                    self.node
+                );
+                self.reset_ended(id, shared, ResetCode::SessionLost, why);
+            }
+            return;
+        }
     }
 
     /// The open stream `id`, for a datagram copy of its bytes.
@@ -277,6 +322,8 @@ impl EdgeStreams {
                                 shared: shared.clone(),
                                 driver: None,
                                 attaches: 0,
+                                expires: None,
+                                timer: false,
                             },
                         );
                     }
@@ -320,14 +367,18 @@ impl EdgeStreams {
         // One driver per stream: a re-attach replaces (aborts) a driver still
         // blocked on the dead connection.
         let task = tokio::spawn(drive(shared.clone(), recv, send, peer, max, copies));
-        {
+        // This transport's attach number: its failure acts on the stream
+        // only while no newer attach took it over.
+        let attach = {
             let mut t = self.map();
             match t.live.get_mut(&id) {
                 Some(live) => {
                     live.attaches += 1;
+                    live.expires = None;
                     if let Some(old) = live.driver.replace(task.abort_handle()) {
                         old.abort();
                     }
+                    live.attaches
                 }
                 None => {
                     // Ended meanwhile (session reset): nothing to drive.
@@ -335,7 +386,7 @@ impl EdgeStreams {
                     return;
                 }
             }
-        }
+        };
         let result = match task.await {
             Ok(r) => r,
             Err(_) => return, // replaced by a newer attach
@@ -346,17 +397,32 @@ impl EdgeStreams {
                 self.metrics.streams_open.set(self.len() as i64);
                 debug!(node = %self.node, stream = id, "stream done");
             }
-            Err(e) if owner_gone(&e) => self.end_one(
-                id,
-                ResetCode::SessionLost,
-                format!(
-                    "the cloud replica that owned stream {id:x} of edge {} is gone",
-                    self.node
-                ),
-            ),
+            Err(e) if owner_gone(&e) => {
+                let ended = {
+                    let mut t = self.map();
+                    let ours = t.live.get(&id).is_some_and(|l| l.attaches == attach);
+                    if ours {
+                        t.end_live(id, self.remember_ended)
+                    } else {
+                        None
+                    }
+                };
+                match ended {
+                    Some(shared) => {
+                        let why = format!(
+                            "the cloud replica that owned stream {id:x} of edge {} is gone",
+                            self.node
+                        );
+                        self.reset_ended(id, shared, ResetCode::SessionLost, why);
+                    }
+                    None => {
+                        debug!(node = %self.node, stream = id, "an older transport of the stream reports its owner gone; a newer attach holds the stream, which goes on")
+                    }
+                }
+            }
             Err(e) => {
                 debug!(node = %self.node, stream = id, error = %e, "stream detached; waiting for a resume");
-                self.expire_detached(id);
+                self.expire_detached(id, attach);
             }
         }
     }
@@ -468,6 +534,26 @@ mod tests {
         })
     }
 
+    /// As [`accept_all`], handing over each stream's `accept` task, in the
+    /// order the streams came, so a test can wait until the edge is done
+    /// with a transport (its driver ended and the failure handled).
+    fn accept_each(
+        streams: &Arc<EdgeStreams>,
+        edge: quinn::Connection,
+    ) -> (
+        tokio::task::JoinHandle<()>,
+        tokio::sync::mpsc::UnboundedReceiver<tokio::task::JoinHandle<()>>,
+    ) {
+        let (accepted_tx, accepted) = tokio::sync::mpsc::unbounded_channel();
+        let streams = streams.clone();
+        let acceptor = tokio::spawn(async move {
+            while let Ok((s, r)) = edge.accept_bi().await {
+                let _ = accepted_tx.send(tokio::spawn(streams.clone().accept(s, r, None)));
+            }
+        });
+        (acceptor, accepted)
+    }
+
     /// The cloud's side of a stream: opens one on `cloud`, attaches it as
     /// `id` with nothing delivered, and reads the edge's attach back.
     async fn attach_from_zero(
@@ -492,6 +578,14 @@ mod tests {
             "{first:?}"
         );
         (send, recv, reader)
+    }
+
+    /// Breaks a transport as the replica holding a splice does when the
+    /// splice breaks: it resets both halves of the edge's end with `code`
+    /// ([`stream_code`]).
+    fn break_transport(send: &mut quinn::SendStream, recv: &mut quinn::RecvStream, code: u32) {
+        send.reset(quinn::VarInt::from_u32(code)).unwrap();
+        recv.stop(quinn::VarInt::from_u32(code)).unwrap();
     }
 
     /// The forwarder reads and writes heads within the bounds the stream
@@ -606,15 +700,7 @@ mod tests {
         let max = limits.max_frame_bytes as usize;
         let streams = edge_streams(limits, Duration::from_secs(60));
         let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
-        let (accepted_tx, mut accepted) = tokio::sync::mpsc::unbounded_channel();
-        let acceptor = {
-            let streams = streams.clone();
-            tokio::spawn(async move {
-                while let Ok((s, r)) = edge.accept_bi().await {
-                    let _ = accepted_tx.send(tokio::spawn(streams.clone().accept(s, r, None)));
-                }
-            })
-        };
+        let (acceptor, mut accepted) = accept_each(&streams, edge);
         // The cloud opens a stream and attaches it as new.
         let open = |id: StreamId| attach_from_zero(&cloud, id, max);
         let (_send1, _recv1, _) = open(1).await;
@@ -623,12 +709,7 @@ mod tests {
         let second = accepted.recv().await.unwrap();
         // Stream 2's transport breaks (the owner only detached it): the
         // edge keeps it for the grace period.
-        send2
-            .reset(quinn::VarInt::from_u32(stream_code::DETACHED))
-            .unwrap();
-        recv2
-            .stop(quinn::VarInt::from_u32(stream_code::DETACHED))
-            .unwrap();
+        break_transport(&mut send2, &mut recv2, stream_code::DETACHED);
         tokio::time::timeout(Duration::from_secs(10), second)
             .await
             .expect("the edge noticed the detach")
@@ -800,6 +881,242 @@ mod tests {
             streams.stream(1).is_some(),
             "a forgotten id was not taken as new"
         );
+        acceptor.abort();
+    }
+
+    /// The owner moves streams 1..=10 to a new transport in the same flight
+    /// as their old transport fails with `code`: a relay splice broke, the
+    /// holder resets the edge's end, and the owner re-attaches through a new
+    /// splice (cloud/src/relay.rs). On one thread the edge takes each
+    /// re-attach before it handles the old driver's failure. Returns what
+    /// went wrong, four grace periods later, with each stream that did not
+    /// survive on its new transport.
+    async fn streams_lost_to_their_old_transports_failure(code: u32) -> Vec<String> {
+        const GRACE: Duration = Duration::from_millis(400);
+        let limits = Limits::default();
+        let max = limits.max_frame_bytes as usize;
+        let streams = edge_streams(limits, Duration::from_secs(60));
+        streams.set_grace(GRACE);
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let acceptor = accept_all(&streams, edge);
+        let mut lost = Vec::new();
+        let mut moved = Vec::new();
+        for id in 1..=10 {
+            let (mut send1, mut recv1, _) = attach_from_zero(&cloud, id, max).await;
+            let shared = streams.stream(id).expect("the new stream is held");
+            // The re-attach is queued first, then the old transport breaks:
+            // one flight.
+            let (mut send2, mut recv2) = cloud.open_bi().await.unwrap();
+            let attach = Frame::Attach {
+                stream: id,
+                delivered: 0,
+                fin_received: false,
+            };
+            let attach = tether_proto::frame::encode_to_bytes(&attach, max).unwrap();
+            send2.write_chunk(attach).await.unwrap();
+            break_transport(&mut send1, &mut recv1, code);
+            // The edge answers the re-attach: its new driver runs.
+            let mut reader = FrameReader::new(max);
+            let answer = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv2))
+                .await
+                .expect("the edge's answer to the re-attach within 10 s");
+            if !matches!(answer, Ok(Some(Frame::Attach { stream, .. })) if stream == id) {
+                lost.push(format!(
+                    "stream {id}: the re-attach was answered {answer:?}"
+                ));
+            }
+            moved.push((id, shared, send2, recv2));
+        }
+        tokio::time::sleep(GRACE * 4).await;
+        for (id, shared, ..) in &moved {
+            let held = streams.stream(*id);
+            if !held.is_some_and(|h| Arc::ptr_eq(&h, shared)) {
+                lost.push(format!("stream {id} is no longer held"));
+            }
+            if let Some((code, why)) =
+                shared.with_state(|s| s.reset_reason().map(|(c, m)| (c, m.to_string())))
+            {
+                lost.push(format!("stream {id} was reset: {code:?} {why}"));
+            }
+        }
+        acceptor.abort();
+        lost
+    }
+
+    /// Audit of the edge's stream table, defect A: the task that awaited a
+    /// stream's old driver armed the grace timer with the attach count it
+    /// read when the failure was handled, which a re-attach had already
+    /// bumped: the grace period later the timer aborted the new, healthy
+    /// driver and reset the stream ("no cloud replica re-attached stream …
+    /// within the grace period"): an exec or `logs -f` died 5 min after a
+    /// relay splice broke. A failure now acts only on its own attach.
+    #[tokio::test]
+    async fn a_detach_racing_the_owners_reattach_does_not_expire_the_new_attach() {
+        let lost = streams_lost_to_their_old_transports_failure(stream_code::DETACHED).await;
+        assert!(lost.is_empty(), "{lost:#?}");
+    }
+
+    /// As above, with the splicing replica's "owner gone": the old
+    /// transport's failure ended the stream at once, though a newer attach
+    /// had taken it over.
+    #[tokio::test]
+    async fn an_owner_gone_racing_the_owners_reattach_does_not_end_the_new_attach() {
+        let lost = streams_lost_to_their_old_transports_failure(stream_code::OWNER_GONE).await;
+        assert!(lost.is_empty(), "{lost:#?}");
+    }
+
+    /// The cloud attaches stream `id` (new or held) on a new transport, then
+    /// the transport breaks ([`stream_code::DETACHED`]); returns when the
+    /// edge has handled the detach (its `accept` task, the next from
+    /// [`accept_each`]'s `accepted`, ended), with the time the transport
+    /// broke.
+    async fn attach_and_detach(
+        cloud: &quinn::Connection,
+        id: StreamId,
+        max: usize,
+        accepted: &mut tokio::sync::mpsc::UnboundedReceiver<tokio::task::JoinHandle<()>>,
+    ) -> std::time::Instant {
+        let (mut send, mut recv, _) = attach_from_zero(cloud, id, max).await;
+        let detached = std::time::Instant::now();
+        break_transport(&mut send, &mut recv, stream_code::DETACHED);
+        let accepting = tokio::time::timeout(Duration::from_secs(10), accepted.recv())
+            .await
+            .expect("the edge took the stream within 10 s")
+            .expect("the acceptor runs");
+        tokio::time::timeout(Duration::from_secs(10), accepting)
+            .await
+            .expect("the edge handled the detach within 10 s")
+            .unwrap();
+        detached
+    }
+
+    /// Audit of the edge's stream table, defect B: every detach spawned its
+    /// own grace-timer task, sleeping for the whole grace period (5 min by
+    /// default, the cloud's welcome sets it), so a stream detached over and
+    /// over grew the edge's tasks by one a detach, whatever
+    /// --max-streams-per-edge. A stream now has at most one timer.
+    #[tokio::test]
+    async fn a_stream_detached_over_and_over_holds_one_grace_timer() {
+        const DETACHES: usize = 100;
+        let limits = Limits::default();
+        let max = limits.max_frame_bytes as usize;
+        let streams = edge_streams(limits, Duration::from_secs(60));
+        streams.set_grace(Duration::from_secs(300));
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let (acceptor, mut accepted) = accept_each(&streams, edge);
+        let runtime = tokio::runtime::Handle::current().metrics();
+        let mut after_the_first = 0;
+        for detach in 0..=DETACHES {
+            attach_and_detach(&cloud, 7, max, &mut accepted).await;
+            if detach == 0 {
+                after_the_first = runtime.num_alive_tasks();
+            }
+        }
+        assert_eq!(streams.len(), 1, "the detached stream is held");
+        let tasks = runtime.num_alive_tasks();
+        assert!(
+            tasks <= after_the_first + 2,
+            "tasks alive after one detach {after_the_first}, after {DETACHES} more {tasks}"
+        );
+        acceptor.abort();
+    }
+
+    /// A re-attach stops the grace timer its stream's detach armed: the
+    /// stream, attached again, outlives the grace period.
+    #[tokio::test]
+    async fn a_reattached_stream_outlives_the_grace_timer_its_detach_armed() {
+        const GRACE: Duration = Duration::from_millis(400);
+        let limits = Limits::default();
+        let max = limits.max_frame_bytes as usize;
+        let streams = edge_streams(limits, Duration::from_secs(60));
+        streams.set_grace(GRACE);
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let (acceptor, mut accepted) = accept_each(&streams, edge);
+        attach_and_detach(&cloud, 5, max, &mut accepted).await;
+        let shared = streams.stream(5).expect("the detached stream is held");
+        let (_send, _recv, _) = attach_from_zero(&cloud, 5, max).await;
+        tokio::time::sleep(GRACE * 4).await;
+        assert!(
+            streams.stream(5).is_some_and(|s| Arc::ptr_eq(&s, &shared)),
+            "the re-attached stream is no longer held"
+        );
+        let reset = shared.with_state(|s| s.reset_reason().map(|(c, m)| (c, m.to_string())));
+        assert_eq!(reset, None, "the re-attached stream was reset");
+        acceptor.abort();
+    }
+
+    /// A stream's one grace timer honours its latest detach: detached,
+    /// re-attached and detached again, the stream is ended a grace period
+    /// after the second detach, not the first (the timer the first armed
+    /// finds the later deadline and sleeps on).
+    #[tokio::test]
+    async fn a_stream_detached_again_ends_a_grace_period_after_its_latest_detach() {
+        const GRACE: Duration = Duration::from_secs(2);
+        let limits = Limits::default();
+        let max = limits.max_frame_bytes as usize;
+        let streams = edge_streams(limits, Duration::from_secs(60));
+        streams.set_grace(GRACE);
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let (acceptor, mut accepted) = accept_each(&streams, edge);
+        attach_and_detach(&cloud, 7, max, &mut accepted).await;
+        let shared = streams.stream(7).expect("the detached stream is held");
+        tokio::time::sleep(GRACE / 4).await;
+        let latest = attach_and_detach(&cloud, 7, max, &mut accepted).await;
+        assert!(
+            streams.stream(7).is_some_and(|s| Arc::ptr_eq(&s, &shared)),
+            "the stream was not re-attached (ended before a quarter of its grace period?)"
+        );
+        let ended = loop {
+            if streams.is_empty() {
+                break latest.elapsed();
+            }
+            assert!(
+                latest.elapsed() < GRACE * 10,
+                "the stream is still held {:?} after its latest detach (grace {GRACE:?})",
+                latest.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(
+            ended >= GRACE,
+            "ended {ended:?} after its latest detach, within the grace period {GRACE:?}"
+        );
+        let (code, message) = shared
+            .with_state(|s| s.reset_reason().map(|(c, m)| (c, m.to_string())))
+            .expect("the expired stream was reset");
+        assert_eq!(code, ResetCode::SessionLost, "{message}");
+        assert!(message.contains("grace period"), "{message}");
+        acceptor.abort();
+    }
+
+    /// A grace timer acts on its own stream only. Stream 5 waited for a
+    /// re-attach when the session was lost (say, the cloud restarted and
+    /// refused the resume); the new session's ids start over, and its
+    /// stream 5, attached once like the old one, was ended by the old
+    /// stream's timer a grace period after the old detach.
+    #[tokio::test]
+    async fn a_grace_timer_of_the_last_session_leaves_the_new_sessions_stream_of_that_id_alone() {
+        const GRACE: Duration = Duration::from_millis(400);
+        let limits = Limits::default();
+        let max = limits.max_frame_bytes as usize;
+        let streams = edge_streams(limits, Duration::from_secs(60));
+        streams.set_grace(GRACE);
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let (acceptor, mut accepted) = accept_each(&streams, edge);
+        attach_and_detach(&cloud, 5, max, &mut accepted).await;
+        streams.end_all("the session is gone");
+        streams.new_session();
+        let (_send, _recv, _) = attach_from_zero(&cloud, 5, max).await;
+        let shared = streams
+            .stream(5)
+            .expect("the new session's stream 5 is held");
+        tokio::time::sleep(GRACE * 4).await;
+        assert!(
+            streams.stream(5).is_some_and(|s| Arc::ptr_eq(&s, &shared)),
+            "the new session's stream 5 is no longer held"
+        );
+        let reset = shared.with_state(|s| s.reset_reason().map(|(c, m)| (c, m.to_string())));
+        assert_eq!(reset, None, "the new session's stream 5 was reset");
         acceptor.abort();
     }
 }
