@@ -20,10 +20,13 @@
 //! moved the stream to a new one in the same flight), the old transport's
 //! failure neither arms the grace timer nor ends the stream. A stream has at
 //! most one grace timer, however often it detaches: a detach moves the
-//! deadline and the timer sleeps on to the latest.
+//! deadline and the timer sleeps on to the latest. Each acts on its own
+//! stream only: once a session is lost the next one's ids start over, so a
+//! late failure, end or timer of the old session's stream may find its id
+//! naming the new session's.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -192,10 +195,11 @@ impl EdgeStreams {
         self.metrics.streams_open.set(self.len() as i64);
     }
 
-    /// After the transport of attach number `attach` of stream `id` broke:
-    /// ends the stream if no owner re-attaches it within the grace period.
-    /// Nothing to do if a newer attach holds the stream now.
-    fn expire_detached(self: &Arc<Self>, id: StreamId, attach: u64) {
+    /// After the transport of attach number `attach` of `shared` (stream
+    /// `id`) broke: ends the stream if no owner re-attaches it within the
+    /// grace period. Nothing to do if another attach (or, the session lost
+    /// and the id reused, another stream) holds `id` now.
+    fn expire_detached(self: &Arc<Self>, id: StreamId, shared: &Arc<SharedStream>, attach: u64) {
         let grace = Duration::from_millis(self.grace_ms.load(std::sync::atomic::Ordering::Relaxed));
         let deadline = Instant::now() + grace;
         {
@@ -203,7 +207,7 @@ impl EdgeStreams {
             let Some(live) = t.live.get_mut(&id) else {
                 return;
             };
-            if live.attaches != attach {
+            if !Arc::ptr_eq(&live.shared, shared) || live.attaches != attach {
                 return;
             }
             live.expires = Some(deadline);
@@ -212,15 +216,23 @@ impl EdgeStreams {
                 return;
             }
         }
-        let timer = self.clone().grace_timer(id, deadline, grace);
+        let timer = self
+            .clone()
+            .grace_timer(id, Arc::downgrade(shared), deadline, grace);
         tokio::spawn(timer);
     }
 
-    /// The one grace timer of stream `id`: sleeps until `deadline`, then on
-    /// to the stream's latest deadline while a detach moved it, and ends the
-    /// stream if it is still detached. Stops when the stream was re-attached
-    /// or ended.
-    async fn grace_timer(self: Arc<Self>, id: StreamId, mut deadline: Instant, grace: Duration) {
+    /// The one grace timer of `stream` (id `id`): sleeps until `deadline`,
+    /// then on to the stream's latest deadline while a detach moved it, and
+    /// ends the stream if it is still detached. Stops when the stream was
+    /// re-attached, ended, or `id` is now another stream's.
+    async fn grace_timer(
+        self: Arc<Self>,
+        id: StreamId,
+        stream: Weak<SharedStream>,
+        mut deadline: Instant,
+        grace: Duration,
+    ) {
         loop {
             tokio::time::sleep_until(deadline).await;
             let ended = {
@@ -228,6 +240,9 @@ impl EdgeStreams {
                 let Some(live) = t.live.get_mut(&id) else {
                     return;
                 };
+                if !std::ptr::eq(Arc::as_ptr(&live.shared), stream.as_ptr()) {
+                    return;
+                }
                 match live.expires {
                     Some(later) if later > deadline => {
                         deadline = later;
@@ -372,7 +387,7 @@ impl EdgeStreams {
         let attach = {
             let mut t = self.map();
             match t.live.get_mut(&id) {
-                Some(live) => {
+                Some(live) if Arc::ptr_eq(&live.shared, &shared) => {
                     live.attaches += 1;
                     live.expires = None;
                     if let Some(old) = live.driver.replace(task.abort_handle()) {
@@ -380,8 +395,9 @@ impl EdgeStreams {
                     }
                     live.attaches
                 }
-                None => {
-                    // Ended meanwhile (session reset): nothing to drive.
+                _ => {
+                    // Ended meanwhile (session reset; its id may be a new
+                    // session's stream by now): nothing to drive.
                     task.abort();
                     return;
                 }
@@ -393,14 +409,27 @@ impl EdgeStreams {
         };
         match result {
             Ok(()) => {
-                self.map().end(id, self.remember_ended);
+                {
+                    // Unless the session was lost meanwhile: its id may be
+                    // a new session's stream's by now.
+                    let mut t = self.map();
+                    if t.live
+                        .get(&id)
+                        .is_some_and(|l| Arc::ptr_eq(&l.shared, &shared))
+                    {
+                        t.end(id, self.remember_ended);
+                    }
+                }
                 self.metrics.streams_open.set(self.len() as i64);
                 debug!(node = %self.node, stream = id, "stream done");
             }
             Err(e) if owner_gone(&e) => {
                 let ended = {
                     let mut t = self.map();
-                    let ours = t.live.get(&id).is_some_and(|l| l.attaches == attach);
+                    let ours = t
+                        .live
+                        .get(&id)
+                        .is_some_and(|l| Arc::ptr_eq(&l.shared, &shared) && l.attaches == attach);
                     if ours {
                         t.end_live(id, self.remember_ended)
                     } else {
@@ -422,7 +451,7 @@ impl EdgeStreams {
             }
             Err(e) => {
                 debug!(node = %self.node, stream = id, error = %e, "stream detached; waiting for a resume");
-                self.expire_detached(id, attach);
+                self.expire_detached(id, &shared, attach);
             }
         }
     }
@@ -1117,6 +1146,45 @@ mod tests {
         );
         let reset = shared.with_state(|s| s.reset_reason().map(|(c, m)| (c, m.to_string())));
         assert_eq!(reset, None, "the new session's stream 5 was reset");
+        acceptor.abort();
+    }
+
+    /// A stream of the lost session that ends after the session was lost
+    /// ends itself only: its id, reused by the new session, is neither
+    /// taken from the new session's stream nor remembered as ended (which
+    /// refused the new session's stream as unknown).
+    #[tokio::test]
+    async fn an_old_sessions_stream_ending_late_leaves_its_id_to_the_new_session() {
+        let limits = Limits::default();
+        let max = limits.max_frame_bytes as usize;
+        let streams = edge_streams(limits, Duration::from_secs(60));
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let (acceptor, mut accepted) = accept_each(&streams, edge);
+        let (_send1, _recv1, _) = attach_from_zero(&cloud, 5, max).await;
+        let old = tokio::time::timeout(Duration::from_secs(10), accepted.recv())
+            .await
+            .expect("the edge took the stream within 10 s")
+            .expect("the acceptor runs");
+        streams.end_all("the session is gone");
+        streams.new_session();
+        // The old stream's driver sends its reset and is done.
+        tokio::time::timeout(Duration::from_secs(10), old)
+            .await
+            .expect("the old stream's driver ended within 10 s")
+            .unwrap();
+        let (_send2, mut recv2, mut reader) = attach_from_zero(&cloud, 5, max).await;
+        let second = tokio::time::timeout(Duration::from_secs(1), reader.next(&mut recv2))
+            .await
+            .ok()
+            .and_then(|f| f.ok().flatten());
+        assert!(
+            !matches!(second, Some(Frame::Reset { .. })),
+            "the new session's stream 5 was refused: {second:?}"
+        );
+        assert!(
+            streams.stream(5).is_some(),
+            "the new session's stream 5 is not held"
+        );
         acceptor.abort();
     }
 }
