@@ -310,49 +310,43 @@ impl EdgeStreams {
         };
         // Known: a resume. Unknown, never ended and nothing delivered: new.
         // Otherwise the cloud re-attaches a stream this edge no longer holds.
-        let (existing, ended) = {
-            let t = self.map();
-            (
-                t.live.get(&id).map(|l| l.shared.clone()),
-                t.ended.contains(&id),
-            )
-        };
-        let shared = match existing {
-            Some(s) => {
-                debug!(node = %self.node, stream = id, delivered, "re-attaching stream");
-                s
-            }
-            None if delivered == 0 && !fin_received && !ended => {
-                let shared = SharedStream::new(StreamState::new(id, StreamLimits::from(&limits)));
+        // Looked up and, if new, taken under one lock: two attaches of one
+        // new id racing on two threads make one stream, the later attach a
+        // re-attach of it, not two forwarders (the request run twice against
+        // the kubelet) with the first stream's entry overwritten.
+        let found = {
+            let mut t = self.map();
+            let held = t.live.len();
+            match t.live.get(&id) {
+                Some(live) => Found::Held(live.shared.clone()),
+                None if delivered != 0 || fin_received || t.ended.contains(&id) => Found::Unknown,
                 // Detached streams count too: they hold their slot until
                 // re-attached or expired, and QUIC's stream credit (the
                 // other bound) does not see them.
-                let held = {
-                    let mut t = self.map();
-                    let held = t.live.len();
-                    if held < limits.max_streams_per_edge as usize {
-                        t.live.insert(
-                            id,
-                            Live {
-                                shared: shared.clone(),
-                                driver: None,
-                                attaches: 0,
-                                expires: None,
-                                timer: false,
-                            },
-                        );
-                    }
-                    held
-                };
-                if held >= limits.max_streams_per_edge as usize {
-                    warn!(node = %self.node, stream = id, held, max = limits.max_streams_per_edge, "refusing a new stream: the edge holds --max-streams-per-edge streams (open or waiting for a re-attach)");
-                    let why = format!(
-                        "edge {} holds {held} streams, its --max-streams-per-edge ({})",
-                        self.node, limits.max_streams_per_edge
+                None if held >= limits.max_streams_per_edge as usize => Found::Full(held),
+                None => {
+                    let shared =
+                        SharedStream::new(StreamState::new(id, StreamLimits::from(&limits)));
+                    t.live.insert(
+                        id,
+                        Live {
+                            shared: shared.clone(),
+                            driver: None,
+                            attaches: 0,
+                            expires: None,
+                            timer: false,
+                        },
                     );
-                    refuse(send, id, ResetCode::LimitExceeded, why, max).await;
-                    return;
+                    Found::New(shared)
                 }
+            }
+        };
+        let shared = match found {
+            Found::Held(s) => {
+                debug!(node = %self.node, stream = id, delivered, "re-attaching stream");
+                s
+            }
+            Found::New(shared) => {
                 let io = ResumableIo::new(shared.clone()).with_counters(self.metrics.bytes.clone());
                 self.metrics.streams_total.inc();
                 self.metrics.streams_open.set(self.len() as i64);
@@ -362,7 +356,16 @@ impl EdgeStreams {
                 tokio::spawn(self.forward.clone().run(io, limits).instrument(span));
                 shared
             }
-            None => {
+            Found::Full(held) => {
+                warn!(node = %self.node, stream = id, held, max = limits.max_streams_per_edge, "refusing a new stream: the edge holds --max-streams-per-edge streams (open or waiting for a re-attach)");
+                let why = format!(
+                    "edge {} holds {held} streams, its --max-streams-per-edge ({})",
+                    self.node, limits.max_streams_per_edge
+                );
+                refuse(send, id, ResetCode::LimitExceeded, why, max).await;
+                return;
+            }
+            Found::Unknown => {
                 info!(node = %self.node, stream = id, "cloud re-attached a stream this edge does not hold; resetting it");
                 let why = format!(
                     "edge {} does not hold stream {id} (it restarted or the stream ended)",
@@ -455,6 +458,18 @@ impl EdgeStreams {
             }
         }
     }
+}
+
+/// What an attach found in the stream table.
+enum Found {
+    /// A stream held here: a re-attach.
+    Held(Arc<SharedStream>),
+    /// A new stream, just entered in the table.
+    New(Arc<SharedStream>),
+    /// A new stream, refused: the table holds this many, its limit.
+    Full(usize),
+    /// Neither held nor new (ended, or this edge restarted): refused.
+    Unknown,
 }
 
 /// Answers a stream the edge does not take: an attach (nothing delivered),
