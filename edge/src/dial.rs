@@ -656,8 +656,13 @@ fn bind_client_socket(udp_buffer: usize) -> std::io::Result<std::net::UdpSocket>
 /// check every second where those are unavailable); when they change, moves
 /// the QUIC endpoint to a fresh socket so the connection migrates to the new
 /// path at once (quinn sends a PING from the new address and the cloud
-/// follows), instead of waiting for the old path to time out.
-async fn watch_addresses(
+/// follows), instead of waiting for the old path to time out. Every event
+/// (address or link, on any interface) makes it read the addresses again;
+/// it rebinds only when the addresses [`crate::addrs::host_addresses`]
+/// counts changed, so addresses coming and going on an interface that is
+/// down (kube-proxy's `kube-ipvs0`, on every Service created or deleted)
+/// move nothing.
+pub(crate) async fn watch_addresses(
     endpoint: &quinn::Endpoint,
     udp_buffer: usize,
     node: &str,

@@ -802,12 +802,26 @@ pub async fn get_ok(client: &Client, limit: Duration) -> Result<(), String> {
     }
 }
 
-/// `tether-edge` in the edge namespace of `link`, waited for until connected.
+/// `tether-edge` in the edge namespace of `link`, waited for until connected;
+/// it announces `edge-1.invalid`.
 pub async fn spawn_edge(
     link: &linkemu::Link,
     pki: &tether_tests::pki::Pki,
     dir: &std::path::Path,
     kubelet_port: u16,
+    extra: &[&str],
+) -> Proc {
+    spawn_edge_announcing(link, pki, dir, kubelet_port, Some("edge-1.invalid"), extra).await
+}
+
+/// [`spawn_edge`] announcing `announce`, or with `None` what an edge
+/// announces by default: the addresses of the edge namespace.
+pub async fn spawn_edge_announcing(
+    link: &linkemu::Link,
+    pki: &tether_tests::pki::Pki,
+    dir: &std::path::Path,
+    kubelet_port: u16,
+    announce: Option<&str>,
     extra: &[&str],
 ) -> Proc {
     let pair = &pki.edges["edge-1"];
@@ -827,12 +841,13 @@ pub async fn spawn_edge(
             "--pods-refresh",
             "500ms",
         ])
-        .args([
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--announce-address",
-            "edge-1.invalid",
-        ])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .args(
+            announce
+                .map(|a| ["--announce-address", a])
+                .into_iter()
+                .flatten(),
+        )
         .args(extra)
         .env("TETHER_LOG", "info,tether_edge=debug")
         .env("RUST_BACKTRACE", "0");
