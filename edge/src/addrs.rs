@@ -351,15 +351,20 @@ mod tests {
             // has no dummy driver (this one's): both stay down until set up.
             ip(&["link", "add", "kube-ipvs0", "type", "dummy"])
                 .or_else(|_| ip(&["link", "add", "kube-ipvs0", "type", "bridge"]))?;
-            for i in 1..=100 {
-                ip(&[
-                    "addr",
-                    "add",
-                    &format!("10.96.0.{i}/32"),
-                    "dev",
-                    "kube-ipvs0",
-                ])?;
-            }
+            // Service ClusterIPs 10.96.0.first..=last, as kube-proxy binds them.
+            let add_cluster_ips = |first: u32, last: u32| -> Result<(), String> {
+                for i in first..=last {
+                    ip(&[
+                        "addr",
+                        "add",
+                        &format!("10.96.0.{i}/32"),
+                        "dev",
+                        "kube-ipvs0",
+                    ])?;
+                }
+                Ok(())
+            };
+            add_cluster_ips(1, 100)?;
             ip(&[
                 "link",
                 "add",
@@ -394,15 +399,7 @@ mod tests {
                 // The watcher (polled first) has subscribed and read the
                 // addresses once this yields.
                 tokio::task::yield_now().await;
-                for i in 101..=150 {
-                    ip(&[
-                        "addr",
-                        "add",
-                        &format!("10.96.0.{i}/32"),
-                        "dev",
-                        "kube-ipvs0",
-                    ])?;
-                }
+                add_cluster_ips(101, 150)?;
                 ip(&["addr", "del", "10.96.0.1/32", "dev", "kube-ipvs0"])?;
                 // 20 times the watch's 50 ms settling: a rebind for these
                 // events would be counted by then.
