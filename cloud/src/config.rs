@@ -557,6 +557,36 @@ pub struct CloudConfig {
     pub quic: QuicSettings,
 }
 
+impl CloudConfig {
+    /// Why, with peers and routing by edge reports, an edge's route record
+    /// with a full pod report (a frame of `--max-frame-bytes`) might not fit
+    /// in `--peer-max-message-bytes`, if it might: such an edge is published
+    /// without its pods and the other replicas answer 404 for them. With an
+    /// apiserver no warning is due: replicas route pods by the apiserver,
+    /// never by the pods in route records.
+    pub fn route_record_warning(&self) -> Option<String> {
+        let peer = self.peer.as_ref()?;
+        if self.authority != AuthoritySource::EdgeReports {
+            return None;
+        }
+        let pods = crate::routes::largest_pods_len(
+            self.limits.max_frame_bytes as usize,
+            tether_proto::limits::MAX_POD_REPORT,
+        );
+        let full = crate::routes::largest_record_message(self.max_announced_addresses, pods);
+        (peer.max_message_bytes < full).then(|| {
+            format!(
+                "--peer-max-message-bytes {}: an edge's route record with a full pod report \
+                 (--max-frame-bytes {}) takes up to {full} bytes; such an edge is published to \
+                 the other replicas without its pods (a warning names it), and routing by edge \
+                 reports (--insecure-trust-edge-reports) they answer 404 for them. Give at least \
+                 {full} to publish every report whole",
+                peer.max_message_bytes, self.limits.max_frame_bytes
+            )
+        })
+    }
+}
+
 impl tether_proto::cli::BinaryArgs for CloudArgs {
     type Config = CloudConfig;
     fn wants_print_config(&self) -> bool {
@@ -605,6 +635,17 @@ impl CloudArgs {
         }
         if self.peer_max_message_bytes < 4096 {
             return Err("--peer-max-message-bytes must be at least 4KiB".into());
+        }
+        // Every edge this replica holds must fit in one route message, its
+        // pods left out if need be (see `routes`).
+        let least = crate::routes::largest_record_message(self.max_announced_addresses, 1);
+        if (self.peer_max_message_bytes as usize) < least {
+            return Err(format!(
+                "--peer-max-message-bytes {} cannot carry one edge's route record: with \
+                 --max-announced-addresses {} a record takes up to {least} bytes without its \
+                 pods; give at least {least}",
+                self.peer_max_message_bytes, self.max_announced_addresses
+            ));
         }
         if !(MIN_PEER_STREAMS..=MAX_PEER_STREAMS).contains(&self.peer_max_streams) {
             return Err(format!(
@@ -1177,5 +1218,59 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    /// Every edge record must fit in one route message (pods left out if
+    /// need be): a `--peer-max-message-bytes` below the widest record
+    /// without pods (64 addresses of 253 bytes by default) is refused at
+    /// start naming both flags and the least value, which is accepted.
+    /// One too small for a full pod report is only warned about, and only
+    /// when routing by edge reports (with an apiserver the pods in route
+    /// records route nothing).
+    #[test]
+    fn a_peer_message_bound_too_small_for_one_edge_record_is_refused() {
+        let peer = |extra: &[&str]| {
+            let mut flags = PEER.to_vec();
+            flags.extend_from_slice(extra);
+            test_config(&flags)
+        };
+        let least = crate::routes::largest_record_message(64, 1);
+        assert!(least > 4096 && least < 20_000, "{least}");
+        let e = peer(&["--peer-max-message-bytes=4KiB"]).unwrap_err();
+        assert!(
+            e.contains("--peer-max-message-bytes 4096")
+                && e.contains("--max-announced-addresses 64")
+                && e.contains(&format!("at least {least}")),
+            "{e}"
+        );
+        let at = format!("--peer-max-message-bytes={least}");
+        assert!(peer(&[&at]).is_ok());
+        let below = format!("--peer-max-message-bytes={}", least - 1);
+        assert!(peer(&[&below]).is_err());
+        // Fewer addresses, smaller records: 4 KiB will do.
+        assert!(peer(&[
+            "--peer-max-message-bytes=4KiB",
+            "--max-announced-addresses=4"
+        ])
+        .is_ok());
+        // The full-report warning: only routing by edge reports.
+        assert_eq!(peer(&[]).unwrap().route_record_warning(), None);
+        let w = peer(&["--insecure-trust-edge-reports"])
+            .unwrap()
+            .route_record_warning()
+            .expect("1 MiB frames do not fit in 1 MiB messages with the record around them");
+        assert!(
+            w.contains("--peer-max-message-bytes 1048576") && w.contains("--max-frame-bytes"),
+            "{w}"
+        );
+        assert_eq!(
+            peer(&[
+                "--insecure-trust-edge-reports",
+                "--peer-max-message-bytes=2MiB"
+            ])
+            .unwrap()
+            .route_record_warning(),
+            None
+        );
     }
 }

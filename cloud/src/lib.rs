@@ -66,6 +66,8 @@ pub mod revocation;
 pub mod routes;
 pub mod session;
 pub mod slim_tls;
+#[cfg(test)]
+mod testlog;
 pub mod tls;
 pub mod tunnel;
 
@@ -139,14 +141,19 @@ impl Cloud {
         {
             tracing::warn!("{w}");
         }
-        let registry = Arc::new(
-            registry::Registry::with_authority(
-                cfg.grace,
-                authority,
-                metrics.claims_refused.clone(),
-            )
-            .with_max_departed(cfg.max_departed_pods),
-        );
+        if let Some(w) = cfg.route_record_warning() {
+            tracing::warn!("{w}");
+        }
+        let registry = registry::Registry::with_authority(
+            cfg.grace,
+            authority,
+            metrics.claims_refused.clone(),
+        )
+        .with_max_departed(cfg.max_departed_pods);
+        let registry = Arc::new(match &cfg.peer {
+            Some(p) => registry.with_peer_message_limit(p.max_message_bytes),
+            None => registry,
+        });
         registry.set_timeouts(session::Timeouts {
             relay: cfg
                 .peer

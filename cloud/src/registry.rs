@@ -6,7 +6,9 @@
 //! saying what was looked up and why it failed; a name or address claimed by
 //! two nodes is refused, never resolved to either. Pods of a node whose
 //! session ended are remembered so that a request for them gets "edge not
-//! connected" (502) rather than "no such pod".
+//! connected" (502) rather than "no such pod". A report's entries are
+//! bounded as Kubernetes bounds them (namespace 63 bytes, name 253): longer
+//! ones are dropped, logged with the node.
 //!
 //! With an [`Authority`] (the apiserver's pods and nodes; the default), the
 //! edges' reports and hello addresses are hints: pods route by the node the
@@ -48,7 +50,7 @@ use crate::admission::{Claim, Verdict};
 use crate::authority::{Authority, PodPlacement};
 use crate::metrics::KindLabel;
 use crate::peer::{PeerLink, ReplicaId};
-use crate::routes::{EdgeRecord, Update};
+use crate::routes::{self, EdgeRecord, Update};
 use crate::session::Session;
 
 /// Where a request for one node goes.
@@ -479,6 +481,10 @@ pub struct Registry {
     any_changes: watch::Sender<u64>,
     /// The waits of the streams of sessions made here.
     timeouts: Mutex<crate::session::Timeouts>,
+    /// With peers, `--peer-max-message-bytes`: a report that makes the node's
+    /// route record larger than one message is warned about (the record is
+    /// published without its pods, see [`crate::routes::encode`]).
+    peer_message_limit: Option<usize>,
 }
 
 /// Normalizes a `Host` or SNI value: lowercase, without port or IPv6 brackets.
@@ -504,7 +510,16 @@ impl Registry {
             local_changes: watch::channel(0).0,
             any_changes: watch::channel(0).0,
             timeouts: Mutex::new(crate::session::Timeouts::default()),
+            peer_message_limit: None,
         }
+    }
+
+    /// The same registry, warning about pod reports that make their node's
+    /// route record larger than `max` bytes, one message to the peers
+    /// (`--peer-max-message-bytes`).
+    pub fn with_peer_message_limit(mut self, max: usize) -> Self {
+        self.peer_message_limit = Some(max);
+        self
     }
 
     /// The same registry, remembering at most `n` pods of departed nodes.
@@ -912,7 +927,20 @@ impl Registry {
     }
 
     /// Replaces a node's pod list (only if `session` is still its session).
+    /// Entries with a namespace or name longer than Kubernetes allows are
+    /// dropped (logged with the node).
     pub fn report_pods(&self, session: &Arc<Session>, pods: Vec<PodRef>) {
+        let (pods, overlong) = bounded_pods(pods);
+        if overlong > 0 {
+            warn!(
+                node = %session.node,
+                dropped = overlong,
+                "dropping the pods of a report whose namespace is longer than {} bytes or name \
+                 longer than {} (Kubernetes' bounds)",
+                routes::MAX_NAMESPACE_LEN,
+                routes::MAX_POD_NAME_LEN
+            );
+        }
         let mut t = self.tables();
         if !t
             .sessions
@@ -956,8 +984,49 @@ impl Registry {
                 .insert(node.clone());
         }
         t.mark(&node);
+        let pods_len =
+            routes::pods_len(pods.iter().map(|p| (p.namespace.as_str(), p.name.as_str())));
+        let count = pods.len();
         t.node_pods.insert(node, pods);
+        drop(t);
         self.touch();
+        self.check_record_len(session, count, pods_len);
+    }
+
+    /// Warns (once per report) when `session`'s route record with `pods`
+    /// pods of `pods_len` bytes is too large for one message to the peers:
+    /// they are told of the edge without its pods.
+    fn check_record_len(&self, session: &Session, pods: usize, pods_len: usize) {
+        let Some(max) = self.peer_message_limit else {
+            return;
+        };
+        let without_pods = EdgeRecord {
+            node: session.node.clone(),
+            session: session.id.to_string(),
+            attached: session.connection().is_some(),
+            since_ms: u64::MAX,
+            sid: session.id.0,
+            gen: session.gen(),
+            limits: session.limits(),
+            pods: Vec::new(),
+            addresses: session.addresses(),
+        };
+        let len = postcard::to_allocvec(&without_pods)
+            .map_or(usize::MAX, |v| v.len())
+            .saturating_sub(1)
+            .saturating_add(pods_len);
+        if !routes::record_fits(len, max) {
+            warn!(
+                node = %session.node,
+                pods,
+                record_bytes = len,
+                peer_max_message_bytes = max,
+                "this edge's route record with its pod report is larger than \
+                 --peer-max-message-bytes: peer replicas are told of the edge without its pods \
+                 (with an apiserver they route its pods all the same; without one they answer \
+                 404 for them). Raise --peer-max-message-bytes on every replica"
+            );
+        }
     }
 
     /// Removes a node's session if it is still `session`; its pods are
@@ -1387,6 +1456,17 @@ impl Registry {
             looked_up: looked.join(" or "),
         })
     }
+}
+
+/// `pods` without the entries whose namespace or name is longer than
+/// Kubernetes allows, and how many those were.
+fn bounded_pods(mut pods: Vec<PodRef>) -> (Vec<PodRef>, usize) {
+    let before = pods.len();
+    pods.retain(|p| {
+        p.namespace.len() <= routes::MAX_NAMESPACE_LEN && p.name.len() <= routes::MAX_POD_NAME_LEN
+    });
+    let dropped = before - pods.len();
+    (pods, dropped)
 }
 
 /// The node name in an `X-Forwarded-Uri` of the apiserver's node proxy:
@@ -1995,5 +2075,93 @@ mod tests {
         }
         assert!(r.changed_since(s0).1.is_none());
         assert!(r.changed_since(r.local_records().0).1.unwrap().is_empty());
+    }
+
+    /// The audit's case: edge `evil` sends a pod report that fits one 1 MiB
+    /// frame, and with its 64 long addresses its route record is over the
+    /// default `--peer-max-message-bytes` (1 MiB). Before, encoding the
+    /// replica's table for a peer failed (`TooLarge`), so no peer learnt any
+    /// edge of this replica; now `good` is published whole and `evil`
+    /// without its pods, and the report is warned about once, naming the
+    /// node and the flag.
+    #[test]
+    fn one_edges_oversized_record_does_not_stop_the_others_being_published() {
+        use crate::routes::{diff, encode};
+        let max = 1 << 20;
+        let r = Registry::new(Duration::from_secs(1)).with_peer_message_limit(max);
+        let long = |i: usize| format!("{i:0>253}");
+        let addresses: Vec<String> = (0..64).map(long).collect();
+        let addresses: Vec<&str> = addresses.iter().map(String::as_str).collect();
+        let evil = session("evil", &addresses);
+        let good = session("good", &["10.0.0.2"]);
+        r.insert(evil.clone());
+        r.insert(good.clone());
+        r.report_pods(&good, vec![pod("default", "p")]);
+        let report: Vec<PodRef> = (0..3960)
+            .map(|i| PodRef {
+                namespace: "default".into(),
+                name: long(i),
+                uid: String::new(),
+            })
+            .collect();
+        let frame = tether_proto::Frame::PodReport(tether_proto::handshake::PodReport {
+            pods: report.clone(),
+        });
+        assert!(tether_proto::frame::encode_to_bytes(&frame, max).is_ok());
+        let ((), warnings) = crate::testlog::warnings(|| r.report_pods(&evil, report));
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("node=evil") && warnings[0].contains("--peer-max-message-bytes"),
+            "{warnings:?}"
+        );
+        let (_, now) = r.local_records();
+        let (up, gone) = diff(&HashMap::new(), &now);
+        let encoded = encode(up, gone, max).expect("one record does not fail the others");
+        assert_eq!(encoded.without_pods, ["evil"]);
+        let mut sent = Vec::new();
+        for m in &encoded.messages {
+            assert!(m.len() <= 4 + max);
+            if let Update::Upsert(v) = postcard::from_bytes(&m[4..]).unwrap() {
+                sent.extend(v);
+            }
+        }
+        let by_node: HashMap<_, _> = sent.iter().map(|r| (r.node.as_str(), r)).collect();
+        assert_eq!(
+            by_node["good"].pods,
+            [("default".to_string(), "p".to_string())]
+        );
+        assert!(by_node["evil"].pods.is_empty());
+        assert_eq!(by_node["evil"].addresses.len(), 64);
+        // A small report of evil's fits again: no warning.
+        let ((), warnings) =
+            crate::testlog::warnings(|| r.report_pods(&evil, vec![pod("default", "q")]));
+        assert!(warnings.is_empty(), "{warnings:?}");
+    }
+
+    /// Pod names and namespaces longer than Kubernetes allows (253, 63) are
+    /// dropped from a report, with one warning naming the node; the rest of
+    /// the report stands.
+    #[test]
+    fn overlong_pod_names_and_namespaces_are_dropped_from_a_report() {
+        let r = Registry::new(Duration::from_secs(1));
+        let a = session("edge-a", &[]);
+        r.insert(a.clone());
+        let ns63 = "n".repeat(63);
+        let name253 = "p".repeat(253);
+        let report = vec![
+            pod("default", "ok"),
+            pod(&ns63, &name253),
+            pod(&"n".repeat(64), "p"),
+            pod("default", &"p".repeat(254)),
+        ];
+        let ((), warnings) = crate::testlog::warnings(|| r.report_pods(&a, report));
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("node=edge-a") && warnings[0].contains("dropped=2"),
+            "{warnings:?}"
+        );
+        assert_eq!(r.route_pod("default", "ok").unwrap().node, "edge-a");
+        assert_eq!(r.route_pod(&ns63, &name253).unwrap().node, "edge-a");
+        assert_eq!(r.tables().node_pods["edge-a"].len(), 2);
     }
 }

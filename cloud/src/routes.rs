@@ -28,6 +28,16 @@
 //! `--peer-max-message-bytes`, one whose body stalls past `--peer-timeout`)
 //! drops everything learnt from that peer; the
 //! subscriber subscribes again while the link lives.
+//!
+//! **One edge's record never stops the others.** A record too large for one
+//! message of `--peer-max-message-bytes` (a huge pod report) is sent without
+//! its pods ([`encode`]); the registry warns once per such report, naming the
+//! node and the flag. At start-up a `--peer-max-message-bytes` too small for a
+//! record without pods is refused ([`largest_record_message`]); one too small
+//! for a record with a full report is only warned about, and only without an
+//! apiserver: with one, peers route pods by the apiserver, never by the pods
+//! in these records.
+//!
 //! This module owns the wire format, the diff and both loops; the table of
 //! remote edges itself is in [`crate::registry`].
 
@@ -125,14 +135,100 @@ pub fn diff(
     (up, gone)
 }
 
+/// Longest namespace a pod report may name (Kubernetes: a DNS-1123 label).
+pub const MAX_NAMESPACE_LEN: usize = 63;
+/// Longest pod name a pod report may name (Kubernetes: a DNS-1123 subdomain).
+pub const MAX_POD_NAME_LEN: usize = 253;
+/// Longest node name (a DNS-1123 subdomain; edge certificates are checked).
+const MAX_NODE_LEN: usize = 253;
+/// Longest announced address the cloud accepts in a hello.
+const MAX_ADDRESS_LEN: usize = 253;
+
+/// Bytes of postcard's varint encoding of `n`.
+fn varint_len(n: usize) -> usize {
+    let bits = usize::BITS - n.leading_zeros();
+    (bits.max(1) as usize).div_ceil(7)
+}
+
+/// Bytes the pods `(namespace, name)` take in an [`EdgeRecord`] (the
+/// list's length included).
+pub fn pods_len<'a>(pods: impl ExactSizeIterator<Item = (&'a str, &'a str)>) -> usize {
+    let count = varint_len(pods.len());
+    count
+        + pods
+            .map(|(ns, name)| varint_len(ns.len()) + ns.len() + varint_len(name.len()) + name.len())
+            .sum::<usize>()
+}
+
+/// The most bytes the pods of one edge's record can take when its reports
+/// are frames of at most `max_frame_bytes` holding at most `max_pods` pods
+/// of bounded names: the record's pods are some of one report's (each of
+/// which also carried a uid there), so never more than the frame; and never
+/// more than `max_pods` of the longest names.
+pub fn largest_pods_len(max_frame_bytes: usize, max_pods: usize) -> usize {
+    let longest = varint_len(MAX_NAMESPACE_LEN)
+        + MAX_NAMESPACE_LEN
+        + varint_len(MAX_POD_NAME_LEN)
+        + MAX_POD_NAME_LEN;
+    varint_len(max_pods) + max_frame_bytes.min(max_pods.saturating_mul(longest))
+}
+
+/// The largest message one edge's record can need on its own (an
+/// [`Update::Upsert`] of it alone): a node name of 253 bytes, `addresses`
+/// addresses of 253 bytes (`--max-announced-addresses`), every number at its
+/// widest, and `pods_len` bytes of pods ([`pods_len`]; 1 for none).
+pub fn largest_record_message(addresses: usize, pods_len: usize) -> usize {
+    let widest = EdgeRecord {
+        node: "n".repeat(MAX_NODE_LEN),
+        session: tether_proto::token::SessionId(u64::MAX).to_string(),
+        attached: true,
+        since_ms: u64::MAX,
+        sid: u64::MAX,
+        gen: u64::MAX,
+        limits: tether_proto::Limits {
+            max_frame_bytes: u32::MAX,
+            max_data_payload: u32::MAX,
+            max_head_bytes: u32::MAX,
+            replay_buffer_bytes: u32::MAX,
+            recv_buffer_bytes: u32::MAX,
+            max_streams_per_edge: u32::MAX,
+        },
+        pods: Vec::new(),
+        addresses: vec!["a".repeat(MAX_ADDRESS_LEN); addresses],
+    };
+    // Serialising a record in memory cannot fail; an empty list takes 1 byte.
+    let without_pods = postcard::to_allocvec(&Update::Upsert(vec![widest]))
+        .map(|v| v.len())
+        .unwrap_or(usize::MAX);
+    without_pods.saturating_sub(1).saturating_add(pods_len)
+}
+
+/// Whether a record of `record_len` bytes fits alone in one message of
+/// at most `max` bytes (the upsert's variant and list length take 2).
+pub fn record_fits(record_len: usize, max: usize) -> bool {
+    record_len.saturating_add(2) <= max
+}
+
+/// Messages for one round of a subscription ([`encode`]), and what had to
+/// be left out of them.
+#[derive(Debug, Default)]
+pub struct Encoded {
+    /// Length-prefixed messages, each of at most `max` bytes.
+    pub messages: Vec<Vec<u8>>,
+    /// Nodes sent without their pods: with them, the record alone exceeds
+    /// the message bound.
+    pub without_pods: Vec<String>,
+    /// Nodes not sent: even without pods the record exceeds the bound (the
+    /// start-up check on `--peer-max-message-bytes` rules this out).
+    pub left_out: Vec<String>,
+}
+
 /// Encodes `up` and `gone` as length-prefixed messages of at most `max`
-/// bytes each. A single record larger than that is an error.
-pub fn encode(
-    up: Vec<EdgeRecord>,
-    gone: Vec<String>,
-    max: usize,
-) -> Result<Vec<Vec<u8>>, RoutesError> {
-    let mut out = Vec::new();
+/// bytes each. A record too large for one message is sent without its pods
+/// (and left out if even that is too large): one edge never stops the
+/// others from being published.
+pub fn encode(up: Vec<EdgeRecord>, gone: Vec<String>, max: usize) -> Result<Encoded, RoutesError> {
+    let mut out = Encoded::default();
     let framed = |u: &Update| -> Result<Vec<u8>, RoutesError> {
         let body = postcard::to_allocvec(u)?;
         if body.len() > max {
@@ -147,23 +243,47 @@ pub fn encode(
         Ok(v)
     };
     // Batches of records that fit: sizes are estimated per record and the
-    // batch is cut at half the limit, leaving room for the envelope.
+    // batch is cut at half the limit, leaving room for the envelope. A
+    // record over half the limit goes alone, and fits (`record_fits`).
     let mut batch = Vec::new();
     let mut size = 0usize;
-    for r in up {
-        let s = postcard::to_allocvec(&r)?.len();
+    for mut r in up {
+        let mut s = postcard::to_allocvec(&r)?.len();
+        if !record_fits(s, max) && !r.pods.is_empty() {
+            r.pods = Vec::new();
+            s = postcard::to_allocvec(&r)?.len();
+            out.without_pods.push(r.node.clone());
+        }
+        if !record_fits(s, max) {
+            out.left_out.push(r.node);
+            continue;
+        }
         if !batch.is_empty() && size + s > max / 2 {
-            out.push(framed(&Update::Upsert(std::mem::take(&mut batch)))?);
+            out.messages
+                .push(framed(&Update::Upsert(std::mem::take(&mut batch)))?);
             size = 0;
         }
         size += s;
         batch.push(r);
     }
     if !batch.is_empty() {
-        out.push(framed(&Update::Upsert(batch))?);
+        out.messages.push(framed(&Update::Upsert(batch))?);
     }
-    for chunk in gone.chunks(1024) {
-        out.push(framed(&Update::Remove(chunk.to_vec()))?);
+    // Removals, cut the same way (a node name is at most 255 bytes here).
+    let mut names = Vec::new();
+    let mut size = 0usize;
+    for node in gone {
+        let s = varint_len(node.len()) + node.len();
+        if !names.is_empty() && size + s > max / 2 {
+            out.messages
+                .push(framed(&Update::Remove(std::mem::take(&mut names)))?);
+            size = 0;
+        }
+        size += s;
+        names.push(node);
+    }
+    if !names.is_empty() {
+        out.messages.push(framed(&Update::Remove(names))?);
     }
     Ok(out)
 }
@@ -239,7 +359,15 @@ pub async fn publish(
             }
         };
         seen = Some(seq);
-        for msg in encode(up, gone, max)? {
+        let encoded = encode(up, gone, max)?;
+        if !encoded.without_pods.is_empty() {
+            // The registry warned when the report came (once, not per peer).
+            debug!(%peer, nodes = ?encoded.without_pods, "published without their pods: too large for --peer-max-message-bytes");
+        }
+        for node in &encoded.left_out {
+            warn!(%peer, node = %node.escape_debug(), max_message_bytes = max, "an edge's route record does not fit in --peer-max-message-bytes even without its pods; this peer is not told of it");
+        }
+        for msg in encoded.messages {
             tokio::time::timeout(timeout, send.write_all(&msg))
                 .await
                 .map_err(|_| RoutesError::Timeout(timeout))?
@@ -368,7 +496,10 @@ mod tests {
         let mut magic = [0u8; 4];
         recv.read_exact(&mut magic).await.unwrap();
         assert_eq!(&magic, SUBSCRIBE_MAGIC);
-        for m in encode(vec![rec("edge-1", 1)], vec![], 16 * 1024).unwrap() {
+        for m in encode(vec![rec("edge-1", 1)], vec![], 16 * 1024)
+            .unwrap()
+            .messages
+        {
             send.write_all(&m).await.unwrap();
         }
         let wait = |want: usize| {
@@ -409,7 +540,9 @@ mod tests {
     #[tokio::test]
     async fn updates_are_batched_under_the_limit_and_read_back() {
         let up: Vec<_> = (0..300).map(|i| rec(&format!("edge-{i}"), 20)).collect();
-        let msgs = encode(up.clone(), vec!["gone".into()], 16 * 1024).unwrap();
+        let msgs = encode(up.clone(), vec!["gone".into()], 16 * 1024)
+            .unwrap()
+            .messages;
         assert!(msgs.len() > 2, "{} messages", msgs.len());
         let mut all: Vec<u8> = msgs.concat();
         let mut got = Vec::new();
@@ -433,16 +566,151 @@ mod tests {
             read_update(&mut &all[..], 16 * 1024, Duration::from_secs(5)).await,
             Err(RoutesError::TooLarge { .. })
         ));
-        // A record larger than the limit cannot be sent.
-        assert!(matches!(
-            encode(vec![rec("huge", 5000)], vec![], 1024),
-            Err(RoutesError::TooLarge { .. })
-        ));
+        // A record larger than the limit is sent without its pods.
+        let e = encode(vec![rec("huge", 5000), rec("small", 1)], vec![], 1024).unwrap();
+        assert_eq!(
+            (e.without_pods, e.left_out),
+            (vec!["huge".to_string()], vec![])
+        );
+        let mut got = Vec::new();
+        let all = e.messages.concat();
+        let mut r = &all[..];
+        while let Some(Update::Upsert(v)) = read_update(&mut r, 1024, Duration::from_secs(5))
+            .await
+            .unwrap()
+        {
+            got.extend(v);
+        }
+        assert_eq!(got, [rec("huge", 0), rec("small", 1)]);
+        // Many removals of long names are cut to the limit too.
+        let gone: Vec<String> = (0..100).map(|i| format!("{i:0>250}")).collect();
+        let e = encode(vec![], gone.clone(), 4096).unwrap();
+        assert!(e.messages.iter().all(|m| m.len() <= 4 + 4096));
+        let all = e.messages.concat();
+        let mut r = &all[..];
+        let mut removed = Vec::new();
+        while let Some(Update::Remove(v)) = read_update(&mut r, 4096, Duration::from_secs(5))
+            .await
+            .unwrap()
+        {
+            removed.extend(v);
+        }
+        assert_eq!(removed, gone);
         // Garbage is a decode error.
         let garbage = [0u8, 0, 0, 2, 0xff, 0xff];
         assert!(matches!(
             read_update(&mut &garbage[..], 1024, Duration::from_secs(5)).await,
             Err(RoutesError::Decode(_))
         ));
+    }
+
+    /// The bound the start-up check uses is the message a widest record
+    /// needs: a record of a 253-byte node with 64 addresses of 253 bytes and
+    /// pods of the longest names takes exactly that, and fits alone.
+    #[test]
+    fn the_largest_record_message_is_what_the_widest_record_takes() {
+        let mut widest = rec(&"n".repeat(253), 0);
+        widest.addresses = vec!["a".repeat(253); 64];
+        widest.pods = vec![("n".repeat(MAX_NAMESPACE_LEN), "p".repeat(MAX_POD_NAME_LEN)); 3];
+        (widest.since_ms, widest.sid, widest.gen) = (u64::MAX, u64::MAX, u64::MAX);
+        widest.session = "f".repeat(16);
+        widest.limits = tether_proto::Limits {
+            max_frame_bytes: u32::MAX,
+            max_data_payload: u32::MAX,
+            max_head_bytes: u32::MAX,
+            replay_buffer_bytes: u32::MAX,
+            recv_buffer_bytes: u32::MAX,
+            max_streams_per_edge: u32::MAX,
+        };
+        let pods = pods_len(widest.pods.iter().map(|(n, p)| (n.as_str(), p.as_str())));
+        assert_eq!(pods, largest_pods_len(usize::MAX, 3));
+        let need = largest_record_message(64, pods);
+        let len = postcard::to_allocvec(&Update::Upsert(vec![widest.clone()]))
+            .unwrap()
+            .len();
+        assert_eq!(len, need);
+        let e = encode(vec![widest], vec![], need).unwrap();
+        assert!(e.without_pods.is_empty() && e.messages.len() == 1);
+        // The frame bounds the pods of a report of short names.
+        assert_eq!(largest_pods_len(1 << 20, 100_000), 3 + (1 << 20));
+        assert_eq!(varint_len(127), 1);
+        assert_eq!(varint_len(128), 2);
+        assert_eq!(varint_len(0), 1);
+    }
+
+    /// One edge whose record (a large pod report, 64 long addresses) is over
+    /// `--peer-max-message-bytes` no longer ends every subscription to this
+    /// replica before anything is sent: the publisher sends it without its
+    /// pods, and every other edge as it is.
+    #[tokio::test]
+    async fn an_edge_too_large_for_a_message_does_not_stop_the_others_being_published() {
+        use tether_proto::handshake::PodRef;
+        let max = 64 * 1024;
+        let registry = Arc::new(Registry::new(Duration::from_secs(60)));
+        let long = |i: usize| format!("{i:0>253}");
+        let addresses: Vec<String> = (0..64).map(long).collect();
+        let claim = crate::admission::Claim {
+            token: tether_proto::token::ResumeToken([1; 16]),
+            instance: 1,
+            attempt: 1,
+        };
+        let session = |node: &str, addresses: Vec<String>| {
+            crate::session::Session::new(
+                node.into(),
+                addresses,
+                tether_proto::Limits::default(),
+                &claim,
+            )
+            .unwrap()
+        };
+        let pod = |name: String| PodRef {
+            namespace: "default".into(),
+            name,
+            uid: String::new(),
+        };
+        let evil = session("evil", addresses);
+        let good = session("good", vec!["10.0.0.2".into()]);
+        registry.insert(evil.clone());
+        registry.insert(good.clone());
+        registry.report_pods(&evil, (0..300).map(|i| pod(long(i))).collect());
+        registry.report_pods(&good, vec![pod("p".into())]);
+
+        let (conn, far, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let (mut subscribe, mut recv) = conn.open_bi().await.unwrap();
+        subscribe.write_all(SUBSCRIBE_MAGIC).await.unwrap();
+        let (send, mut theirs) = far.accept_bi().await.unwrap();
+        let mut magic = [0u8; 4];
+        theirs.read_exact(&mut magic).await.unwrap();
+        let publishing = tokio::spawn(publish(
+            send,
+            registry.clone(),
+            max,
+            Duration::from_secs(5),
+            "peer".into(),
+        ));
+        let mut got: HashMap<String, EdgeRecord> = HashMap::new();
+        while got.len() < 2 {
+            let update = tokio::time::timeout(
+                Duration::from_secs(10),
+                read_update(&mut recv, max, Duration::from_secs(5)),
+            )
+            .await
+            .expect("an update within 10 s")
+            .unwrap_or_else(|e| panic!("the subscription failed: {e}"))
+            .unwrap_or_else(|| {
+                panic!(
+                    "the publisher ended the subscription having sent {:?}: {:?}",
+                    got.keys(),
+                    publishing.is_finished()
+                )
+            });
+            if let Update::Upsert(v) = update {
+                got.extend(v.into_iter().map(|r| (r.node.clone(), r)));
+            }
+        }
+        assert_eq!(got["good"].pods, [("default".to_string(), "p".to_string())]);
+        assert!(got["evil"].pods.is_empty());
+        assert_eq!(got["evil"].addresses.len(), 64);
+        publishing.abort();
     }
 }
