@@ -24,6 +24,9 @@ const MAX_WORKER_THREADS: usize = 1024;
 /// practice, and the HTTP client's timer adds the value to the clock
 /// unchecked (a value near `u64::MAX` seconds would panic there).
 const MAX_APISERVER_READ_TIMEOUT: Duration = Duration::from_secs(86_400);
+/// Default of `--max-pods-per-report`: ninety times kubelet's default
+/// `--max-pods` (110), a tenth of what the protocol allows.
+pub const DEFAULT_MAX_PODS_PER_REPORT: usize = 10_000;
 /// Most TCP keep-alive probes `--apiserver-keep-alive-probes` accepts
 /// (Linux's bound on `TCP_KEEPCNT`).
 const MAX_KEEP_ALIVE_PROBES: u32 = 127;
@@ -263,6 +266,20 @@ pub struct CloudArgs {
     /// nodes that left first are forgotten first.
     #[arg(long, env = "TETHER_MAX_DEPARTED_PODS", default_value_t = crate::registry::DEFAULT_MAX_DEPARTED_PODS)]
     pub max_departed_pods: usize,
+    /// Pod reports one edge connection may send per second on average; an
+    /// edge reports on change, at most once per its `--pods-refresh`. Past
+    /// it (and `--pod-report-burst`) the connection is closed.
+    #[arg(long, env = "TETHER_POD_REPORTS_PER_SEC", default_value_t = 10)]
+    pub pod_reports_per_sec: u32,
+    /// Pod reports one edge connection may send at once, beyond
+    /// `--pod-reports-per-sec`.
+    #[arg(long, env = "TETHER_POD_REPORT_BURST", default_value_t = 20)]
+    pub pod_report_burst: u32,
+    /// Pods one report may list (1 to 100,000, the protocol's bound); a
+    /// report with more keeps its first this many (edges sort them by
+    /// namespace and name), logged once per connection naming the node.
+    #[arg(long, env = "TETHER_MAX_PODS_PER_REPORT", default_value_t = DEFAULT_MAX_PODS_PER_REPORT)]
+    pub max_pods_per_report: usize,
     /// Threads of the async runtime (1 to 1024). Unset: one per CPU the process
     /// may use (its cgroup's CPU quota counts). An edge's packets, its streams and
     /// the apiserver's connections are handed between these threads, so a replica
@@ -471,6 +488,17 @@ pub struct PeerConfig {
     pub datagram_buffer: usize,
 }
 
+/// Bounds on one edge connection's pod reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PodReportLimits {
+    /// `--pod-reports-per-sec`.
+    pub per_sec: u32,
+    /// `--pod-report-burst`.
+    pub burst: u32,
+    /// `--max-pods-per-report`.
+    pub max_pods: usize,
+}
+
 /// Webhook authentication and authorisation of callers other than the apiserver.
 #[derive(Debug, Clone)]
 pub struct WebhookConfig {
@@ -535,6 +563,8 @@ pub struct CloudConfig {
     /// Addresses a hello may announce (`--max-announced-addresses`).
     pub max_announced_addresses: usize,
     pub max_departed_pods: usize,
+    /// How often and how large an edge's pod reports may be.
+    pub pod_reports: PodReportLimits,
     /// `None`: one per available CPU.
     pub worker_threads: Option<usize>,
     pub max_pending_handshakes: usize,
@@ -571,7 +601,7 @@ impl CloudConfig {
         }
         let pods = crate::routes::largest_pods_len(
             self.limits.max_frame_bytes as usize,
-            tether_proto::limits::MAX_POD_REPORT,
+            self.pod_reports.max_pods,
         );
         let full = crate::routes::largest_record_message(self.max_announced_addresses, pods);
         (peer.max_message_bytes < full).then(|| {
@@ -701,6 +731,9 @@ impl CloudArgs {
             ("--max-edges", self.max_edges),
             ("--max-announced-addresses", self.max_announced_addresses),
             ("--max-departed-pods", self.max_departed_pods),
+            ("--pod-reports-per-sec", self.pod_reports_per_sec as usize),
+            ("--pod-report-burst", self.pod_report_burst as usize),
+            ("--max-pods-per-report", self.max_pods_per_report),
             ("--review-cache-entries", self.review_cache_entries),
             ("--max-pending-handshakes", self.max_pending_handshakes),
             ("--max-waiting-handshakes", self.max_waiting_handshakes),
@@ -737,6 +770,12 @@ impl CloudArgs {
         if !(1..=MAX_KEEP_ALIVE_PROBES).contains(&self.apiserver_keep_alive_probes) {
             return Err(format!(
                 "--apiserver-keep-alive-probes must be 1 to {MAX_KEEP_ALIVE_PROBES}"
+            ));
+        }
+        if self.max_pods_per_report > tether_proto::limits::MAX_POD_REPORT {
+            return Err(format!(
+                "--max-pods-per-report must be at most {} (the protocol's bound)",
+                tether_proto::limits::MAX_POD_REPORT
             ));
         }
         if self.max_http_header_bytes < 8192 {
@@ -823,6 +862,11 @@ impl CloudArgs {
             max_edges: self.max_edges,
             max_announced_addresses: self.max_announced_addresses,
             max_departed_pods: self.max_departed_pods,
+            pod_reports: PodReportLimits {
+                per_sec: self.pod_reports_per_sec,
+                burst: self.pod_report_burst,
+                max_pods: self.max_pods_per_report,
+            },
             worker_threads: self.worker_threads,
             max_pending_handshakes: self.max_pending_handshakes,
             max_waiting_handshakes: self.max_waiting_handshakes,
@@ -904,6 +948,9 @@ mod tests {
             ("--max-edges", "0"),
             ("--max-announced-addresses", "0"),
             ("--max-departed-pods", "0"),
+            ("--pod-reports-per-sec", "0"),
+            ("--pod-report-burst", "0"),
+            ("--max-pods-per-report", "0"),
             ("--max-pending-handshakes", "0"),
             ("--max-apiserver-connections", "0"),
             ("--max-apiserver-streams-per-connection", "0"),
@@ -1271,6 +1318,40 @@ mod tests {
             .unwrap()
             .route_record_warning(),
             None
+        );
+    }
+
+    /// The pod-report bounds (were fixed at 10/s, burst 20, and the
+    /// protocol's 100,000 pods): their defaults, other values, and a pod
+    /// bound beyond the protocol's refused.
+    #[test]
+    fn pod_report_bounds_have_their_defaults_and_take_other_values() {
+        assert_eq!(
+            test_config(&[]).unwrap().pod_reports,
+            PodReportLimits {
+                per_sec: 10,
+                burst: 20,
+                max_pods: 10_000
+            }
+        );
+        let c = test_config(&[
+            "--pod-reports-per-sec=2",
+            "--pod-report-burst=5",
+            "--max-pods-per-report=100000",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.pod_reports,
+            PodReportLimits {
+                per_sec: 2,
+                burst: 5,
+                max_pods: 100_000
+            }
+        );
+        let e = test_config(&["--max-pods-per-report=100001"]).unwrap_err();
+        assert!(
+            e.contains("--max-pods-per-report must be at most 100000"),
+            "{e}"
         );
     }
 }

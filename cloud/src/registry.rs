@@ -163,8 +163,9 @@ struct Tables {
     owned: HashMap<String, Arc<Session>>,
     /// (namespace, pod) → nodes reporting it.
     pods: HashMap<(String, String), BTreeSet<String>>,
-    /// node → its last pod report.
-    node_pods: HashMap<String, Vec<PodRef>>,
+    /// node → its last pod report (shared: a new report is compared with
+    /// it outside the lock, [`Registry::report_pods`]).
+    node_pods: HashMap<String, Arc<Vec<PodRef>>>,
     /// address → nodes announcing it.
     addresses: HashMap<String, BTreeSet<String>>,
     /// node → the addresses it is indexed under (so a node leaves the index
@@ -184,7 +185,7 @@ struct Tables {
     max_departed: DepartedLimit,
     /// node → the pod claims of its last report the apiserver contradicted
     /// (a claim repeated in every report is logged and counted once).
-    node_refused: HashMap<String, BTreeSet<String>>,
+    node_refused: HashMap<String, Arc<BTreeSet<String>>>,
     /// node → the peers holding it (usually one; two while it moves).
     remote: HashMap<String, Vec<RemoteEdge>>,
     /// (namespace, pod) → node → how many peers report it there.
@@ -912,18 +913,23 @@ impl Registry {
         }
     }
 
-    fn unindex_pods(t: &mut Tables, node: &str) -> Vec<PodRef> {
+    fn unindex_pods(t: &mut Tables, node: &str) -> Arc<Vec<PodRef>> {
         let old = t.node_pods.remove(node).unwrap_or_default();
-        for p in &old {
+        for p in old.iter() {
             let key = (p.namespace.clone(), p.name.clone());
-            if let Some(nodes) = t.pods.get_mut(&key) {
-                nodes.remove(node);
-                if nodes.is_empty() {
-                    t.pods.remove(&key);
-                }
-            }
+            Self::unindex_pod(t, node, &key);
         }
         old
+    }
+
+    /// Takes `node` out of the index entry of pod `key`.
+    fn unindex_pod(t: &mut Tables, node: &str, key: &(String, String)) {
+        if let Some(nodes) = t.pods.get_mut(key) {
+            nodes.remove(node);
+            if nodes.is_empty() {
+                t.pods.remove(key);
+            }
+        }
     }
 
     /// Replaces a node's pod list (only if `session` is still its session).
@@ -941,56 +947,106 @@ impl Registry {
                 routes::MAX_POD_NAME_LEN
             );
         }
-        let mut t = self.tables();
-        if !t
-            .sessions
-            .get(&session.node)
-            .map(|s| Arc::ptr_eq(s, session))
-            .unwrap_or(false)
-        {
-            return;
-        }
-        let node = session.node.clone();
-        Self::unindex_pods(&mut t, &node);
-        let pods: Vec<PodRef> = match &self.authority {
-            None => pods,
-            Some(auth) => {
-                let before = t.node_refused.remove(&node).unwrap_or_default();
-                let mut refused = BTreeSet::new();
-                let pods = pods
-                    .into_iter()
-                    .filter(|p| match auth.pod(&p.namespace, &p.name) {
-                        PodPlacement::On(owner) if owner != node => {
-                            let what = format!("{}/{}", p.namespace, p.name);
-                            if !before.contains(&what) {
-                                self.refuse_claim("pod", &node, &what, &owner);
-                            }
-                            refused.insert(what);
-                            false
-                        }
-                        _ => true,
-                    })
-                    .collect();
-                if !refused.is_empty() {
-                    t.node_refused.insert(node.clone(), refused);
-                }
-                pods
-            }
+        let node = session.node.as_str();
+        // Everything that takes time in proportion to the report happens
+        // outside the lock, which every lookup, attach and relay takes: the
+        // apiserver's word on each pod (the authority has its own lock), the
+        // comparison with the node's last report, the new index keys. Under
+        // the lock only the entries that changed are touched, and the new
+        // list swapped in.
+        let (pods, refused) = self.vet_pods(node, pods);
+        let current = |t: &Tables| {
+            t.sessions
+                .get(node)
+                .is_some_and(|s| Arc::ptr_eq(s, session))
         };
-        for p in &pods {
-            t.pods
-                .entry((p.namespace.clone(), p.name.clone()))
-                .or_default()
-                .insert(node.clone());
-        }
-        t.mark(&node);
+        let (previous, refused_before) = {
+            let t = self.tables();
+            if !current(&t) {
+                return;
+            }
+            (
+                t.node_pods.get(node).cloned(),
+                t.node_refused.get(node).cloned(),
+            )
+        };
+        let (added, removed) = pod_delta(previous.as_deref().map_or(&[], Vec::as_slice), &pods);
+        let newly_refused: Vec<(String, String)> = refused
+            .iter()
+            .filter(|(what, _)| !refused_before.as_ref().is_some_and(|b| b.contains(what)))
+            .cloned()
+            .collect();
+        let refused: BTreeSet<String> = refused.into_iter().map(|(what, _)| what).collect();
         let pods_len =
             routes::pods_len(pods.iter().map(|p| (p.namespace.as_str(), p.name.as_str())));
         let count = pods.len();
-        t.node_pods.insert(node, pods);
-        drop(t);
+        let pods = Arc::new(pods);
+        {
+            let mut t = self.tables();
+            if !current(&t) {
+                return;
+            }
+            let unchanged = match (t.node_pods.get(node), &previous) {
+                (Some(now), Some(then)) => Arc::ptr_eq(now, then),
+                (None, None) => true,
+                _ => false,
+            };
+            if unchanged {
+                for key in &removed {
+                    Self::unindex_pod(&mut t, node, key);
+                }
+                for key in added {
+                    t.pods.entry(key).or_default().insert(node.to_string());
+                }
+            } else {
+                // The list changed between the two locks (this session's
+                // own reports come one at a time, so never in practice):
+                // index the whole report.
+                Self::unindex_pods(&mut t, node);
+                for p in pods.iter() {
+                    t.pods
+                        .entry((p.namespace.clone(), p.name.clone()))
+                        .or_default()
+                        .insert(node.to_string());
+                }
+            }
+            if self.authority.is_some() {
+                if refused.is_empty() {
+                    t.node_refused.remove(node);
+                } else {
+                    t.node_refused.insert(node.to_string(), Arc::new(refused));
+                }
+            }
+            t.mark(node);
+            t.node_pods.insert(node.to_string(), pods);
+        }
         self.touch();
+        for (what, owner) in newly_refused {
+            self.refuse_claim("pod", node, &what, &owner);
+        }
         self.check_record_len(session, count, pods_len);
+    }
+
+    /// The pods of a report this registry accepts for `node`, and the
+    /// claims it refuses with their owners (`namespace/name`, owner): with
+    /// an apiserver, a pod it places on another node is refused; a pod it
+    /// does not know (yet: its watch may lag the kubelet) is kept.
+    fn vet_pods(&self, node: &str, pods: Vec<PodRef>) -> (Vec<PodRef>, Vec<(String, String)>) {
+        let Some(auth) = &self.authority else {
+            return (pods, Vec::new());
+        };
+        let mut refused = Vec::new();
+        let pods = pods
+            .into_iter()
+            .filter(|p| match auth.pod(&p.namespace, &p.name) {
+                PodPlacement::On(owner) if owner != node => {
+                    refused.push((format!("{}/{}", p.namespace, p.name), owner));
+                    false
+                }
+                _ => true,
+            })
+            .collect();
+        (pods, refused)
     }
 
     /// Warns (once per report) when `session`'s route record with `pods`
@@ -1046,8 +1102,8 @@ impl Registry {
         t.node_refused.remove(&node);
         Self::unindex_addresses(&mut t, &node);
         let keys: Vec<(String, String)> = Self::unindex_pods(&mut t, &node)
-            .into_iter()
-            .map(|p| (p.namespace, p.name))
+            .iter()
+            .map(|p| (p.namespace.clone(), p.name.clone()))
             .collect();
         t.depart(&node, keys);
         t.mark(&node);
@@ -1456,6 +1512,23 @@ impl Registry {
             looked_up: looked.join(" or "),
         })
     }
+}
+
+/// The index keys (namespace, name) a node gains and loses when its report
+/// `old` is replaced by `new` (a pod listed twice is one key).
+#[allow(clippy::type_complexity)]
+fn pod_delta(old: &[PodRef], new: &[PodRef]) -> (Vec<(String, String)>, Vec<(String, String)>) {
+    fn keys(pods: &[PodRef]) -> HashSet<(&str, &str)> {
+        pods.iter()
+            .map(|p| (p.namespace.as_str(), p.name.as_str()))
+            .collect()
+    }
+    let (old, new) = (keys(old), keys(new));
+    let owned = |(ns, name): &(&str, &str)| (ns.to_string(), name.to_string());
+    (
+        new.difference(&old).map(owned).collect(),
+        old.difference(&new).map(owned).collect(),
+    )
 }
 
 /// `pods` without the entries whose namespace or name is longer than
@@ -2163,5 +2236,65 @@ mod tests {
         assert_eq!(r.route_pod("default", "ok").unwrap().node, "edge-a");
         assert_eq!(r.route_pod(&ns63, &name253).unwrap().node, "edge-a");
         assert_eq!(r.tables().node_pods["edge-a"].len(), 2);
+    }
+
+    /// A report is indexed by its difference from the node's last one
+    /// (computed outside the lock): whatever the sequence — pods coming and
+    /// going, listed twice, shared with another node, an empty report, a
+    /// node leaving and coming back — the index is exactly what indexing
+    /// every node's last report from scratch gives.
+    #[test]
+    fn pod_reports_index_exactly_the_last_report_of_each_node() {
+        let r = Registry::new(Duration::from_secs(1));
+        let a = session("edge-a", &[]);
+        let b = session("edge-b", &[]);
+        r.insert(a.clone());
+        r.insert(b.clone());
+        let from_scratch = |r: &Registry| {
+            let t = r.tables();
+            let mut want: HashMap<(String, String), BTreeSet<String>> = HashMap::new();
+            for (node, pods) in &t.node_pods {
+                for p in pods.iter() {
+                    want.entry((p.namespace.clone(), p.name.clone()))
+                        .or_default()
+                        .insert(node.clone());
+                }
+            }
+            assert_eq!(t.pods, want);
+        };
+        let list = |names: &[&str]| names.iter().map(|n| pod("default", n)).collect();
+        let steps: [(&Arc<Session>, &[&str]); 8] = [
+            (&a, &["p1", "p2", "p2", "shared"]),
+            (&b, &["shared", "q1"]),
+            (&a, &["p2", "p3", "shared"]),
+            (&b, &[]),
+            (&a, &["p3"]),
+            (&b, &["p3", "q2", "q2"]),
+            (&a, &[]),
+            (&a, &["p1", "shared"]),
+        ];
+        for (s, names) in steps {
+            r.report_pods(s, list(names));
+            from_scratch(&r);
+        }
+        assert_eq!(r.route_pod("default", "q2").unwrap().node, "edge-b");
+        assert_eq!(r.route_pod("default", "p3").unwrap().node, "edge-b");
+        assert_eq!(r.route_pod("default", "p1").unwrap().node, "edge-a");
+        // Leaving and coming back: the new session's first report replaces
+        // what the old one's left in the index.
+        assert!(r.remove(&b));
+        from_scratch(&r);
+        let b2 = session("edge-b", &[]);
+        r.insert(b2.clone());
+        r.report_pods(&b2, list(&["q3", "shared"]));
+        from_scratch(&r);
+        assert!(matches!(
+            r.route_pod("default", "shared"),
+            Err(RouteError::AmbiguousPod { .. })
+        ));
+        // A replaced session's late report changes nothing.
+        r.report_pods(&b, list(&["late"]));
+        from_scratch(&r);
+        assert!(r.route_pod("default", "late").is_err());
     }
 }

@@ -36,7 +36,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::admission::Claim;
 use crate::backlog::{Backlog, Offer};
-use crate::config::CloudConfig;
+use crate::config::{CloudConfig, PodReportLimits};
 use crate::gate::{Gate, Verdict};
 use crate::metrics::CloudMetrics;
 use crate::registry::{Admitted, Registry};
@@ -569,29 +569,33 @@ async fn refuse_now(
     conn.close(close_code::REFUSED.into(), message.as_bytes());
 }
 
-/// Pod reports an edge may send per second, and at once. An edge reports
-/// on change, at most once per `--pods-refresh`; far more is abuse that
-/// would re-index the registry under its lock.
-const REPORTS_PER_SEC: f64 = 10.0;
-const REPORT_BURST: f64 = 20.0;
-
-/// A token bucket over one connection's pod reports.
+/// The pod reports of one connection: a token bucket over them
+/// (`--pod-reports-per-sec`, `--pod-report-burst`) and their size
+/// (`--max-pods-per-report`). An edge reports on change, at most once per
+/// its `--pods-refresh`; far more is abuse that would re-index the registry.
 struct ReportRate {
     tokens: f64,
     at: std::time::Instant,
+    limits: PodReportLimits,
+    /// Whether a report over `--max-pods-per-report` was warned about on
+    /// this connection (the edge sends the same list again on every change).
+    cut_warned: bool,
 }
 
 impl ReportRate {
-    fn new(now: std::time::Instant) -> Self {
+    fn new(now: std::time::Instant, limits: PodReportLimits) -> Self {
         ReportRate {
-            tokens: REPORT_BURST,
+            tokens: f64::from(limits.burst),
             at: now,
+            limits,
+            cut_warned: false,
         }
     }
 
     fn allow(&mut self, now: std::time::Instant) -> bool {
         let dt = now.saturating_duration_since(self.at).as_secs_f64();
-        self.tokens = (self.tokens + dt * REPORTS_PER_SEC).min(REPORT_BURST);
+        self.tokens =
+            (self.tokens + dt * f64::from(self.limits.per_sec)).min(f64::from(self.limits.burst));
         self.at = now;
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;
@@ -599,6 +603,27 @@ impl ReportRate {
         } else {
             false
         }
+    }
+
+    /// Cuts `pods` to `--max-pods-per-report`, warning once per connection.
+    fn cut(&mut self, node: &str, pods: &mut Vec<tether_proto::handshake::PodRef>) {
+        let max = self.limits.max_pods;
+        if pods.len() <= max {
+            return;
+        }
+        if !std::mem::replace(&mut self.cut_warned, true) {
+            warn!(
+                node = %node,
+                pods = pods.len(),
+                max_pods_per_report = max,
+                "a pod report lists more pods than --max-pods-per-report: keeping the first {max} \
+                 (edges sort them by namespace and name); without an apiserver the rest get 404. \
+                 Warned once per connection"
+            );
+        } else {
+            debug!(node = %node, pods = pods.len(), max_pods_per_report = max, "pod report cut");
+        }
+        pods.truncate(max);
     }
 }
 
@@ -1144,6 +1169,7 @@ async fn serve_attached(
             metrics,
         },
         tickets_for_control,
+        cfg.pod_reports,
     ));
     let migrations = std::pin::pin!(watch_migration(
         moves.watch(&conn),
@@ -1490,9 +1516,10 @@ fn control_loop<'a>(
     edge_keeps_alive: Arc<std::sync::atomic::AtomicBool>,
     renewal: Renewal<'a>,
     tickets: TicketIssuer,
+    pod_reports: PodReportLimits,
 ) -> impl std::future::Future<Output = anyhow::Result<()>> + 'a {
     async move {
-        let mut reports = ReportRate::new(std::time::Instant::now());
+        let mut reports = ReportRate::new(std::time::Instant::now(), pod_reports);
         // The welcome's ticket was issued just before.
         let mut issued = std::time::Instant::now();
         // Only for edges that send no keep-alive frames (see `ticket_refresh`).
@@ -1552,7 +1579,7 @@ fn on_control_frame(
 ) -> anyhow::Result<Then> {
     match frame {
         Frame::RenewCert { csr_pem } => return Ok(Then::Renew(csr_pem)),
-        Frame::PodReport(report) => {
+        Frame::PodReport(mut report) => {
             if report.pods.len() > MAX_PODS {
                 anyhow::bail!(
                     "pod report of {} pods exceeds {MAX_PODS}",
@@ -1561,9 +1588,12 @@ fn on_control_frame(
             }
             if !reports.allow(std::time::Instant::now()) {
                 anyhow::bail!(
-                    "pod reports faster than {REPORTS_PER_SEC}/s (burst {REPORT_BURST}): closing the connection"
+                    "pod reports faster than {}/s (burst {}; --pod-reports-per-sec, --pod-report-burst): closing the connection",
+                    reports.limits.per_sec,
+                    reports.limits.burst
                 );
             }
+            reports.cut(&session.node, &mut report.pods);
             debug!(node = %session.node, pods = report.pods.len(), "pod report");
             registry.report_pods(session, report.pods);
         }
@@ -1883,10 +1913,16 @@ mod renewal_tests {
         assert!(registry.get("b").is_some());
     }
 
+    const REPORTS: PodReportLimits = PodReportLimits {
+        per_sec: 10,
+        burst: 20,
+        max_pods: 10_000,
+    };
+
     #[test]
     fn pod_reports_are_rate_limited() {
         let t = Instant::now();
-        let mut r = ReportRate::new(t);
+        let mut r = ReportRate::new(t, REPORTS);
         for _ in 0..20 {
             assert!(r.allow(t));
         }
@@ -1894,10 +1930,56 @@ mod renewal_tests {
         assert!(r.allow(t + Duration::from_millis(100)));
         assert!(!r.allow(t + Duration::from_millis(100)));
         // A normal edge (one report a second) is never limited.
-        let mut r = ReportRate::new(t);
+        let mut r = ReportRate::new(t, REPORTS);
         for i in 0..100 {
             assert!(r.allow(t + Duration::from_secs(i)));
         }
+        // --pod-reports-per-sec 2, --pod-report-burst 3.
+        let mut r = ReportRate::new(
+            t,
+            PodReportLimits {
+                per_sec: 2,
+                burst: 3,
+                ..REPORTS
+            },
+        );
+        assert!((0..3).all(|_| r.allow(t)));
+        assert!(!r.allow(t), "the 4th at once");
+        assert!(!r.allow(t + Duration::from_millis(400)));
+        assert!(r.allow(t + Duration::from_millis(500)));
+    }
+
+    /// `--max-pods-per-report`: a report over it keeps its first pods, and
+    /// is warned about once per connection, naming the node and the flag.
+    #[test]
+    fn a_pod_report_over_max_pods_per_report_keeps_its_first_pods() {
+        let pod = |i: usize| tether_proto::handshake::PodRef {
+            namespace: "default".into(),
+            name: format!("p{i:03}"),
+            uid: String::new(),
+        };
+        let mut r = ReportRate::new(
+            Instant::now(),
+            PodReportLimits {
+                max_pods: 100,
+                ..REPORTS
+            },
+        );
+        let mut at = (0..100).map(pod).collect::<Vec<_>>();
+        let ((), warnings) = crate::testlog::warnings(|| r.cut("edge-1", &mut at));
+        assert_eq!((at.len(), warnings.len()), (100, 0));
+        let mut all = Vec::new();
+        for _ in 0..3 {
+            let mut over = (0..250).map(pod).collect::<Vec<_>>();
+            let ((), w) = crate::testlog::warnings(|| r.cut("edge-1", &mut over));
+            assert_eq!(over, (0..100).map(pod).collect::<Vec<_>>());
+            all.extend(w);
+        }
+        assert_eq!(all.len(), 1, "{all:?}");
+        assert!(
+            all[0].contains("node=edge-1") && all[0].contains("--max-pods-per-report"),
+            "{all:?}"
+        );
     }
 
     #[test]

@@ -136,3 +136,127 @@ async fn a_hello_announcing_more_than_max_announced_addresses_is_refused() {
         .expect("a hello at the bound is welcomed");
     assert!(edge.conn.close_reason().is_none());
 }
+
+/// `--max-pods-per-report 1000`: an edge whose kubelet lists 3,000 pods
+/// (a report well within the default 1 MiB frame) has its report cut by
+/// the cloud to the first 1,000, with one warning naming the node and the
+/// flag; the connection stays up, pod 1,000 routes and pod 1,001 gets 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_report_over_max_pods_per_report_is_cut_by_the_cloud() {
+    let env = Env::start(&[], &["--max-pods-per-report", "1000"])
+        .await
+        .unwrap();
+    let pods: Vec<String> = (0..PODS).map(|i| format!("default/pod-{i:05}")).collect();
+    let names: Vec<&str> = pods.iter().map(String::as_str).collect();
+    let kubelet = Kubelet::start(NODE, &names).await.unwrap();
+    let edge = env
+        .spawn_edge(NODE, &format!("http://{}", kubelet.addr), &[], &[])
+        .await
+        .unwrap();
+    env.wait_routable(&pods[999]).await.unwrap();
+    let next = pods[1000].split_once('/').unwrap().1;
+    let r = env
+        .client
+        .get(
+            &format!("/containerLogs/default/{next}/c"),
+            "apiserver.example:6443",
+            None,
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, StatusCode::NOT_FOUND, "{}", r.body);
+    let log = env.cloud_log();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("--max-pods-per-report"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{log}");
+    for part in [
+        &format!("node={NODE}"),
+        "pods=3000",
+        "max_pods_per_report=1000",
+    ] {
+        assert!(
+            warnings[0].contains(part),
+            "{part:?} not in {}",
+            warnings[0]
+        );
+    }
+    let connects = edge
+        .lines()
+        .iter()
+        .filter(|l| l.starts_with("tether-edge connected"))
+        .count();
+    assert_eq!(
+        connects,
+        1,
+        "the edge reconnected:\n{}",
+        edge.stderr_tail(40)
+    );
+}
+
+/// `--pod-reports-per-sec 1 --pod-report-burst 3`: a hand-driven edge
+/// sends four pod reports at once; the cloud takes three and closes the
+/// connection on the fourth, logging the node and both flags. (The
+/// defaults, 10/s with a burst of 20, would take all four.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_reports_beyond_the_configured_rate_close_the_connection() {
+    use tether_proto::handshake::{PodRef, PodReport};
+    use tether_proto::Frame;
+    let env = Env::start(
+        &[],
+        &["--pod-reports-per-sec", "1", "--pod-report-burst", "3"],
+    )
+    .await
+    .unwrap();
+    let pair = &env.pki.edges[NODE];
+    let mut edge = support::RawEdge::connect(
+        env.tunnel,
+        &env.pki.tether_ca_pem,
+        &pair.cert_pem,
+        &pair.key_pem,
+        NODE,
+    )
+    .await
+    .unwrap();
+    for i in 0..4 {
+        let report = Frame::PodReport(PodReport {
+            pods: vec![PodRef {
+                namespace: "default".into(),
+                name: format!("r{i}"),
+                uid: String::new(),
+            }],
+        });
+        tether_proto::io::write_frame(&mut edge.send, &report, 1 << 20)
+            .await
+            .unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(10), edge.conn.closed())
+        .await
+        .expect("the cloud closes the connection within 10 s");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let line = loop {
+        let log = env.cloud_log();
+        if let Some(l) = log.lines().find(|l| l.contains("pod reports faster than")) {
+            break l.to_string();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no refusal logged:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for part in [
+        &format!("node={NODE}"),
+        "faster than 1/s (burst 3; --pod-reports-per-sec, --pod-report-burst)",
+    ] {
+        assert!(line.contains(part), "{part:?} not in {line}");
+    }
+    let accepted = env
+        .cloud_log()
+        .lines()
+        .filter(|l| l.contains("pod report") && l.contains(&format!("node={NODE} pods=1")))
+        .count();
+    assert_eq!(accepted, 3, "{}", env.cloud_log());
+}
