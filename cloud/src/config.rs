@@ -266,6 +266,12 @@ pub struct CloudArgs {
     /// nodes that left first are forgotten first.
     #[arg(long, env = "TETHER_MAX_DEPARTED_PODS", default_value_t = crate::registry::DEFAULT_MAX_DEPARTED_PODS)]
     pub max_departed_pods: usize,
+    /// Least time between two warnings about one node's pod claims the
+    /// apiserver contradicts (an edge reporting another node's pods): the
+    /// claims in between are counted (`tether_cloud_claims_refused_total`)
+    /// and summed up in the next warning. `0s`: every new claim is logged.
+    #[arg(long, env = "TETHER_CLAIM_WARNING_INTERVAL", default_value = "1m", value_parser = parse_duration)]
+    pub claim_warning_interval: Duration,
     /// Pod reports one edge connection may send per second on average; an
     /// edge reports on change, at most once per its `--pods-refresh`. Past
     /// it (and `--pod-report-burst`) the connection is closed.
@@ -565,6 +571,8 @@ pub struct CloudConfig {
     pub max_departed_pods: usize,
     /// How often and how large an edge's pod reports may be.
     pub pod_reports: PodReportLimits,
+    /// Least time between two warnings about one node's refused pod claims.
+    pub claim_warning_interval: Duration,
     /// `None`: one per available CPU.
     pub worker_threads: Option<usize>,
     pub max_pending_handshakes: usize,
@@ -862,6 +870,7 @@ impl CloudArgs {
             max_edges: self.max_edges,
             max_announced_addresses: self.max_announced_addresses,
             max_departed_pods: self.max_departed_pods,
+            claim_warning_interval: self.claim_warning_interval,
             pod_reports: PodReportLimits {
                 per_sec: self.pod_reports_per_sec,
                 burst: self.pod_report_burst,
@@ -1353,5 +1362,22 @@ mod tests {
             e.contains("--max-pods-per-report must be at most 100000"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn claim_warning_interval_has_its_default_and_takes_zero() {
+        assert_eq!(
+            test_config(&[]).unwrap().claim_warning_interval,
+            Duration::from_secs(60)
+        );
+        assert_eq!(
+            test_config(&["--claim-warning-interval=0s"])
+                .unwrap()
+                .claim_warning_interval,
+            Duration::ZERO
+        );
+        assert!(test_config(&["--claim-warning-interval=soon"])
+            .unwrap_err()
+            .contains("claim-warning-interval"));
     }
 }

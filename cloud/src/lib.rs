@@ -149,7 +149,8 @@ impl Cloud {
             authority,
             metrics.claims_refused.clone(),
         )
-        .with_max_departed(cfg.max_departed_pods);
+        .with_max_departed(cfg.max_departed_pods)
+        .with_claim_warning_interval(cfg.claim_warning_interval);
         let registry = Arc::new(match &cfg.peer {
             Some(p) => registry.with_peer_message_limit(p.max_message_bytes),
             None => registry,

@@ -14,8 +14,10 @@
 //! edges' reports and hello addresses are hints: pods route by the node the
 //! apiserver binds them to and addresses by the nodes' status, and a hint that
 //! names another node's pod or address is refused, logged with both nodes and
-//! counted in `tether_cloud_claims_refused`. Without one (the insecure opt-in)
-//! the edges' reports are all there is. Either way an address in `Host`/SNI is
+//! counted in `tether_cloud_claims_refused` (one node's pod claims are logged
+//! at most once per `--claim-warning-interval`, however its reports
+//! alternate). Without one (the insecure opt-in) the edges' reports are all
+//! there is. Either way an address in `Host`/SNI is
 //! looked up as an address before as a node name, so a node named like an IP
 //! cannot take that IP's requests.
 //!
@@ -34,7 +36,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
@@ -184,8 +186,9 @@ struct Tables {
     /// Bound on `departed` (`--max-departed-pods`).
     max_departed: DepartedLimit,
     /// node → the pod claims of its last report the apiserver contradicted
-    /// (a claim repeated in every report is logged and counted once).
-    node_refused: HashMap<String, Arc<BTreeSet<String>>>,
+    /// (a claim repeated in every report is counted once) and when they were
+    /// last logged; kept while the node is held here.
+    node_refused: HashMap<String, RefusedClaims>,
     /// node → the peers holding it (usually one; two while it moves).
     remote: HashMap<String, Vec<RemoteEdge>>,
     /// (namespace, pod) → node → how many peers report it there.
@@ -203,6 +206,22 @@ struct Tables {
     /// behind it gets a full comparison instead.
     forgotten_through: u64,
 }
+
+/// One node's refused pod claims ([`Tables::node_refused`]).
+#[derive(Default)]
+struct RefusedClaims {
+    /// The claims of the node's last report the apiserver contradicted: a
+    /// claim also in the next report is not counted or logged again.
+    last: Arc<BTreeSet<String>>,
+    /// When a refused claim of the node was last logged: at most one
+    /// warning per `--claim-warning-interval`, however its reports alternate.
+    warned_at: Option<Instant>,
+    /// Claims refused (and counted) since then without a warning.
+    unlogged: u64,
+}
+
+/// Default of `--claim-warning-interval`.
+pub const DEFAULT_CLAIM_WARNING_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Default of `--max-departed-pods`.
 pub const DEFAULT_MAX_DEPARTED_PODS: usize = 100_000;
@@ -486,6 +505,9 @@ pub struct Registry {
     /// route record larger than one message is warned about (the record is
     /// published without its pods, see [`crate::routes::encode`]).
     peer_message_limit: Option<usize>,
+    /// Least time between two warnings about one node's refused pod claims
+    /// (`--claim-warning-interval`).
+    claim_warning_interval: Duration,
 }
 
 /// Normalizes a `Host` or SNI value: lowercase, without port or IPv6 brackets.
@@ -512,7 +534,15 @@ impl Registry {
             any_changes: watch::channel(0).0,
             timeouts: Mutex::new(crate::session::Timeouts::default()),
             peer_message_limit: None,
+            claim_warning_interval: DEFAULT_CLAIM_WARNING_INTERVAL,
         }
+    }
+
+    /// The same registry, logging one node's refused pod claims at most once
+    /// per `interval` (`--claim-warning-interval`; they are all counted).
+    pub fn with_claim_warning_interval(mut self, interval: Duration) -> Self {
+        self.claim_warning_interval = interval;
+        self
     }
 
     /// The same registry, warning about pod reports that make their node's
@@ -967,7 +997,7 @@ impl Registry {
             }
             (
                 t.node_pods.get(node).cloned(),
-                t.node_refused.get(node).cloned(),
+                t.node_refused.get(node).map(|r| r.last.clone()),
             )
         };
         let (added, removed) = pod_delta(previous.as_deref().map_or(&[], Vec::as_slice), &pods);
@@ -981,7 +1011,7 @@ impl Registry {
             routes::pods_len(pods.iter().map(|p| (p.namespace.as_str(), p.name.as_str())));
         let count = pods.len();
         let pods = Arc::new(pods);
-        {
+        let log = {
             let mut t = self.tables();
             if !current(&t) {
                 return;
@@ -1010,19 +1040,60 @@ impl Registry {
                         .insert(node.to_string());
                 }
             }
-            if self.authority.is_some() {
-                if refused.is_empty() {
-                    t.node_refused.remove(node);
-                } else {
-                    t.node_refused.insert(node.to_string(), Arc::new(refused));
+            // Whether this report's new refusals are logged now (with how
+            // many went unlogged before), or counted only.
+            let mut log = None;
+            if self.authority.is_some()
+                && (!refused.is_empty() || t.node_refused.contains_key(node))
+            {
+                let r = t.node_refused.entry(node.to_string()).or_default();
+                r.last = Arc::new(refused);
+                if !newly_refused.is_empty() {
+                    let now = Instant::now();
+                    let due = r.warned_at.is_none_or(|at| {
+                        now.saturating_duration_since(at) >= self.claim_warning_interval
+                    });
+                    if due {
+                        r.warned_at = Some(now);
+                        log = Some(std::mem::take(&mut r.unlogged));
+                    } else {
+                        r.unlogged += newly_refused.len() as u64;
+                    }
                 }
             }
             t.mark(node);
             t.node_pods.insert(node.to_string(), pods);
-        }
+            log
+        };
         self.touch();
-        for (what, owner) in newly_refused {
-            self.refuse_claim("pod", node, &what, &owner);
+        if !newly_refused.is_empty() {
+            self.claims_refused
+                .get_or_create(&KindLabel { kind: "pod" })
+                .inc_by(newly_refused.len() as u64);
+        }
+        if let (Some(unlogged), Some((what, owner))) = (log, newly_refused.first()) {
+            let more = unlogged + newly_refused.len() as u64 - 1;
+            if more == 0 {
+                warn!(
+                    node = %node.escape_debug(),
+                    owner = %owner.escape_debug(),
+                    claim = %what.escape_debug(),
+                    "refusing an edge's pod claim: the apiserver has it on another node"
+                );
+            } else {
+                warn!(
+                    node = %node.escape_debug(),
+                    owner = %owner.escape_debug(),
+                    claim = %what.escape_debug(),
+                    more,
+                    interval = ?self.claim_warning_interval,
+                    "refusing an edge's pod claim: the apiserver has it on another node; \
+                     with it, `more` other claims of the node refused since its last such \
+                     warning or in this report (all counted in \
+                     tether_cloud_claims_refused_total; one warning per node per \
+                     --claim-warning-interval)"
+                );
+            }
         }
         self.check_record_len(session, count, pods_len);
     }
@@ -2296,5 +2367,64 @@ mod tests {
         r.report_pods(&b, list(&["late"]));
         from_scratch(&r);
         assert!(r.route_pod("default", "late").is_err());
+    }
+
+    /// An edge alternating a report that claims another node's pod with an
+    /// empty one: before, every other report logged the claim again (a
+    /// refusal was suppressed only when in the previous report). Now one
+    /// node's claims are logged at most once per `--claim-warning-interval`
+    /// and every new refusal is still counted; several new claims in one
+    /// report make one warning. With the interval at 0 each is logged.
+    #[test]
+    fn refused_pod_claims_are_logged_at_most_once_per_interval_per_node() {
+        let auth = Arc::new(Authority::new());
+        for p in ["p1", "p2", "p3"] {
+            auth.set_pod("default", p, Some(Some("edge-a".into())));
+        }
+        let run = |interval: Duration, reports: &[&[&str]]| {
+            let r = Registry::with_authority(
+                Duration::from_secs(1),
+                Some(auth.clone()),
+                Family::default(),
+            )
+            .with_claim_warning_interval(interval);
+            let b = session("edge-b", &[]);
+            r.insert(b.clone());
+            let ((), warnings) = crate::testlog::warnings(|| {
+                for names in reports {
+                    r.report_pods(&b, names.iter().map(|n| pod("default", n)).collect());
+                }
+            });
+            let claims: Vec<String> = warnings
+                .into_iter()
+                .filter(|w| w.contains("refusing an edge's pod claim"))
+                .collect();
+            (claims, refused(&r, "pod"))
+        };
+        let alternating: Vec<&[&str]> = (0..6)
+            .map(|i| if i % 2 == 0 { &["p1"][..] } else { &[][..] })
+            .collect();
+        let (warnings, counted) = run(Duration::from_secs(3600), &alternating);
+        assert_eq!((warnings.len(), counted), (1, 3), "{warnings:?}");
+        assert!(
+            warnings[0].contains("node=edge-b")
+                && warnings[0].contains("owner=edge-a")
+                && warnings[0].contains("claim=default/p1"),
+            "{warnings:?}"
+        );
+        // The same claim in every report: counted once, logged once.
+        let (warnings, counted) = run(Duration::ZERO, &[&["p1"], &["p1"], &["p1"]]);
+        assert_eq!((warnings.len(), counted), (1, 1), "{warnings:?}");
+        // Interval 0: every new claim is logged, as before the flag.
+        let (warnings, counted) = run(Duration::ZERO, &alternating);
+        assert_eq!((warnings.len(), counted), (3, 3), "{warnings:?}");
+        // Three new claims in one report, then two more within the interval:
+        // one warning, naming how many more; the later ones counted only.
+        let (warnings, counted) = run(
+            Duration::from_secs(3600),
+            &[&["p1", "p2", "p3"], &[], &["p2", "p3"]],
+        );
+        assert_eq!((warnings.len(), counted), (1, 5), "{warnings:?}");
+        assert!(warnings[0].contains("more=2"), "{warnings:?}");
     }
 }
