@@ -31,14 +31,25 @@
 //! will re-attach it: the edge ends the stream at once); the owner's end is
 //! reset with `DETACHED` when the edge's connection died, and the owner waits
 //! for the edge to come back (here or anywhere).
+//!
+//! **The owner leaving ends the splice**, however the edge reads. A write to
+//! the edge waits for the edge's flow-control credit only while the owner is
+//! there: an edge that stops reading (a pod that does not read its stdin, or
+//! an edge that never reads) does not hold the splice, its task and the
+//! owner's peer-link stream past the owner. Once the owner has stopped
+//! reading, the edge gets `--peer-timeout` to take the owner's last bytes,
+//! then its end is reset `DETACHED`; an owner's reset or lost link ends the
+//! splice at once.
 
 use std::io;
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use tether_proto::copies::CopyLink;
 use tether_proto::handshake::stream_code;
 use tether_proto::ops::ByteCounters;
 use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::sync::watch;
 use tracing::{debug, info, Instrument};
 
 use crate::metrics::CloudMetrics;
@@ -333,60 +344,201 @@ async fn send_refusal(send: &mut quinn::SendStream, answer: &[u8], timeout: Dura
     }
 }
 
-/// Whether a read error means the peer link to the owner died (not closed by
-/// this replica itself, which happens only as it exits: its edges then lose
-/// their connections too and the owners re-attach elsewhere).
-fn owner_gone(e: &quinn::ReadError) -> bool {
-    matches!(e, quinn::ReadError::ConnectionLost(c) if !matches!(c, quinn::ConnectionError::LocallyClosed))
+/// Whether the peer link to the owner died (not closed by this replica
+/// itself, which happens only as it exits: its edges then lose their
+/// connections too and the owners re-attach elsewhere).
+fn owner_link_died(e: &quinn::ConnectionError) -> bool {
+    !matches!(e, quinn::ConnectionError::LocallyClosed)
 }
 
-/// Copies one direction; on a failure resets/stops the other side. When the
-/// reader of `to` stops it, `to` is let go at once, without waiting for `from`
-/// to send again: an owner whose client left stops reading, while the edge may
-/// stay silent for as long as the pod writes nothing (a `logs -f`), and until
-/// then the splice held one of the peer link's streams. `from` is then given
-/// `grace` to end on its own before it is stopped: its sender has the other
-/// direction's last bytes to read first (a reset and its reason), which a
-/// stop arriving at once could beat.
-async fn copy_one(
+/// What the edge's end is reset with when the owner's stream failed: the
+/// owner is gone only when its peer link died; anything else (the owner
+/// reset its stream) loses this transport alone.
+fn edge_code_after_owner_failed(e: &quinn::ReadError) -> u32 {
+    match e {
+        quinn::ReadError::ConnectionLost(c) if owner_link_died(c) => stream_code::OWNER_GONE,
+        _ => stream_code::DETACHED,
+    }
+}
+
+/// Copies the owner's bytes to the edge until the owner finishes, then
+/// finishes the edge's end; a failed read from the owner resets the edge's
+/// end, a failed write to the edge stops the owner's, and when the edge
+/// stops reading the owner's end gets `grace` ([`end_after_stop`]).
+///
+/// A write waits for the edge's flow-control credit for as long as the edge
+/// takes to read (a pod that reads its stdin slowly is not cut), but not
+/// past the owner: while it waits it watches the owner's stream, and a reset
+/// there or its peer link lost ends this direction as a failed read would.
+/// When the owner stops reading (`owner_left`, seen by the other direction),
+/// the edge gets `grace` to take the owner's last bytes (a `Reset` and its
+/// reason), then its end is reset `DETACHED` (the owner lives: the stream is
+/// the edge's to resume) and the owner's stream is let go. Before, an edge
+/// that never read kept this task, the bytes it had taken and the owner's
+/// stream until the edge's connection closed, one of the peer link's
+/// `--peer-max-streams` with each.
+async fn owner_to_edge(
     mut from: quinn::RecvStream,
     mut to: quinn::SendStream,
     counter: prometheus_client::metrics::counter::Counter,
-    from_is_owner: bool,
+    mut owner_left: watch::Receiver<bool>,
     grace: Duration,
 ) {
-    let stopped = to.stopped();
-    tokio::pin!(stopped);
+    // Ends `grace` after the owner left; never when the other direction ended
+    // without seeing it leave (the edge finished or failed).
+    let cut = async move {
+        if owner_left.wait_for(|left| *left).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(grace).await;
+    };
+    tokio::pin!(cut);
+    let edge_stopped = to.stopped();
+    tokio::pin!(edge_stopped);
     let mut watch_stop = true;
+    let mut watch_reset = true;
     // quinn's own received chunks pass on as they are: no copy, and no buffer
     // of the splice's own for as long as the stream lives (two 64 KiB buffers
     // per relayed stream before, most of them idle: a `logs -f`, a shell).
     loop {
         let read = tokio::select! {
             read = from.read_chunk(PIPE_CHUNK, true) => read,
-            why = &mut stopped, if watch_stop => {
+            why = &mut edge_stopped, if watch_stop => {
                 if why.is_err() {
-                    // The connection is going: the read or write below
-                    // fails and says how (an owner's link lost is OWNER_GONE).
+                    // The edge's connection is going: the write below fails.
                     watch_stop = false;
                     continue;
                 }
-                debug!(?why, "the other side stopped reading; ending this direction");
-                drop(to);
-                let drained = tokio::time::timeout(grace, async {
-                    while let Ok(Some(_)) = from.read_chunk(PIPE_CHUNK, true).await {}
-                })
-                .await;
-                if drained.is_err() {
-                    let _ = from.stop(stream_code::DETACHED.into());
-                }
+                debug!(?why, "the edge stopped reading; ending this direction");
+                return end_after_stop(from, to, grace).await;
+            }
+            () = &mut cut => return cut_edge(from, to),
+        };
+        let chunk = match read {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => {
+                let _ = to.finish();
                 return;
+            }
+            Err(e) => return owner_failed(to, &e),
+        };
+        let n = chunk.bytes.len() as u64;
+        let waited = {
+            let write = to.write_chunk(chunk.bytes);
+            tokio::pin!(write);
+            loop {
+                tokio::select! {
+                    written = &mut write => break Waited::Written(written.is_ok()),
+                    reset = from.received_reset(), if watch_reset => match reset {
+                        // Read, the reset frees the stream and its credit.
+                        Ok(Some(code)) => break Waited::OwnerFailed(quinn::ReadError::Reset(code)),
+                        Err(quinn::ResetError::ConnectionLost(e)) => {
+                            break Waited::OwnerFailed(quinn::ReadError::ConnectionLost(e))
+                        }
+                        // Not while bytes are left to read; the read says what happened.
+                        Ok(None) | Err(quinn::ResetError::ZeroRttRejected) => watch_reset = false,
+                    },
+                    () = &mut cut => break Waited::Cut,
+                }
+            }
+        };
+        match waited {
+            Waited::Written(true) => {
+                counter.inc_by(n);
+            }
+            Waited::Written(false) => {
+                let _ = from.stop(stream_code::DETACHED.into());
+                return;
+            }
+            Waited::OwnerFailed(e) => return owner_failed(to, &e),
+            Waited::Cut => return cut_edge(from, to),
+        }
+    }
+}
+
+/// How a write to the edge ended.
+enum Waited {
+    /// Written (`true`), or the edge's end failed.
+    Written(bool),
+    /// The owner's stream was reset or its link lost first.
+    OwnerFailed(quinn::ReadError),
+    /// The owner left, and the grace ended first.
+    Cut,
+}
+
+/// The owner's stream failed (reset, link lost): the edge is told how.
+fn owner_failed(mut to: quinn::SendStream, e: &quinn::ReadError) {
+    let code = edge_code_after_owner_failed(e);
+    debug!(error = %e, code, "splice broke; resetting the edge's end");
+    let _ = to.reset(code.into());
+}
+
+/// The owner left and the edge took none of its last bytes within the grace:
+/// the edge's end is reset `DETACHED`, and the owner's stream let go so that
+/// the peer link counts it closed: a reset the owner sent is read (quinn
+/// announces the credit of a reset stream when the reset is read; stopped,
+/// the stream is freed without a word to the owner and its credit waits for
+/// the owner's next packet), anything else is stopped.
+fn cut_edge(mut from: quinn::RecvStream, mut to: quinn::SendStream) {
+    debug!("the owner left and the edge did not take its last bytes in time; cutting");
+    let _ = to.reset(stream_code::DETACHED.into());
+    if !matches!(from.received_reset().now_or_never(), Some(Ok(Some(_)))) {
+        let _ = from.stop(stream_code::DETACHED.into());
+    }
+}
+
+/// The reader of `to` stopped it (or the owner's link was lost under it):
+/// `to` is let go at once, without waiting for `from` to send again, and
+/// `from` is given `grace` to end on its own before it is stopped: its
+/// sender has the other direction's last bytes to read first (a reset and
+/// its reason), which a stop arriving at once could beat.
+async fn end_after_stop(mut from: quinn::RecvStream, to: quinn::SendStream, grace: Duration) {
+    drop(to);
+    let drained = tokio::time::timeout(grace, async {
+        while let Ok(Some(_)) = from.read_chunk(PIPE_CHUNK, true).await {}
+    })
+    .await;
+    if drained.is_err() {
+        let _ = from.stop(stream_code::DETACHED.into());
+    }
+}
+
+/// Copies the edge's bytes to the owner until the edge finishes, then
+/// finishes the owner's end; a failed read from the edge resets the owner's
+/// end `DETACHED` (the edge's connection died: the owner waits for it to
+/// come back), a failed write to the owner stops the edge's.
+///
+/// When the owner stops reading or its peer link is lost, the owner has
+/// left: the other direction is told (`owner_left`), and the owner's end is
+/// let go at once, without waiting for the edge to send again: an owner
+/// whose client left stops reading, while the edge may stay silent for as
+/// long as the pod writes nothing (a `logs -f`), and until then the splice
+/// held one of the peer link's streams. The edge's end then gets `grace`
+/// to end on its own ([`end_after_stop`]; for a link lost the other
+/// direction has told it `OWNER_GONE`).
+async fn edge_to_owner(
+    mut from: quinn::RecvStream,
+    mut to: quinn::SendStream,
+    counter: prometheus_client::metrics::counter::Counter,
+    owner_left: watch::Sender<bool>,
+    grace: Duration,
+) {
+    let stopped = to.stopped();
+    tokio::pin!(stopped);
+    loop {
+        let read = tokio::select! {
+            read = from.read_chunk(PIPE_CHUNK, true) => read,
+            why = &mut stopped => {
+                debug!(?why, "the owner left; ending this direction");
+                owner_left.send_replace(true);
+                return end_after_stop(from, to, grace).await;
             }
         };
         match read {
             Ok(Some(chunk)) => {
                 let n = chunk.bytes.len();
                 if to.write_chunk(chunk.bytes).await.is_err() {
+                    owner_left.send_replace(true);
                     let _ = from.stop(stream_code::DETACHED.into());
                     return;
                 }
@@ -397,13 +549,8 @@ async fn copy_one(
                 return;
             }
             Err(e) => {
-                let code = if from_is_owner && owner_gone(&e) {
-                    stream_code::OWNER_GONE
-                } else {
-                    stream_code::DETACHED
-                };
-                debug!(error = %e, code, "splice broke; resetting the other side");
-                let _ = to.reset(code.into());
+                debug!(error = %e, "splice broke; resetting the owner's end");
+                let _ = to.reset(stream_code::DETACHED.into());
                 return;
             }
         }
@@ -418,13 +565,20 @@ async fn splice(
     counters: ByteCounters,
     grace: Duration,
 ) {
+    let (left, owner_left) = watch::channel(false);
     tokio::join!(
-        copy_one(owner_recv, edge_send, counters.sent.clone(), true, grace),
-        copy_one(
+        owner_to_edge(
+            owner_recv,
+            edge_send,
+            counters.sent.clone(),
+            owner_left,
+            grace
+        ),
+        edge_to_owner(
             edge_recv,
             owner_send,
             counters.received.clone(),
-            false,
+            left,
             grace
         ),
     );
@@ -576,27 +730,86 @@ mod tests {
         assert!(matches!(next, Ok(Ok(_))), "no stream credit back: {next:?}");
     }
 
+    /// A splice under test: the owner's end of a peer link that allows one
+    /// stream at a time, both ends of the spliced stream (the edge's already
+    /// accepted, none of it read), and the holder's splice task.
+    struct Spliced {
+        owner: quinn::Connection,
+        owner_stream: (quinn::SendStream, quinn::RecvStream),
+        edge_stream: (quinn::SendStream, quinn::RecvStream),
+        splicing: tokio::task::JoinHandle<()>,
+        /// The holder's ends of both links, the edge's connection, the endpoints.
+        _links: (
+            quinn::Connection,
+            quinn::Connection,
+            quinn::Connection,
+            Vec<quinn::Endpoint>,
+        ),
+    }
+
+    /// The owner opens a stream and writes `first` (not empty: the edge sees
+    /// the stream with its first bytes); the holder splices it, with `grace`,
+    /// to a stream on an edge connection with `edge` as its transport.
+    async fn spliced(edge: quinn::TransportConfig, first: &[u8], grace: Duration) -> Spliced {
+        let mut peer_link = quinn::TransportConfig::default();
+        peer_link.max_concurrent_bidi_streams(1u32.into());
+        let (owner, holder, mut endpoints) =
+            tether_proto::testing::quic_pair_with(std::sync::Arc::new(peer_link))
+                .await
+                .unwrap();
+        let (to_edge, edge, more) =
+            tether_proto::testing::quic_pair_with(std::sync::Arc::new(edge))
+                .await
+                .unwrap();
+        endpoints.extend(more);
+        let (mut os, or) = owner.open_bi().await.unwrap();
+        os.write_all(first).await.unwrap();
+        let (hs, hr) = holder.accept_bi().await.unwrap();
+        let (es, er) = to_edge.open_bi().await.unwrap();
+        let splicing = tokio::spawn(splice((hr, hs), (er, es), ByteCounters::default(), grace));
+        let edge_stream = edge.accept_bi().await.unwrap();
+        Spliced {
+            owner,
+            owner_stream: (os, or),
+            edge_stream,
+            splicing,
+            _links: (holder, to_edge, edge, endpoints),
+        }
+    }
+
+    /// An edge connection that grants 1 KiB of window per stream: one that
+    /// never reads holds the holder's writes to it after 1 KiB.
+    fn one_kib_window() -> quinn::TransportConfig {
+        let mut t = quinn::TransportConfig::default();
+        t.stream_receive_window(1024u32.into());
+        t
+    }
+
+    /// What the edge's end was reset with, waited for within `bound`.
+    async fn edge_told(edge_recv: &mut quinn::RecvStream, bound: Duration) -> Option<u32> {
+        match tokio::time::timeout(bound, edge_recv.received_reset()).await {
+            Ok(Ok(Some(code))) => u32::try_from(code.into_inner()).ok(),
+            other => panic!("the edge's end was not reset within {bound:?}: {other:?}"),
+        }
+    }
+
     /// When the owner lets a spliced stream go, the holder lets the owner's
     /// stream go at once, though the edge has nothing to send: the owner gets
     /// the peer link's stream credit back; the edge, silent past the grace,
     /// is told both ways.
     #[tokio::test]
     async fn a_splice_ends_when_the_owner_leaves_and_gives_its_stream_credit_back() {
-        let mut t = quinn::TransportConfig::default();
-        t.max_concurrent_bidi_streams(1u32.into());
-        let t = std::sync::Arc::new(t);
-        let (owner, holder, _e1) = tether_proto::testing::quic_pair_with(t.clone())
-            .await
-            .unwrap();
-        let (to_edge, edge, _e2) = tether_proto::testing::quic_pair_with(t).await.unwrap();
+        let mut one = quinn::TransportConfig::default();
+        one.max_concurrent_bidi_streams(1u32.into());
         let bound = Duration::from_secs(5);
-        let (mut os, mut or) = owner.open_bi().await.unwrap();
-        os.write_all(b"hello").await.unwrap();
-        let (hs, hr) = holder.accept_bi().await.unwrap();
-        let (es, er) = to_edge.open_bi().await.unwrap();
         let grace = Duration::from_millis(300);
-        let splicing = tokio::spawn(splice((hr, hs), (er, es), ByteCounters::default(), grace));
-        let (mut edge_send, mut edge_recv) = edge.accept_bi().await.unwrap();
+        let Spliced {
+            owner,
+            owner_stream: (os, mut or),
+            edge_stream: (mut edge_send, mut edge_recv),
+            splicing,
+            _links,
+        } = spliced(one, b"hello", grace).await;
         let mut got = [0u8; 5];
         edge_recv.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"hello");
@@ -618,6 +831,176 @@ mod tests {
         assert!(matches!(rest, Ok(Ok(_))), "{rest:?}");
         let stopped = tokio::time::timeout(bound, edge_send.stopped()).await;
         assert!(matches!(stopped, Ok(Ok(Some(_)))), "{stopped:?}");
+    }
+
+    /// When the edge stops reading (its stream ended), the owner's stream is
+    /// stopped though the owner has nothing more to send: after the grace,
+    /// with `DETACHED`, and the splice ends.
+    #[tokio::test]
+    async fn a_splice_ends_when_the_edge_stops_reading_and_the_owner_is_silent() {
+        let bound = Duration::from_secs(5);
+        let Spliced {
+            owner: _owner,
+            owner_stream: (os, _or),
+            edge_stream: (edge_send, mut edge_recv),
+            splicing,
+            _links,
+        } = spliced(
+            quinn::TransportConfig::default(),
+            b"hello",
+            Duration::from_millis(300),
+        )
+        .await;
+        let mut got = [0u8; 5];
+        edge_recv.read_exact(&mut got).await.unwrap();
+        drop((edge_send, edge_recv));
+        let told = tokio::time::timeout(bound, os.stopped()).await;
+        assert!(
+            matches!(told, Ok(Ok(Some(code))) if code == stream_code::DETACHED.into()),
+            "{told:?}"
+        );
+        tokio::time::timeout(bound, splicing)
+            .await
+            .expect("the splice ended")
+            .unwrap();
+    }
+
+    /// An edge that takes none of the owner's bytes does not keep the splice
+    /// once the owner lets the stream go (finished, its reader stopped): the
+    /// edge gets the grace to take the rest, then its end is reset `DETACHED`
+    /// (the owner lives: a relay lost, the stream resumable) and the owner's
+    /// stream is let go, its credit back. The write to the edge used to wait
+    /// for as long as the edge's connection lived, holding one of the peer
+    /// link's streams (no credit after 5 s, the splice never ending).
+    #[tokio::test]
+    async fn a_splice_to_an_edge_that_reads_nothing_ends_when_the_owner_leaves() {
+        let grace = Duration::from_millis(300);
+        let bound = Duration::from_secs(5);
+        let Spliced {
+            owner,
+            owner_stream,
+            edge_stream: (_edge_send, mut edge_recv),
+            splicing,
+            _links,
+        } = spliced(one_kib_window(), &[7u8; 256 * 1024], grace).await;
+        // The holder is now waiting for the edge's window.
+        tokio::time::sleep(grace).await;
+        drop(owner_stream);
+        let next = tokio::time::timeout(bound, owner.open_bi()).await;
+        assert!(matches!(next, Ok(Ok(_))), "no stream credit back: {next:?}");
+        tokio::time::timeout(bound, splicing)
+            .await
+            .expect("the splice ended")
+            .unwrap();
+        assert_eq!(
+            edge_told(&mut edge_recv, bound).await,
+            Some(stream_code::DETACHED)
+        );
+    }
+
+    /// The same edge, and an owner that resets its stream before letting it
+    /// go: the holder reads the reset while it waits for the edge, so the
+    /// peer link counts the stream closed and hands its credit back at once
+    /// (stopped instead, quinn frees a reset stream without a word to the
+    /// owner: its credit waited for the owner's next packet); the edge's end
+    /// is reset `DETACHED`, as when the reset is read between two writes.
+    #[tokio::test]
+    async fn a_splice_to_an_edge_that_reads_nothing_ends_when_the_owner_resets() {
+        let grace = Duration::from_millis(300);
+        let bound = Duration::from_secs(5);
+        let Spliced {
+            owner,
+            owner_stream: (mut os, or),
+            edge_stream: (_edge_send, mut edge_recv),
+            splicing,
+            _links,
+        } = spliced(one_kib_window(), &[7u8; 256 * 1024], grace).await;
+        tokio::time::sleep(grace).await;
+        os.reset(0u32.into()).unwrap();
+        drop((os, or));
+        let next = tokio::time::timeout(bound, owner.open_bi()).await;
+        assert!(matches!(next, Ok(Ok(_))), "no stream credit back: {next:?}");
+        tokio::time::timeout(bound, splicing)
+            .await
+            .expect("the splice ended")
+            .unwrap();
+        assert_eq!(
+            edge_told(&mut edge_recv, bound).await,
+            Some(stream_code::DETACHED)
+        );
+    }
+
+    /// The same edge, and the owner's peer link dies: the edge is told
+    /// `OWNER_GONE` at once (nobody will re-attach the stream), not only
+    /// when it next reads, and the splice ends.
+    #[tokio::test]
+    async fn a_splice_to_an_edge_that_reads_nothing_tells_it_when_the_owners_link_dies() {
+        let grace = Duration::from_millis(300);
+        let bound = Duration::from_secs(5);
+        let Spliced {
+            owner,
+            owner_stream: _owner_stream,
+            edge_stream: (_edge_send, mut edge_recv),
+            splicing,
+            _links,
+        } = spliced(one_kib_window(), &[7u8; 256 * 1024], grace).await;
+        tokio::time::sleep(grace).await;
+        owner.close(0u32.into(), b"owner replica gone");
+        assert_eq!(
+            edge_told(&mut edge_recv, bound).await,
+            Some(stream_code::OWNER_GONE)
+        );
+        tokio::time::timeout(bound, splicing)
+            .await
+            .expect("the splice ended")
+            .unwrap();
+    }
+
+    /// An edge that reads, however slowly, is never cut while the owner
+    /// stays: the grace starts only once the owner has left. Reading 256 KiB
+    /// 1 KiB at a time with a pause between reads takes several graces; every
+    /// byte arrives, and the owner's finish ends the edge's stream cleanly.
+    #[tokio::test]
+    async fn a_slow_edge_is_not_cut_while_the_owner_stays() {
+        let grace = Duration::from_millis(200);
+        let bound = Duration::from_secs(30);
+        let sent: Vec<u8> = (0..256 * 1024u32).map(|i| (i % 251) as u8).collect();
+        let Spliced {
+            owner: _owner,
+            owner_stream: (mut os, mut or),
+            edge_stream: (mut edge_send, mut edge_recv),
+            splicing,
+            _links,
+        } = spliced(one_kib_window(), &sent, grace).await;
+        let t0 = tokio::time::Instant::now();
+        let mut got = Vec::with_capacity(sent.len());
+        tokio::time::timeout(bound, async {
+            while got.len() < sent.len() {
+                let chunk = edge_recv.read_chunk(1024, true).await.unwrap().unwrap();
+                got.extend_from_slice(&chunk.bytes);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the edge read everything in time");
+        assert!(t0.elapsed() > grace * 4, "{:?}", t0.elapsed());
+        assert!(got == sent, "the edge got other bytes");
+        os.finish().unwrap();
+        let end = tokio::time::timeout(bound, edge_recv.read_to_end(0)).await;
+        assert!(
+            matches!(end, Ok(Ok(ref rest)) if rest.is_empty()),
+            "{end:?}"
+        );
+        edge_send.finish().unwrap();
+        let end = tokio::time::timeout(bound, or.read_to_end(0)).await;
+        assert!(
+            matches!(end, Ok(Ok(ref rest)) if rest.is_empty()),
+            "{end:?}"
+        );
+        tokio::time::timeout(bound, splicing)
+            .await
+            .expect("the splice ended")
+            .unwrap();
     }
 }
 
