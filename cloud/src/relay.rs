@@ -36,10 +36,10 @@
 //! the edge waits for the edge's flow-control credit only while the owner is
 //! there: an edge that stops reading (a pod that does not read its stdin, or
 //! an edge that never reads) does not hold the splice, its task and the
-//! owner's peer-link stream past the owner. Once the owner has stopped
-//! reading, the edge gets `--peer-timeout` to take the owner's last bytes,
-//! then its end is reset `DETACHED`; an owner's reset or lost link ends the
-//! splice at once.
+//! owner's peer-link stream past the owner. Once the owner has left (its
+//! reader stopped, or its peer link lost), the edge gets `--peer-timeout` to
+//! take the owner's last bytes, then its end is reset (`DETACHED`, or
+//! `OWNER_GONE` for a lost link) and the owner's stream is let go.
 
 use std::io;
 use std::time::Duration;
@@ -344,23 +344,6 @@ async fn send_refusal(send: &mut quinn::SendStream, answer: &[u8], timeout: Dura
     }
 }
 
-/// Whether the peer link to the owner died (not closed by this replica
-/// itself, which happens only as it exits: its edges then lose their
-/// connections too and the owners re-attach elsewhere).
-fn owner_link_died(e: &quinn::ConnectionError) -> bool {
-    !matches!(e, quinn::ConnectionError::LocallyClosed)
-}
-
-/// What the edge's end is reset with when the owner's stream failed: the
-/// owner is gone only when its peer link died; anything else (the owner
-/// reset its stream) loses this transport alone.
-fn edge_code_after_owner_failed(e: &quinn::ReadError) -> u32 {
-    match e {
-        quinn::ReadError::ConnectionLost(c) if owner_link_died(c) => stream_code::OWNER_GONE,
-        _ => stream_code::DETACHED,
-    }
-}
-
 /// Copies the owner's bytes to the edge until the owner finishes, then
 /// finishes the edge's end; a failed read from the owner resets the edge's
 /// end, a failed write to the edge stops the owner's, and when the edge
@@ -368,15 +351,12 @@ fn edge_code_after_owner_failed(e: &quinn::ReadError) -> u32 {
 ///
 /// A write waits for the edge's flow-control credit for as long as the edge
 /// takes to read (a pod that reads its stdin slowly is not cut), but not
-/// past the owner: while it waits it watches the owner's stream, and a reset
-/// there or its peer link lost ends this direction as a failed read would.
-/// When the owner stops reading (`owner_left`, seen by the other direction),
-/// the edge gets `grace` to take the owner's last bytes (a `Reset` and its
-/// reason), then its end is reset `DETACHED` (the owner lives: the stream is
-/// the edge's to resume) and the owner's stream is let go. Before, an edge
-/// that never read kept this task, the bytes it had taken and the owner's
-/// stream until the edge's connection closed, one of the peer link's
-/// `--peer-max-streams` with each.
+/// past the owner: once the owner has left (`owner_left`: its reader stopped
+/// or its link lost, seen by the other direction), the edge gets `grace` to
+/// take the owner's last bytes (a `Reset` and its reason), then it is cut
+/// ([`cut_edge`]). Before, an edge that never read kept this task, the bytes
+/// it had taken and the owner's stream until the edge's connection closed,
+/// one of the peer link's `--peer-max-streams` with each.
 async fn owner_to_edge(
     mut from: quinn::RecvStream,
     mut to: quinn::SendStream,
@@ -396,7 +376,6 @@ async fn owner_to_edge(
     let edge_stopped = to.stopped();
     tokio::pin!(edge_stopped);
     let mut watch_stop = true;
-    let mut watch_reset = true;
     // quinn's own received chunks pass on as they are: no copy, and no buffer
     // of the splice's own for as long as the stream lives (two 64 KiB buffers
     // per relayed stream before, most of them idle: a `logs -f`, a shell).
@@ -420,71 +399,68 @@ async fn owner_to_edge(
                 let _ = to.finish();
                 return;
             }
-            Err(e) => return owner_failed(to, &e),
-        };
-        let n = chunk.bytes.len() as u64;
-        let waited = {
-            let write = to.write_chunk(chunk.bytes);
-            tokio::pin!(write);
-            loop {
-                tokio::select! {
-                    written = &mut write => break Waited::Written(written.is_ok()),
-                    reset = from.received_reset(), if watch_reset => match reset {
-                        // Read, the reset frees the stream and its credit.
-                        Ok(Some(code)) => break Waited::OwnerFailed(quinn::ReadError::Reset(code)),
-                        Err(quinn::ResetError::ConnectionLost(e)) => {
-                            break Waited::OwnerFailed(quinn::ReadError::ConnectionLost(e))
-                        }
-                        // Not while bytes are left to read; the read says what happened.
-                        Ok(None) | Err(quinn::ResetError::ZeroRttRejected) => watch_reset = false,
-                    },
-                    () = &mut cut => break Waited::Cut,
-                }
-            }
-        };
-        match waited {
-            Waited::Written(true) => {
-                counter.inc_by(n);
-            }
-            Waited::Written(false) => {
-                let _ = from.stop(stream_code::DETACHED.into());
+            Err(e) => {
+                let code = match &e {
+                    quinn::ReadError::ConnectionLost(c) => edge_code_after_owner_link(c),
+                    _ => stream_code::DETACHED,
+                };
+                debug!(error = %e, code, "splice broke; resetting the edge's end");
+                let _ = to.reset(code.into());
                 return;
             }
-            Waited::OwnerFailed(e) => return owner_failed(to, &e),
-            Waited::Cut => return cut_edge(from, to),
+        };
+        let n = chunk.bytes.len() as u64;
+        // Only the cut, not the owner's stream, is watched while the write
+        // waits: quinn's `received_reset` would leave its waker behind on a
+        // stream whose bytes are all buffered (a leak, and a debug assertion
+        // when the stream is then read to its end).
+        let written = tokio::select! {
+            written = to.write_chunk(chunk.bytes) => written,
+            () = &mut cut => return cut_edge(from, to),
+        };
+        if written.is_err() {
+            let _ = from.stop(stream_code::DETACHED.into());
+            return;
         }
+        counter.inc_by(n);
     }
 }
 
-/// How a write to the edge ended.
-enum Waited {
-    /// Written (`true`), or the edge's end failed.
-    Written(bool),
-    /// The owner's stream was reset or its link lost first.
-    OwnerFailed(quinn::ReadError),
-    /// The owner left, and the grace ended first.
-    Cut,
+/// What the edge's end is reset with when the owner's link is lost: the
+/// owner is gone (nobody will re-attach the stream) unless this replica
+/// closed the link itself, which happens only as it exits (its edges then
+/// lose their connections too and the owners re-attach elsewhere).
+fn edge_code_after_owner_link(e: &quinn::ConnectionError) -> u32 {
+    if matches!(e, quinn::ConnectionError::LocallyClosed) {
+        stream_code::DETACHED
+    } else {
+        stream_code::OWNER_GONE
+    }
 }
 
-/// The owner's stream failed (reset, link lost): the edge is told how.
-fn owner_failed(mut to: quinn::SendStream, e: &quinn::ReadError) {
-    let code = edge_code_after_owner_failed(e);
-    debug!(error = %e, code, "splice broke; resetting the edge's end");
-    let _ = to.reset(code.into());
-}
-
-/// The owner left and the edge took none of its last bytes within the grace:
-/// the edge's end is reset `DETACHED`, and the owner's stream let go so that
-/// the peer link counts it closed: a reset the owner sent is read (quinn
-/// announces the credit of a reset stream when the reset is read; stopped,
-/// the stream is freed without a word to the owner and its credit waits for
-/// the owner's next packet), anything else is stopped.
+/// The owner left and the edge did not take its last bytes within the grace:
+/// the edge's end is reset (`DETACHED`: the owner lives and the stream is the
+/// edge's to resume; `OWNER_GONE` when the owner's link was lost), and the
+/// owner's stream is let go so that the peer link counts it closed: a reset
+/// the owner sent is read (quinn frees a reset stream and announces its
+/// credit when the reset is read; stopped instead, the stream is freed
+/// without a word to the owner and its credit waits for the owner's next
+/// packet), anything else is stopped.
 fn cut_edge(mut from: quinn::RecvStream, mut to: quinn::SendStream) {
-    debug!("the owner left and the edge did not take its last bytes in time; cutting");
-    let _ = to.reset(stream_code::DETACHED.into());
-    if !matches!(from.received_reset().now_or_never(), Some(Ok(Some(_)))) {
-        let _ = from.stop(stream_code::DETACHED.into());
-    }
+    let code = match from.received_reset().now_or_never() {
+        Some(Ok(Some(_))) => stream_code::DETACHED,
+        Some(Err(quinn::ResetError::ConnectionLost(e))) => edge_code_after_owner_link(&e),
+        // Not reset (the pending check's waker goes with the stop).
+        _ => {
+            let _ = from.stop(stream_code::DETACHED.into());
+            stream_code::DETACHED
+        }
+    };
+    debug!(
+        code,
+        "the owner left and the edge did not take its last bytes in time; cutting"
+    );
+    let _ = to.reset(code.into());
 }
 
 /// The reader of `to` stopped it (or the owner's link was lost under it):
@@ -950,6 +926,37 @@ mod tests {
             edge_told(&mut edge_recv, bound).await,
             Some(stream_code::OWNER_GONE)
         );
+        tokio::time::timeout(bound, splicing)
+            .await
+            .expect("the splice ended")
+            .unwrap();
+    }
+
+    /// An owner that writes and finishes at once, to an edge that reads at
+    /// its own pace through a small window (the owner's bytes and its end
+    /// are all buffered at the holder while it writes): every byte and the
+    /// end arrive, and the splice ends cleanly. (Watching the owner's stream
+    /// for a reset while a write waits failed here: quinn kept that watch's
+    /// waker on a stream whose bytes were all buffered, and panicked in a
+    /// debug assertion once it was read to its end.)
+    #[tokio::test]
+    async fn an_owner_that_finished_at_once_is_read_to_its_end_through_a_small_window() {
+        let bound = Duration::from_secs(30);
+        let sent: Vec<u8> = (0..256 * 1024u32).map(|i| (i % 253) as u8).collect();
+        let Spliced {
+            owner: _owner,
+            owner_stream: (mut os, _or),
+            edge_stream: (edge_send, mut edge_recv),
+            splicing,
+            _links,
+        } = spliced(one_kib_window(), &sent, Duration::from_millis(200)).await;
+        os.finish().unwrap();
+        let got = tokio::time::timeout(bound, edge_recv.read_to_end(sent.len()))
+            .await
+            .expect("the edge read everything in time")
+            .unwrap();
+        assert!(got == sent, "the edge got other bytes");
+        drop(edge_send);
         tokio::time::timeout(bound, splicing)
             .await
             .expect("the splice ended")
