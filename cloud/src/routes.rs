@@ -223,6 +223,27 @@ pub struct Encoded {
     pub left_out: Vec<String>,
 }
 
+/// `items` (each with its encoded size) in batches cut at half of `max`,
+/// leaving room for the envelope: sizes are per item, and an item over half
+/// the limit goes alone.
+fn batches<T>(items: impl IntoIterator<Item = (T, usize)>, max: usize) -> Vec<Vec<T>> {
+    let mut out = Vec::new();
+    let mut batch = Vec::new();
+    let mut size = 0usize;
+    for (item, s) in items {
+        if !batch.is_empty() && size + s > max / 2 {
+            out.push(std::mem::take(&mut batch));
+            size = 0;
+        }
+        size += s;
+        batch.push(item);
+    }
+    if !batch.is_empty() {
+        out.push(batch);
+    }
+    out
+}
+
 /// Encodes `up` and `gone` as length-prefixed messages of at most `max`
 /// bytes each. A record too large for one message is sent without its pods
 /// (and left out if even that is too large): one edge never stops the
@@ -242,11 +263,9 @@ pub fn encode(up: Vec<EdgeRecord>, gone: Vec<String>, max: usize) -> Result<Enco
         v.extend_from_slice(&body);
         Ok(v)
     };
-    // Batches of records that fit: sizes are estimated per record and the
-    // batch is cut at half the limit, leaving room for the envelope. A
-    // record over half the limit goes alone, and fits (`record_fits`).
-    let mut batch = Vec::new();
-    let mut size = 0usize;
+    // Records that fit: a record too large alone goes without its pods, or
+    // not at all (`record_fits`).
+    let mut records = Vec::new();
     for mut r in up {
         let mut s = postcard::to_allocvec(&r)?.len();
         if !record_fits(s, max) && !r.pods.is_empty() {
@@ -258,32 +277,18 @@ pub fn encode(up: Vec<EdgeRecord>, gone: Vec<String>, max: usize) -> Result<Enco
             out.left_out.push(r.node);
             continue;
         }
-        if !batch.is_empty() && size + s > max / 2 {
-            out.messages
-                .push(framed(&Update::Upsert(std::mem::take(&mut batch)))?);
-            size = 0;
-        }
-        size += s;
-        batch.push(r);
+        records.push((r, s));
     }
-    if !batch.is_empty() {
+    for batch in batches(records, max) {
         out.messages.push(framed(&Update::Upsert(batch))?);
     }
     // Removals, cut the same way (a node name is at most 255 bytes here).
-    let mut names = Vec::new();
-    let mut size = 0usize;
-    for node in gone {
-        let s = varint_len(node.len()) + node.len();
-        if !names.is_empty() && size + s > max / 2 {
-            out.messages
-                .push(framed(&Update::Remove(std::mem::take(&mut names)))?);
-            size = 0;
-        }
-        size += s;
-        names.push(node);
-    }
-    if !names.is_empty() {
-        out.messages.push(framed(&Update::Remove(names))?);
+    let names = gone.into_iter().map(|n| {
+        let s = varint_len(n.len()) + n.len();
+        (n, s)
+    });
+    for batch in batches(names, max) {
+        out.messages.push(framed(&Update::Remove(batch))?);
     }
     Ok(out)
 }
