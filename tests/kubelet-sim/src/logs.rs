@@ -349,9 +349,14 @@ pub async fn handle(
             format!("previous terminated container {container:?} in pod {pod:?} not found\n"),
         );
     }
+    // The file as it is now, before the response head goes out: a line
+    // appended after the client has its head is followed, never taken for
+    // an existing one (which `tailLines=0` would skip), however late the
+    // task below runs.
+    let first = read_from(&path, 0).await;
     let (tx, body) = http_util::channel_body(16);
     tokio::spawn(async move {
-        if let Err(e) = stream_log(&state.logs, &path, &q, tx).await {
+        if let Err(e) = stream_log(&state.logs, &path, &q, first, tx).await {
             tracing::debug!("log stream {}: {e:#}", path.display());
         }
     });
@@ -374,18 +379,20 @@ async fn read_from(path: &Path, offset: u64) -> std::io::Result<(Vec<u8>, u64, O
     Ok((data, len, mtime_of(&meta)))
 }
 
-/// Produce the response body: the selected existing lines, then (follow)
-/// lines as they are appended, until the client goes away or the limit hits.
+/// Produce the response body: the selected existing lines (`first`: the
+/// file as read when the request came), then (follow) lines as they are
+/// appended, until the client goes away or the limit hits.
 pub async fn stream_log(
     index: &LogIndex,
     path: &Path,
     q: &LogQuery,
+    first: std::io::Result<(Vec<u8>, u64, OffsetDateTime)>,
     tx: tokio::sync::mpsc::Sender<Bytes>,
 ) -> anyhow::Result<()> {
     let mut emitter = Emitter::new(q);
     let follow = q.follow && !q.previous;
     let mut offset: u64 = 0;
-    match read_from(path, 0).await {
+    match first {
         Ok((data, len, mtime)) => {
             let (lines, partial) = split_lines(&data);
             let stamps = index.stamp(path, len, mtime, 0, &lines);
@@ -447,6 +454,48 @@ pub async fn stream_log(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A line appended once the client has the response head is followed,
+    /// not taken for an existing line (which `tailLines=0` skips), however
+    /// late the streaming task first runs: here it has not run at all when
+    /// the line is appended (one thread, nothing awaited in between).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_line_appended_after_the_head_is_followed_with_tail_zero() {
+        use http_body_util::BodyExt;
+        let dir = std::env::temp_dir().join(format!("kubelet-sim-tail0-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let spec = crate::config::parse_pod_spec("default/p=c").expect("pod");
+        let state = Arc::new(crate::server::AppState {
+            node: "n".into(),
+            pods: crate::pods::Pods::new("n".into(), vec![spec]),
+            log_dir: dir.clone(),
+            work_dir: None,
+            attach: crate::attach::Registry::default(),
+            logs: LogIndex::default(),
+            started: std::time::Instant::now(),
+            port: 0,
+        });
+        let file = log_path(&dir, "default", "p", "c", false);
+        std::fs::write(&file, "old line\n").expect("write");
+        let resp = handle(state, Some("follow=true&tailLines=0"), "default", "p", "c").await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&file)
+                .expect("open");
+            f.write_all(b"new line\n").expect("append");
+        }
+        let mut body = resp.into_body();
+        let frame = tokio::time::timeout(Duration::from_secs(10), body.frame())
+            .await
+            .expect("the appended line within 10 s")
+            .expect("a frame")
+            .expect("data");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(frame.into_data().ok().as_deref(), Some(&b"new line\n"[..]));
+    }
 
     fn now() -> OffsetDateTime {
         OffsetDateTime::from_unix_timestamp(1_700_000_000).expect("ts")
