@@ -10,7 +10,11 @@
 //!   QUIC stream pair, or anything `AsyncRead + AsyncWrite` in tests). When
 //!   the transport dies it returns an error and the stream stays intact;
 //!   calling [`drive`] again with a new transport re-attaches it, and both
-//!   ends replay from each other's delivered offset.
+//!   ends replay from each other's delivered offset. Only the latest
+//!   transport to attach drives the stream: an older driver still running
+//!   (its abort not yet taken effect on another worker thread) neither
+//!   transmits, nor applies what it reads, nor detaches the stream when its
+//!   transport fails; it ends with [`TransportError::Superseded`].
 //! - [`FrameReader`] / [`write_frame`] read and write single frames.
 //!
 //! The state lives behind a `std::sync::Mutex` held only for bookkeeping,
@@ -268,10 +272,15 @@ pub enum TransportError {
     Closed,
     #[error("expected an attach frame, got {0}")]
     NoAttach(&'static str),
+    #[error("a newer transport attached the stream")]
+    Superseded,
 }
 
 struct Inner {
     state: StreamState,
+    /// Counts the transports that attached the stream: a driver acts on the
+    /// state only while the latest attach is its own.
+    attaches: u64,
     read_waker: Option<Waker>,
     write_waker: Option<Waker>,
     /// Counts replayed bytes, when the application asked for metrics.
@@ -299,6 +308,7 @@ impl SharedStream {
         Arc::new(SharedStream {
             inner: Mutex::new(Inner {
                 state,
+                attaches: 0,
                 read_waker: None,
                 write_waker: None,
                 replay_counter: None,
@@ -667,17 +677,39 @@ where
     R: AsyncRead + Unpin,
     W: ChunkWrite,
 {
-    let result = drive_inner(&shared, &mut recv, &mut send, peer, max_frame, copies).await;
+    // The attach count when this driver started, and once it attached, its
+    // own attach's number.
+    let started = shared.lock().attaches;
+    let mut mine = None;
+    let result = drive_inner(
+        &shared, &mut recv, &mut send, peer, max_frame, copies, &mut mine,
+    )
+    .await;
     match result {
         // Once the stream is done, the transport closing under the last
         // frames (the peer dropped its end first) is no failure.
         Err(_) if shared.is_done() => Ok(()),
         Err(e) => {
-            shared.with_state(|s| s.detach());
+            // Detached only if no newer transport attached it meanwhile: an
+            // older driver failing late must not stop the newer one.
+            let mut g = shared.lock();
+            if g.attaches == mine.unwrap_or(started) {
+                g.state.detach();
+                shared.wake_all(&mut g);
+            }
             Err(e)
         }
         Ok(()) => Ok(()),
     }
+}
+
+/// Counts a new attach of `g`'s stream; returns its number, and wakes every
+/// transmit loop waiting (an older driver's finds itself superseded and
+/// ends, the new one starts).
+fn count_attach(shared: &SharedStream, g: &mut Inner) -> u64 {
+    g.attaches += 1;
+    shared.tx.notify_waiters();
+    g.attaches
 }
 
 async fn drive_inner<R, W>(
@@ -687,6 +719,7 @@ async fn drive_inner<R, W>(
     peer: PeerAttach,
     max_frame: usize,
     copies: Option<Arc<dyn CopySink>>,
+    mine: &mut Option<u64>,
 ) -> Result<(), TransportError>
 where
     R: AsyncRead + Unpin,
@@ -701,11 +734,21 @@ where
             fin_received,
         } => (delivered, fin_received),
         PeerAttach::Fresh => {
-            if let Err(e) = shared.with_state(|s| s.attach_fresh()) {
+            let attached = {
+                let mut g = shared.lock();
+                let r = g.state.attach_fresh();
+                if r.is_ok() {
+                    *mine = Some(count_attach(shared, &mut g));
+                }
+                shared.wake_all(&mut g);
+                r
+            };
+            if let Err(e) = attached {
                 shared.reset(ResetCode::ProtocolError, e.to_string());
                 return Err(e.into());
             }
-            return attached_loops(shared, recv, send, &mut reader, max_frame, copies).await;
+            let mine = mine.unwrap_or_default();
+            return attached_loops(shared, recv, send, &mut reader, max_frame, copies, mine).await;
         }
         PeerAttach::Read => match reader.next(recv).await? {
             Some(Frame::Attach {
@@ -732,6 +775,9 @@ where
         let mut g = shared.lock();
         let before = g.state.replayed();
         let r = g.state.attach(delivered, fin_received);
+        if r.is_ok() {
+            *mine = Some(count_attach(shared, &mut g));
+        }
         let replayed = g.state.replayed() - before;
         if let (Some(c), true) = (&g.replay_counter, replayed > 0) {
             c.inc_by(replayed);
@@ -768,11 +814,13 @@ where
         shared.with_state(|s| s.abandon());
         return Err(e.into());
     }
-    attached_loops(shared, recv, send, &mut reader, max_frame, copies).await
+    let mine = mine.unwrap_or_default();
+    attached_loops(shared, recv, send, &mut reader, max_frame, copies, mine).await
 }
 
-/// Moves frames both ways on an attached transport until the stream is done
-/// or the transport fails.
+/// Moves frames both ways on an attached transport (attach number `mine`)
+/// until the stream is done, the transport fails, or a newer transport
+/// attaches the stream.
 async fn attached_loops<R, W>(
     shared: &Arc<SharedStream>,
     recv: &mut R,
@@ -780,13 +828,14 @@ async fn attached_loops<R, W>(
     reader: &mut FrameReader,
     max_frame: usize,
     copies: Option<Arc<dyn CopySink>>,
+    mine: u64,
 ) -> Result<(), TransportError>
 where
     R: AsyncRead + Unpin,
     W: ChunkWrite,
 {
-    let rx = receive_loop(shared, recv, reader);
-    let tx = transmit_loop(shared, send, max_frame, copies);
+    let rx = receive_loop(shared, recv, reader, mine);
+    let tx = transmit_loop(shared, send, max_frame, copies, mine);
     tokio::pin!(rx, tx);
     tokio::select! {
         r = &mut tx => r,
@@ -811,6 +860,7 @@ async fn receive_loop<R: AsyncRead + Unpin>(
     shared: &Arc<SharedStream>,
     recv: &mut R,
     reader: &mut FrameReader,
+    mine: u64,
 ) -> Result<(), TransportError> {
     loop {
         // Wait for room in the receive queue before taking more from QUIC, so
@@ -826,7 +876,16 @@ async fn receive_loop<R: AsyncRead + Unpin>(
         }
         match reader.next(recv).await? {
             Some(f) => {
-                if let Err(e) = shared.with_state(|s| s.on_frame(f)) {
+                let applied = {
+                    let mut g = shared.lock();
+                    if g.attaches != mine {
+                        return Err(TransportError::Superseded);
+                    }
+                    let r = g.state.on_frame(f);
+                    shared.wake_all(&mut g);
+                    r
+                };
+                if let Err(e) = applied {
                     shared.reset(ResetCode::ProtocolError, e.to_string());
                     return Err(e.into());
                 }
@@ -846,6 +905,7 @@ async fn transmit_loop<W: ChunkWrite>(
     send: &mut W,
     max_frame: usize,
     copies: Option<Arc<dyn CopySink>>,
+    mine: u64,
 ) -> Result<(), TransportError> {
     // Frame headers and small frames are encoded into `head`; each `Data`
     // payload joins `chunks` as it is, after the header before it.
@@ -860,6 +920,13 @@ async fn transmit_loop<W: ChunkWrite>(
         wake.as_mut().enable();
         let done = {
             let mut g = shared.lock();
+            if g.attaches != mine {
+                // A newer transport drives the stream; a wake this loop took
+                // may have been meant for its loop.
+                drop(g);
+                shared.tx.notify_one();
+                return Err(TransportError::Superseded);
+            }
             // Batch whatever is ready into one write.
             let mut batched = 0;
             // The batch's `Data` frames: how many, and the first's place.
@@ -1336,6 +1403,95 @@ mod tests {
             got.push(f);
         }
         assert_eq!(&got[..], &frames[16..]);
+    }
+
+    /// An older transport's driver still running when a newer transport
+    /// attaches the stream (an abort takes effect only at the task's next
+    /// await, and another worker thread may be inside its poll): it must
+    /// neither take frames for its dead transport nor, when that transport
+    /// then fails, detach the stream under the newer driver. Before, the
+    /// old driver's failure detached the stream (the newer transport then
+    /// sent nothing until it failed in turn) and its transmit loop took
+    /// frames the newer transport never carried: the transfer hung.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_superseded_transports_failure_leaves_the_newer_attach_alone() {
+        let (a, b) = pair();
+        let data = pattern(1024 * 1024);
+        let ia = ResumableIo::new(a.clone());
+        let ib = ResumableIo::new(b.clone());
+        let send = data.clone();
+        // The first half goes at once, the rest once the first transport
+        // has failed.
+        let (go_on, resume) = tokio::sync::oneshot::channel::<()>();
+        let writer = tokio::spawn(async move {
+            let mut ia = ia;
+            let (early, late) = send.split_at(send.len() / 2);
+            ia.write_all(early).await.unwrap();
+            let _ = resume.await;
+            for chunk in late.chunks(16 * 1024) {
+                ia.write_all(chunk).await.unwrap();
+            }
+            ia.shutdown().await.unwrap();
+            ia
+        });
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let reader = tokio::spawn(async move {
+            let mut ib = ib;
+            let mut got = Vec::new();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = ib.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..n]);
+                let _ = tx.send(got.len());
+            }
+            ib.shutdown().await.unwrap();
+            (got, ib)
+        });
+        // The first transport carries part of the transfer, then a second
+        // attaches both ends while the first's drivers still run.
+        let (da1, db1) = connect(&a, &b);
+        let first = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("bytes over the first transport");
+        assert!(first.is_some());
+        let (da2, db2) = connect(&a, &b);
+        let attached = tokio::time::timeout(Duration::from_secs(10), async {
+            while a.lock().attaches < 2 || b.lock().attaches < 2 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        assert!(attached.is_ok(), "the second transport did not attach");
+        // Now the first transport dies under its drivers, which were never
+        // aborted: b's end of it goes, and a's old driver fails.
+        db1.abort();
+        let _ = db1.await;
+        let old = tokio::time::timeout(Duration::from_secs(10), da1)
+            .await
+            .expect("the first transport's driver ends")
+            .unwrap();
+        assert!(old.is_err(), "{old:?}");
+        let _ = go_on.send(());
+        let (got, _ib) = tokio::time::timeout(Duration::from_secs(20), reader)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "the transfer hung on the second transport after the first failed: \
+                     a attached {}, b attached {}",
+                    a.with_state(|s| s.is_attached()),
+                    b.with_state(|s| s.is_attached())
+                )
+            })
+            .unwrap();
+        let _ia = writer.await.unwrap();
+        assert!(got == data, "bytes differ: {} of {}", got.len(), data.len());
+        let (ra, rb) = tokio::join!(da2, db2);
+        ra.unwrap().unwrap();
+        rb.unwrap().unwrap();
+        assert!(a.is_done() && b.is_done());
     }
 
     #[tokio::test]
