@@ -13,7 +13,9 @@
 //! welcome does not list them. Instead a stream whose transport broke is
 //! ended when no owner re-attaches it within the grace period, and at once
 //! when the replica splicing it says its owner is gone
-//! ([`stream_code::OWNER_GONE`]): no slot outlives its owner.
+//! ([`stream_code::OWNER_GONE`]): no slot outlives its owner. A stream that
+//! was done when its transport broke waits the grace period too (its owner
+//! may still need the final ack), then is forgotten without a reset.
 //!
 //! A transport's failure acts only on the attach it carried: when the owner
 //! has re-attached the stream meanwhile (a relay splice broke and the owner
@@ -224,7 +226,8 @@ impl EdgeStreams {
 
     /// The one grace timer of `stream` (id `id`): sleeps until `deadline`,
     /// then on to the stream's latest deadline while a detach moved it, and
-    /// ends the stream if it is still detached. Stops when the stream was
+    /// ends the stream if it is still detached: reset, or, done already,
+    /// only forgotten (remembered as ended). Stops when the stream was
     /// re-attached, ended, or `id` is now another stream's.
     async fn grace_timer(
         self: Arc<Self>,
@@ -248,20 +251,34 @@ impl EdgeStreams {
                         deadline = later;
                         continue;
                     }
-                    Some(_) if !live.shared.is_done() => t.end_live(id, self.remember_ended),
-                    // Re-attached, or done (nothing left to deliver).
-                    _ => {
+                    Some(_) => {
+                        // A done stream (nothing left to deliver) waited only
+                        // for an owner that may still need the final ack: it
+                        // leaves the table too, or its slot counted against
+                        // --max-streams-per-edge for the rest of the session.
+                        let done = live.shared.is_done();
+                        t.end_live(id, self.remember_ended).map(|s| (s, done))
+                    }
+                    // Re-attached.
+                    None => {
                         live.timer = false;
                         return;
                     }
                 }
             };
-            if let Some(shared) = ended {
-                let why = format!(
-                    "no cloud replica re-attached stream {id:x} of edge {} within the grace period ({grace:?})",
-                    self.node
-                );
-                self.reset_ended(id, shared, ResetCode::SessionLost, why);
+            match ended {
+                Some((_, true)) => {
+                    debug!(node = %self.node, stream = id, "a done stream no cloud replica re-attached within the grace period; forgetting it");
+                    self.metrics.streams_open.set(self.len() as i64);
+                }
+                Some((shared, false)) => {
+                    let why = format!(
+                        "no cloud replica re-attached stream {id:x} of edge {} within the grace period ({grace:?})",
+                        self.node
+                    );
+                    self.reset_ended(id, shared, ResetCode::SessionLost, why);
+                }
+                None => {}
             }
             return;
         }
@@ -1200,6 +1217,200 @@ mod tests {
             streams.stream(5).is_some(),
             "the new session's stream 5 is not held"
         );
+        acceptor.abort();
+    }
+
+    /// The owner's request and the edge's response on the streams of
+    /// [`done_detached`].
+    const REQUEST: &[u8] = b"request";
+    const RESPONSE: &[u8] = b"response!";
+
+    /// Stream `id` as the edge holds it when its transport broke once the
+    /// stream was done: the edge's state and an owner's exchanged
+    /// [`REQUEST`], [`RESPONSE`], both ends and both final acks, then the
+    /// transport went (detached). It is entered in `streams` as held by
+    /// attach 1, and the edge handles the failure of that attach as
+    /// `accept` does ([`EdgeStreams::expire_detached`]).
+    fn done_detached(streams: &Arc<EdgeStreams>, id: StreamId) -> Arc<SharedStream> {
+        let limits = StreamLimits::from(&streams.limits());
+        let edge = SharedStream::new(StreamState::new(id, limits));
+        let mut owner = StreamState::new(id, limits);
+        owner.attach(0, false).unwrap();
+        edge.with_state(|s| s.attach(0, false)).unwrap();
+        assert_eq!(owner.write(REQUEST), REQUEST.len());
+        owner.finish();
+        edge.with_state(|s| {
+            assert_eq!(s.write(RESPONSE), RESPONSE.len());
+            s.finish();
+        });
+        let read_all = |s: &mut StreamState| {
+            while let tether_proto::stream::ReadOutcome::Data(_) = s.read(usize::MAX) {}
+        };
+        for _ in 0..16 {
+            read_all(&mut owner);
+            edge.with_state(read_all);
+            let to_owner: Vec<Frame> =
+                edge.with_state(|s| std::iter::from_fn(|| s.poll_transmit()).collect());
+            for f in to_owner {
+                owner.on_frame(f).unwrap();
+            }
+            while let Some(f) = owner.poll_transmit() {
+                edge.with_state(|s| s.on_frame(f)).unwrap();
+            }
+            if edge.is_done() && owner.is_done() {
+                break;
+            }
+        }
+        assert!(
+            edge.is_done() && owner.is_done(),
+            "the exchange did not finish"
+        );
+        edge.with_state(|s| s.detach());
+        streams.map().live.insert(
+            id,
+            Live {
+                shared: edge.clone(),
+                driver: None,
+                attaches: 1,
+                expires: None,
+                timer: false,
+            },
+        );
+        streams.metrics.streams_open.set(streams.len() as i64);
+        streams.expire_detached(id, &edge, 1);
+        assert!(streams.map().live.get(&id).is_some_and(|l| l.timer));
+        edge
+    }
+
+    /// The cloud opens a stream and attaches `id` with `delivered` and
+    /// `fin_received`; returns every frame the edge sends on it up to its
+    /// end (within 10 s), and the cloud's send half (kept open).
+    async fn attach_at(
+        cloud: &quinn::Connection,
+        id: StreamId,
+        delivered: u64,
+        fin_received: bool,
+        max: usize,
+    ) -> (quinn::SendStream, Vec<Frame>) {
+        let (mut send, mut recv) = cloud.open_bi().await.unwrap();
+        let attach = Frame::Attach {
+            stream: id,
+            delivered,
+            fin_received,
+        };
+        write_frame(&mut send, &attach, max).await.unwrap();
+        let mut reader = FrameReader::new(max);
+        let mut frames = Vec::new();
+        loop {
+            let next = tokio::time::timeout(Duration::from_secs(10), reader.next(&mut recv)).await;
+            match next {
+                Ok(Ok(Some(f))) => frames.push(f),
+                Ok(Ok(None)) => break,
+                other => panic!(
+                    "the edge's frames up to its end within 10 s: {other:?} after {frames:?}"
+                ),
+            }
+        }
+        (send, frames)
+    }
+
+    /// Audit of the edge's stream table, slot defect 1: a detached stream
+    /// that was done when its grace period passed was left in the table
+    /// (the timer only stopped), so it held one of --max-streams-per-edge
+    /// for the rest of the session; enough of them and the edge refused
+    /// every new stream with LimitExceeded. It now leaves the table after
+    /// the grace, unreset, remembered as ended: a late re-attach is refused
+    /// as unknown, and its slot takes a new stream.
+    #[tokio::test]
+    async fn a_done_stream_no_one_reattaches_leaves_the_table_after_the_grace() {
+        const GRACE: Duration = Duration::from_millis(300);
+        let limits = Limits {
+            max_streams_per_edge: 1,
+            ..Limits::default()
+        };
+        let max = limits.max_frame_bytes as usize;
+        let streams = edge_streams(limits, Duration::from_secs(60));
+        streams.set_grace(GRACE);
+        let shared = done_detached(&streams, 5);
+        assert_eq!(streams.metrics.streams_open.get(), 1);
+        let detached = std::time::Instant::now();
+        while !streams.is_empty() {
+            assert!(
+                detached.elapsed() < GRACE + Duration::from_secs(5),
+                "the done stream is still held {:?} after its transport broke (grace {GRACE:?})",
+                detached.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(detached.elapsed() >= GRACE, "{:?}", detached.elapsed());
+        assert_eq!(streams.metrics.streams_open.get(), 0, "streams_open");
+        let reset = shared.with_state(|s| s.reset_reason().map(|(c, m)| (c, m.to_string())));
+        assert_eq!(reset, None, "the done stream was reset");
+        assert!(shared.is_done());
+
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let acceptor = accept_all(&streams, edge);
+        // A late re-attach (the owner never got the final ack) is refused.
+        let (_send, frames) = attach_at(&cloud, 5, RESPONSE.len() as u64, true, max).await;
+        let refused = frames.iter().find_map(|f| match f {
+            Frame::Reset {
+                stream: 5,
+                code,
+                message,
+            } => Some((*code, message.clone())),
+            _ => None,
+        });
+        let Some((code, message)) = refused else {
+            panic!("the late re-attach was not refused: {frames:?}");
+        };
+        assert_eq!(code, ResetCode::UnknownStream, "{message}");
+        assert!(
+            message.contains("edge-t") && message.contains("stream 5"),
+            "{message}"
+        );
+        assert!(streams.stream(5).is_none());
+        // Its slot is free: a new stream is taken, not refused as over
+        // --max-streams-per-edge (1).
+        let (_send6, _recv6, _) = attach_from_zero(&cloud, 6, max).await;
+        assert!(streams.stream(6).is_some(), "the new stream was refused");
+        acceptor.abort();
+    }
+
+    /// A done stream re-attached within the grace (its owner lost the
+    /// final ack with the connection) is not refused: the edge answers with
+    /// its attach and the final ack, and the stream then ends, unreset.
+    #[tokio::test]
+    async fn a_done_stream_reattached_within_the_grace_gets_its_final_ack() {
+        let limits = Limits::default();
+        let max = limits.max_frame_bytes as usize;
+        let streams = edge_streams(limits, Duration::from_secs(60));
+        streams.set_grace(Duration::from_secs(300));
+        let shared = done_detached(&streams, 5);
+        let (cloud, edge, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
+        let acceptor = accept_all(&streams, edge);
+        let (_send, frames) = attach_at(&cloud, 5, RESPONSE.len() as u64, true, max).await;
+        assert!(
+            !frames.iter().any(|f| matches!(f, Frame::Reset { .. })),
+            "the re-attach within the grace was refused: {frames:?}"
+        );
+        assert!(
+            frames.iter().any(|f| matches!(
+                f,
+                Frame::Ack { stream: 5, delivered, fin_received: true } if *delivered == REQUEST.len() as u64
+            )),
+            "no final ack: {frames:?}"
+        );
+        let start = std::time::Instant::now();
+        while !streams.is_empty() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the done stream is still held after its final ack"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(streams.map().ended.contains(&5));
+        let reset = shared.with_state(|s| s.reset_reason().map(|(c, m)| (c, m.to_string())));
+        assert_eq!(reset, None, "the done stream was reset");
         acceptor.abort();
     }
 }
