@@ -267,9 +267,12 @@ pub struct CloudArgs {
     #[arg(long, env = "TETHER_MAX_DEPARTED_PODS", default_value_t = crate::registry::DEFAULT_MAX_DEPARTED_PODS)]
     pub max_departed_pods: usize,
     /// Least time between two warnings about one node's pod claims the
-    /// apiserver contradicts (an edge reporting another node's pods): the
-    /// claims in between are counted (`tether_cloud_claims_refused_total`)
-    /// and summed up in the next warning. `0s`: every new claim is logged.
+    /// apiserver contradicts (an edge reporting another node's pods), and
+    /// apart from them between two about its refused addresses (a hello
+    /// announcing another node's address): the claims in between are counted
+    /// (`tether_cloud_claims_refused_total`) and summed up in the next
+    /// warning. `0s`: every new pod claim, and every hello with a refused
+    /// address, is logged.
     #[arg(long, env = "TETHER_CLAIM_WARNING_INTERVAL", default_value = "1m", value_parser = parse_duration)]
     pub claim_warning_interval: Duration,
     /// Pod reports one edge connection may send per second on average; an

@@ -14,12 +14,13 @@
 //! edges' reports and hello addresses are hints: pods route by the node the
 //! apiserver binds them to and addresses by the nodes' status, and a hint that
 //! names another node's pod or address is refused, logged with both nodes and
-//! counted in `tether_cloud_claims_refused` (one node's pod claims are logged
-//! at most once per `--claim-warning-interval`, however its reports
-//! alternate). Without one (the insecure opt-in) the edges' reports are all
-//! there is. Either way an address in `Host`/SNI is
-//! looked up as an address before as a node name, so a node named like an IP
-//! cannot take that IP's requests.
+//! counted in `tether_cloud_claims_refused` (one node's refused pod claims,
+//! and apart from them its refused addresses, are logged at most once per
+//! `--claim-warning-interval`, however its reports alternate or its hellos
+//! repeat; every refused address is counted). Without one (the insecure
+//! opt-in) the edges' reports are all there is. Either way an address in
+//! `Host`/SNI is looked up as an address before as a node name, so a node
+//! named like an IP cannot take that IP's requests.
 //!
 //! With peer replicas, the registry also keeps the edges the peers hold
 //! (learnt by [`crate::routes`]), in the same indices: a lookup resolves to a
@@ -186,8 +187,9 @@ struct Tables {
     /// Bound on `departed` (`--max-departed-pods`).
     max_departed: DepartedLimit,
     /// node → the pod claims of its last report the apiserver contradicted
-    /// (a claim repeated in every report is counted once) and when they were
-    /// last logged; kept while the node is held here.
+    /// (a claim repeated in every report is counted once), and when its
+    /// refused pod claims and addresses were last logged; kept while the
+    /// node is held here.
     node_refused: HashMap<String, RefusedClaims>,
     /// node → the peers holding it (usually one; two while it moves).
     remote: HashMap<String, Vec<RemoteEdge>>,
@@ -207,17 +209,45 @@ struct Tables {
     forgotten_through: u64,
 }
 
-/// One node's refused pod claims ([`Tables::node_refused`]).
+/// One node's refused pod and address claims ([`Tables::node_refused`]).
 #[derive(Default)]
 struct RefusedClaims {
     /// The claims of the node's last report the apiserver contradicted: a
     /// claim also in the next report is not counted or logged again.
     last: Arc<BTreeSet<String>>,
-    /// When a refused claim of the node was last logged: at most one
-    /// warning per `--claim-warning-interval`, however its reports alternate.
+    /// Warnings about the node's refused pod claims.
+    pods: ClaimWarnings,
+    /// Warnings about the node's refused addresses (hellos and resumes).
+    addresses: ClaimWarnings,
+}
+
+/// When one node's refused claims of one kind were last logged: at most one
+/// warning per `--claim-warning-interval`, however its reports alternate or
+/// its hellos repeat.
+#[derive(Default)]
+struct ClaimWarnings {
     warned_at: Option<Instant>,
     /// Claims refused (and counted) since then without a warning.
     unlogged: u64,
+}
+
+impl ClaimWarnings {
+    /// `n` claims were just refused: `Some(k)` if they are to be logged now
+    /// (`k` refused since the last warning went unlogged), `None` if only
+    /// counted (they are added to the next warning's count).
+    fn refused(&mut self, n: u64, interval: Duration) -> Option<u64> {
+        let now = Instant::now();
+        let due = self
+            .warned_at
+            .is_none_or(|at| now.saturating_duration_since(at) >= interval);
+        if due {
+            self.warned_at = Some(now);
+            Some(std::mem::take(&mut self.unlogged))
+        } else {
+            self.unlogged += n;
+            None
+        }
+    }
 }
 
 /// Default of `--claim-warning-interval`.
@@ -505,8 +535,8 @@ pub struct Registry {
     /// route record larger than one message is warned about (the record is
     /// published without its pods, see [`crate::routes::encode`]).
     peer_message_limit: Option<usize>,
-    /// Least time between two warnings about one node's refused pod claims
-    /// (`--claim-warning-interval`).
+    /// Least time between two warnings about one node's refused pod claims,
+    /// and between two about its refused addresses (`--claim-warning-interval`).
     claim_warning_interval: Duration,
 }
 
@@ -538,8 +568,9 @@ impl Registry {
         }
     }
 
-    /// The same registry, logging one node's refused pod claims at most once
-    /// per `interval` (`--claim-warning-interval`; they are all counted).
+    /// The same registry, logging one node's refused pod claims, and its
+    /// refused addresses, at most once per `interval` each
+    /// (`--claim-warning-interval`; they are all counted).
     pub fn with_claim_warning_interval(mut self, interval: Duration) -> Self {
         self.claim_warning_interval = interval;
         self
@@ -587,24 +618,43 @@ impl Registry {
         *self.timeouts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Counts and logs an edge's claim the apiserver contradicts.
-    fn refuse_claim(&self, kind: &'static str, claimant: &str, what: &str, owners: &str) {
-        warn!(
-            node = %claimant.escape_debug(),
-            owner = %owners.escape_debug(),
-            claim = %what.escape_debug(),
-            "refusing an edge's {kind} claim: the apiserver has it on another node"
-        );
-        self.claims_refused.get_or_create(&KindLabel { kind }).inc();
+    /// Logs the claim `what` of `node` the apiserver gives to `owner`,
+    /// refused with `more` others of the node's (of this `kind`) since its
+    /// last such warning ([`ClaimWarnings`]).
+    fn warn_refused(&self, kind: &'static str, node: &str, what: &str, owner: &str, more: u64) {
+        if more == 0 {
+            warn!(
+                node = %node.escape_debug(),
+                owner = %owner.escape_debug(),
+                claim = %what.escape_debug(),
+                "refusing an edge's {kind} claim: the apiserver has it on another node"
+            );
+        } else {
+            warn!(
+                node = %node.escape_debug(),
+                owner = %owner.escape_debug(),
+                claim = %what.escape_debug(),
+                more,
+                interval = ?self.claim_warning_interval,
+                "refusing an edge's {kind} claim: the apiserver has it on another node; \
+                 with it, `more` other {kind} claims of the node refused since its last such \
+                 warning or in this {} (all counted in \
+                 tether_cloud_claims_refused_total; one warning per node per \
+                 --claim-warning-interval)",
+                if kind == "pod" { "report" } else { "hello" }
+            );
+        }
     }
 
     /// The announced addresses of `node` the apiserver does not give to another
-    /// node (the others are refused and counted).
-    fn vet_addresses(&self, node: &str, addresses: Vec<String>) -> Vec<String> {
+    /// node. The others are refused: each counted, and logged at most once per
+    /// `--claim-warning-interval` for the node (one warning for several).
+    fn vet_addresses(&self, t: &mut Tables, node: &str, addresses: Vec<String>) -> Vec<String> {
         let Some(auth) = &self.authority else {
             return addresses;
         };
-        addresses
+        let mut refused: Vec<(String, String)> = Vec::new();
+        let kept = addresses
             .into_iter()
             .filter(|a| {
                 let owners = auth.address_nodes(a);
@@ -612,11 +662,26 @@ impl Registry {
                     true
                 } else {
                     let owners = owners.into_iter().collect::<Vec<_>>().join(", ");
-                    self.refuse_claim("address", node, a, &owners);
+                    refused.push((a.clone(), owners));
                     false
                 }
             })
-            .collect()
+            .collect();
+        if let Some((what, owners)) = refused.first() {
+            let n = refused.len() as u64;
+            self.claims_refused
+                .get_or_create(&KindLabel { kind: "address" })
+                .inc_by(n);
+            let warnings = &mut t
+                .node_refused
+                .entry(node.to_string())
+                .or_default()
+                .addresses;
+            if let Some(unlogged) = warnings.refused(n, self.claim_warning_interval) {
+                self.warn_refused("address", node, what, owners, unlogged + n - 1);
+            }
+        }
+        kept
     }
 
     fn tables(&self) -> std::sync::MutexGuard<'_, Tables> {
@@ -893,7 +958,7 @@ impl Registry {
         t.mark(&node);
         self.touch();
         let old = t.sessions.insert(node.clone(), session.clone());
-        let addresses = self.vet_addresses(&node, session.addresses());
+        let addresses = self.vet_addresses(t, &node, session.addresses());
         Self::index_addresses(t, &node, addresses);
         t.forget_departed(&node);
         old
@@ -911,7 +976,7 @@ impl Registry {
         if !current {
             return;
         }
-        let addresses = self.vet_addresses(&session.node, addresses);
+        let addresses = self.vet_addresses(&mut t, &session.node, addresses);
         Self::index_addresses(&mut t, &session.node, addresses);
         t.mark(&session.node);
         self.touch();
@@ -1049,16 +1114,9 @@ impl Registry {
                 let r = t.node_refused.entry(node.to_string()).or_default();
                 r.last = Arc::new(refused);
                 if !newly_refused.is_empty() {
-                    let now = Instant::now();
-                    let due = r.warned_at.is_none_or(|at| {
-                        now.saturating_duration_since(at) >= self.claim_warning_interval
-                    });
-                    if due {
-                        r.warned_at = Some(now);
-                        log = Some(std::mem::take(&mut r.unlogged));
-                    } else {
-                        r.unlogged += newly_refused.len() as u64;
-                    }
+                    log = r
+                        .pods
+                        .refused(newly_refused.len() as u64, self.claim_warning_interval);
                 }
             }
             t.mark(node);
@@ -1073,27 +1131,7 @@ impl Registry {
         }
         if let (Some(unlogged), Some((what, owner))) = (log, newly_refused.first()) {
             let more = unlogged + newly_refused.len() as u64 - 1;
-            if more == 0 {
-                warn!(
-                    node = %node.escape_debug(),
-                    owner = %owner.escape_debug(),
-                    claim = %what.escape_debug(),
-                    "refusing an edge's pod claim: the apiserver has it on another node"
-                );
-            } else {
-                warn!(
-                    node = %node.escape_debug(),
-                    owner = %owner.escape_debug(),
-                    claim = %what.escape_debug(),
-                    more,
-                    interval = ?self.claim_warning_interval,
-                    "refusing an edge's pod claim: the apiserver has it on another node; \
-                     with it, `more` other claims of the node refused since its last such \
-                     warning or in this report (all counted in \
-                     tether_cloud_claims_refused_total; one warning per node per \
-                     --claim-warning-interval)"
-                );
-            }
+            self.warn_refused("pod", node, what, owner, more);
         }
         self.check_record_len(session, count, pods_len);
     }
@@ -2426,5 +2464,115 @@ mod tests {
         );
         assert_eq!((warnings.len(), counted), (1, 5), "{warnings:?}");
         assert!(warnings[0].contains("more=2"), "{warnings:?}");
+    }
+
+    /// An edge announcing an address the apiserver gives another node, on
+    /// every hello (reconnecting in a loop, or resuming): before, each hello
+    /// logged a warning per refused address. Now one node's refused addresses
+    /// are logged at most once per `--claim-warning-interval`, several in one
+    /// hello make one warning, the next warning after the interval says how
+    /// many went unlogged, and every refusal is still counted. Each node, and
+    /// a node's pod claims, have their own: the first of each is logged. With
+    /// the interval at 0 every hello with a refused address is logged.
+    #[test]
+    fn refused_address_claims_are_logged_at_most_once_per_interval_per_node() {
+        let auth = Arc::new(Authority::new());
+        let a_addrs = ["10.0.0.1", "10.0.0.3", "10.0.0.4"];
+        auth.set_node(
+            "edge-a",
+            Some(a_addrs.iter().map(|a| a.to_string()).collect()),
+        );
+        auth.set_node("edge-b", Some(vec!["10.0.0.2".into()]));
+        auth.set_pod("default", "p1", Some(Some("edge-a".into())));
+        let registry = |interval: Duration| {
+            Registry::with_authority(
+                Duration::from_secs(1),
+                Some(auth.clone()),
+                Family::default(),
+            )
+            .with_claim_warning_interval(interval)
+        };
+        let of_kind = |kind: &str, warnings: &[String]| -> Vec<String> {
+            let what = format!("refusing an edge's {kind} claim");
+            warnings
+                .iter()
+                .filter(|w| w.contains(&what))
+                .cloned()
+                .collect()
+        };
+        let addrs = |l: &[&str]| l.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+        // Six hellos of edge-b naming edge-a's address beside its own: a new
+        // session (the edge restarted) and a resume of it, in turn.
+        let six_hellos = |r: &Registry| {
+            let ((), warnings) = crate::testlog::warnings(|| {
+                for _ in 0..3 {
+                    let b = session("edge-b", &["10.0.0.2", "10.0.0.1"]);
+                    r.insert(b.clone());
+                    r.set_addresses(&b, addrs(&["10.0.0.1", "10.0.0.2"]));
+                }
+            });
+            (of_kind("address", &warnings), refused(r, "address"))
+        };
+        let r = registry(Duration::from_secs(3600));
+        let (warnings, counted) = six_hellos(&r);
+        assert_eq!((warnings.len(), counted), (1, 6), "{warnings:?}");
+        assert!(
+            warnings[0].contains("node=edge-b")
+                && warnings[0].contains("owner=edge-a")
+                && warnings[0].contains("claim=10.0.0.1")
+                && !warnings[0].contains("more="),
+            "{warnings:?}"
+        );
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.2")).unwrap().node,
+            "edge-b"
+        );
+        assert!(r.route_node(None, None, Some("10.0.0.1")).is_err());
+        // Interval 0: every hello with a refused address is logged.
+        let (warnings, counted) = six_hellos(&registry(Duration::ZERO));
+        assert_eq!((warnings.len(), counted), (6, 6), "{warnings:?}");
+
+        // Three refused in one hello, then two more within the interval, then
+        // one once the interval has passed.
+        let r = registry(Duration::from_secs(3600));
+        let b = session("edge-b", &a_addrs);
+        let ((), warnings) = crate::testlog::warnings(|| {
+            r.insert(b.clone());
+            // Its pod claims are warned about apart: the first is logged.
+            r.report_pods(&b, vec![pod("default", "p1")]);
+            r.set_addresses(&b, addrs(&a_addrs[..2]));
+        });
+        let (claims, pods) = (of_kind("address", &warnings), of_kind("pod", &warnings));
+        assert_eq!((claims.len(), pods.len()), (1, 1), "{warnings:?}");
+        assert!(claims[0].contains("more=2"), "{claims:?}");
+        assert_eq!(refused(&r, "address"), 5);
+        {
+            let mut t = r.tables();
+            let w = &mut t.node_refused.get_mut("edge-b").unwrap().addresses;
+            // As if the interval had passed since the warning.
+            w.warned_at = w
+                .warned_at
+                .and_then(|at| at.checked_sub(Duration::from_secs(3600)));
+            assert!(w.warned_at.is_some(), "the warning's time, moved back");
+        }
+        let ((), warnings) = crate::testlog::warnings(|| {
+            r.set_addresses(&b, addrs(&["10.0.0.4"]));
+            // Another node's refusal within the interval: its own first warning.
+            r.insert(session("edge-c", &["10.0.0.3"]));
+            r.set_addresses(&b, addrs(&["10.0.0.3"]));
+        });
+        let claims = of_kind("address", &warnings);
+        assert_eq!(claims.len(), 2, "{claims:?}");
+        assert!(
+            claims[0].contains("node=edge-b")
+                && claims[0].contains("claim=10.0.0.4")
+                && claims[0].contains("more=2"),
+            "{claims:?}"
+        );
+        assert!(
+            claims[1].contains("node=edge-c") && !claims[1].contains("more="),
+            "{claims:?}"
+        );
+        assert_eq!(refused(&r, "address"), 8);
     }
 }
