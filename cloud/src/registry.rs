@@ -538,7 +538,15 @@ pub struct Registry {
     /// Least time between two warnings about one node's refused pod claims,
     /// and between two about its refused addresses (`--claim-warning-interval`).
     claim_warning_interval: Duration,
+    /// Tests only: run once between the two locks of
+    /// [`Registry::report_pods`] (to change the node's list in between).
+    #[cfg(test)]
+    between_report_locks: Mutex<Option<ReportHook>>,
 }
+
+/// What a test runs between the two locks of [`Registry::report_pods`].
+#[cfg(test)]
+type ReportHook = Box<dyn FnOnce(&Registry) + Send>;
 
 /// Normalizes a `Host` or SNI value: lowercase, without port or IPv6 brackets.
 pub fn host_only(h: &str) -> String {
@@ -565,6 +573,8 @@ impl Registry {
             timeouts: Mutex::new(crate::session::Timeouts::default()),
             peer_message_limit: None,
             claim_warning_interval: DEFAULT_CLAIM_WARNING_INTERVAL,
+            #[cfg(test)]
+            between_report_locks: Mutex::new(None),
         }
     }
 
@@ -1065,6 +1075,17 @@ impl Registry {
                 t.node_refused.get(node).map(|r| r.last.clone()),
             )
         };
+        #[cfg(test)]
+        {
+            let hook = self
+                .between_report_locks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            if let Some(hook) = hook {
+                hook(self);
+            }
+        }
         let (added, removed) = pod_delta(previous.as_deref().map_or(&[], Vec::as_slice), &pods);
         let newly_refused: Vec<(String, String)> = refused
             .iter()
@@ -1094,9 +1115,9 @@ impl Registry {
                     t.pods.entry(key).or_default().insert(node.to_string());
                 }
             } else {
-                // The list changed between the two locks (this session's
-                // own reports come one at a time, so never in practice):
-                // index the whole report.
+                // The list changed between the two locks (another report
+                // of the session, which come one at a time, or the session
+                // taken out and held here again): index the whole report.
                 Self::unindex_pods(&mut t, node);
                 for p in pods.iter() {
                     t.pods
@@ -2405,6 +2426,109 @@ mod tests {
         r.report_pods(&b, list(&["late"]));
         from_scratch(&r);
         assert!(r.route_pod("default", "late").is_err());
+    }
+
+    /// A report whose node's list changed between its two locks (another
+    /// report of the session, a departure and return of the session, a
+    /// first report raced by another) is indexed whole, not by its
+    /// difference from the list it was compared with; a report whose session
+    /// was replaced in between changes nothing. Either way the index is
+    /// exactly what indexing every node's last list from scratch gives, and
+    /// that list is the last report applied.
+    #[test]
+    fn a_pod_list_changed_between_the_two_locks_is_indexed_whole() {
+        let r = Registry::new(Duration::from_secs(1));
+        let list =
+            |names: &[&str]| -> Vec<PodRef> { names.iter().map(|n| pod("default", n)).collect() };
+        // `s` reports `names`, and `between` runs between its two locks.
+        let racing = |s: &Arc<Session>, names: &[&str], between: ReportHook| {
+            *r.between_report_locks.lock().unwrap() = Some(between);
+            r.report_pods(s, list(names));
+            assert!(r.between_report_locks.lock().unwrap().is_none(), "ran");
+        };
+        let check = |r: &Registry, node: &str, want: &[&str]| {
+            let t = r.tables();
+            let mut index: HashMap<(String, String), BTreeSet<String>> = HashMap::new();
+            for (n, pods) in &t.node_pods {
+                for p in pods.iter() {
+                    index
+                        .entry((p.namespace.clone(), p.name.clone()))
+                        .or_default()
+                        .insert(n.clone());
+                }
+            }
+            assert_eq!(t.pods, index, "the index is the nodes' lists");
+            let names: BTreeSet<&str> = t
+                .node_pods
+                .get(node)
+                .map(|l| l.iter().map(|p| p.name.as_str()).collect())
+                .unwrap_or_default();
+            assert_eq!(names, want.iter().copied().collect::<BTreeSet<_>>());
+        };
+        let a = session("edge-a", &[]);
+        r.insert(a.clone());
+        r.report_pods(&a, list(&["p1", "p2"]));
+        check(&r, "edge-a", &["p1", "p2"]);
+
+        // Another report of the session lands between the two locks.
+        let a2 = a.clone();
+        racing(
+            &a,
+            &["p2", "p3"],
+            Box::new(move |r: &Registry| r.report_pods(&a2, list(&["p1", "p4"]))),
+        );
+        check(&r, "edge-a", &["p2", "p3"]);
+        assert!(matches!(
+            r.route_pod("default", "p4"),
+            Err(RouteError::UnknownPod { .. })
+        ));
+
+        // The session departs and is held here again (a relay that came
+        // back) between the two locks: its list went with it.
+        let a2 = a.clone();
+        racing(
+            &a,
+            &["p3", "p5"],
+            Box::new(move |r: &Registry| {
+                assert!(r.remove(&a2));
+                r.hold(&a2);
+            }),
+        );
+        check(&r, "edge-a", &["p3", "p5"]);
+        assert!(matches!(
+            r.route_pod("default", "p2"),
+            Err(RouteError::UnknownPod { .. })
+        ));
+        assert_eq!(r.route_pod("default", "p5").unwrap().node, "edge-a");
+
+        // A first report raced by another one of the same session.
+        let b = session("edge-b", &[]);
+        r.insert(b.clone());
+        let b2 = b.clone();
+        racing(
+            &b,
+            &["q2"],
+            Box::new(move |r: &Registry| r.report_pods(&b2, list(&["q1", "p3"]))),
+        );
+        check(&r, "edge-b", &["q2"]);
+        check(&r, "edge-a", &["p3", "p5"]);
+        assert_eq!(r.route_pod("default", "p3").unwrap().node, "edge-a");
+
+        // A new session of the node (with its own report) between the two
+        // locks: the old session's report is dropped.
+        let b3 = session("edge-b", &[]);
+        let b4 = b3.clone();
+        racing(
+            &b,
+            &["q4"],
+            Box::new(move |r: &Registry| {
+                r.insert(b4.clone());
+                r.report_pods(&b4, list(&["q3"]));
+            }),
+        );
+        check(&r, "edge-b", &["q3"]);
+        assert!(r.route_pod("default", "q4").is_err());
+        assert!(r.route_pod("default", "q2").is_err());
     }
 
     /// An edge alternating a report that claims another node's pod with an
