@@ -36,10 +36,15 @@
 //! the edge waits for the edge's flow-control credit only while the owner is
 //! there: an edge that stops reading (a pod that does not read its stdin, or
 //! an edge that never reads) does not hold the splice, its task and the
-//! owner's peer-link stream past the owner. Once the owner has left (its
-//! reader stopped, or its peer link lost), the edge gets `--peer-timeout` to
-//! take the owner's last bytes, then its end is reset (`DETACHED`, or
-//! `OWNER_GONE` for a lost link) and the owner's stream is let go.
+//! owner's peer-link stream past the owner. When the owner's peer link is
+//! lost the edge's end is reset at once (`OWNER_GONE`; `DETACHED` when this
+//! replica closed the link as it exits). When the owner stopped reading, the
+//! edge gets `--peer-timeout` to take the owner's last bytes, then its end is
+//! reset `DETACHED` and the owner's stream is let go. When the edge had
+//! finished its own direction and the owner received all of it, the owner
+//! is done with the edge: the edge is cut the same way once a write to it
+//! waits `--peer-timeout` without the edge taking a byte (a slow edge that
+//! reads is not cut).
 
 use std::io;
 use std::time::Duration;
@@ -344,6 +349,120 @@ async fn send_refusal(send: &mut quinn::SendStream, answer: &[u8], timeout: Dura
     }
 }
 
+/// How the owner left, as the edge→owner direction saw it on the owner's
+/// stream; the owner→edge direction cuts the edge's end accordingly
+/// ([`OwnerWatch`]).
+#[derive(Debug, Clone)]
+enum OwnerLeft {
+    /// Still there, as far as this splice knows.
+    Here,
+    /// The owner stopped reading: it lives and let the stream go. The edge
+    /// gets `grace` to take its last bytes (a `Reset` and its reason).
+    Stopped,
+    /// The edge had finished its direction and the owner has received all
+    /// of it (it acknowledged the end): nothing more is coming for the owner
+    /// and it ends its own side by itself. The edge gets `grace` to take the
+    /// owner's last bytes, renewed by every byte it takes: a slow edge is not
+    /// cut, one that takes nothing is.
+    Received,
+    /// The owner's peer link was lost (or closed by this replica as it
+    /// exits): nobody takes the edge's bytes or re-attaches the stream
+    /// through this splice, and the edge is told at once.
+    LinkLost(quinn::ConnectionError),
+}
+
+impl OwnerLeft {
+    /// What the owner's stream being stopped (`stopped()` on our send end)
+    /// says; `finished`: we had finished that end (the edge finished).
+    fn from_stopped(
+        why: Result<Option<quinn::VarInt>, quinn::StoppedError>,
+        finished: bool,
+    ) -> Self {
+        match why {
+            Err(quinn::StoppedError::ConnectionLost(e)) => OwnerLeft::LinkLost(e),
+            // Finished by us, and every byte of it acknowledged by the owner.
+            Ok(None) if finished => OwnerLeft::Received,
+            _ => OwnerLeft::Stopped,
+        }
+    }
+}
+
+/// When the owner→edge direction cuts the edge's end: watches the owner
+/// leaving ([`OwnerLeft`]) and times the edge's grace.
+struct OwnerWatch {
+    left: watch::Receiver<OwnerLeft>,
+    /// Until the owner left, or the other direction ended without seeing it.
+    watching: bool,
+    /// Whether the grace runs only while a write waits, renewed by each
+    /// byte the edge takes (`Received`), or from the owner's leaving on.
+    stall_only: bool,
+    /// The grace's end, once the owner left (none in the common case).
+    deadline: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    grace: Duration,
+}
+
+impl OwnerWatch {
+    fn new(left: watch::Receiver<OwnerLeft>, grace: Duration) -> Self {
+        OwnerWatch {
+            left,
+            watching: true,
+            stall_only: false,
+            deadline: None,
+            grace,
+        }
+    }
+
+    /// A write to the edge is about to wait for its credit: when the grace
+    /// counts the edge's stall, it starts (again) now.
+    fn writing(&mut self) {
+        if self.stall_only {
+            if let Some(d) = self.deadline.as_mut() {
+                d.as_mut().reset(tokio::time::Instant::now() + self.grace);
+            }
+        }
+    }
+
+    /// Completes when the edge's end is to be cut: at once when the owner's
+    /// link is lost (with the error), `grace` after the owner stopped
+    /// reading, and `grace` into a write (`writing`) that the edge takes
+    /// nothing of once it finished and the owner received it all. Never
+    /// when the other direction ended without seeing the owner leave (the
+    /// edge's end failed). Cancel safe.
+    async fn cut(&mut self, writing: bool) -> Option<quinn::ConnectionError> {
+        loop {
+            let timed = self.deadline.is_some() && (writing || !self.stall_only);
+            tokio::select! {
+                changed = self.left.changed(), if self.watching => {
+                    if changed.is_err() {
+                        self.watching = false;
+                        continue;
+                    }
+                    let left = self.left.borrow_and_update().clone();
+                    match left {
+                        OwnerLeft::Here => {}
+                        OwnerLeft::LinkLost(e) => return Some(e),
+                        OwnerLeft::Stopped | OwnerLeft::Received => {
+                            self.watching = false;
+                            self.stall_only = matches!(left, OwnerLeft::Received);
+                            self.deadline = Some(Box::pin(tokio::time::sleep(self.grace)));
+                        }
+                    }
+                }
+                () = expired(&mut self.deadline), if timed => return None,
+                else => std::future::pending::<()>().await,
+            }
+        }
+    }
+}
+
+/// Completes when `deadline` is set and has passed.
+async fn expired(deadline: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
+    match deadline {
+        Some(d) => d.await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Copies the owner's bytes to the edge until the owner finishes, then
 /// finishes the edge's end; a failed read from the owner resets the edge's
 /// end, a failed write to the edge stops the owner's, and when the edge
@@ -351,28 +470,23 @@ async fn send_refusal(send: &mut quinn::SendStream, answer: &[u8], timeout: Dura
 ///
 /// A write waits for the edge's flow-control credit for as long as the edge
 /// takes to read (a pod that reads its stdin slowly is not cut), but not
-/// past the owner: once the owner has left (`owner_left`: its reader stopped
-/// or its link lost, seen by the other direction), the edge gets `grace` to
-/// take the owner's last bytes (a `Reset` and its reason), then it is cut
-/// ([`cut_edge`]). Before, an edge that never read kept this task, the bytes
-/// it had taken and the owner's stream until the edge's connection closed,
-/// one of the peer link's `--peer-max-streams` with each.
+/// past the owner ([`OwnerWatch`], told by the other direction): once the
+/// owner's link is lost the edge is cut at once; once the owner stopped
+/// reading the edge gets `grace` to take the owner's last bytes (a `Reset`
+/// and its reason); once the edge finished its own direction and the owner
+/// received all of it, the edge gets `grace` for each stretch of a write in
+/// which it takes nothing. Then it is cut ([`cut_edge`]). Before, an edge
+/// that never read kept this task, the bytes it had taken and the owner's
+/// stream until the edge's connection closed, one of the peer link's
+/// `--peer-max-streams` with each.
 async fn owner_to_edge(
     mut from: quinn::RecvStream,
     mut to: quinn::SendStream,
     counter: prometheus_client::metrics::counter::Counter,
-    mut owner_left: watch::Receiver<bool>,
+    owner_left: watch::Receiver<OwnerLeft>,
     grace: Duration,
 ) {
-    // Ends `grace` after the owner left; never when the other direction ended
-    // without seeing it leave (the edge finished or failed).
-    let cut = async move {
-        if owner_left.wait_for(|left| *left).await.is_err() {
-            std::future::pending::<()>().await;
-        }
-        tokio::time::sleep(grace).await;
-    };
-    tokio::pin!(cut);
+    let mut owner = OwnerWatch::new(owner_left, grace);
     let edge_stopped = to.stopped();
     tokio::pin!(edge_stopped);
     let mut watch_stop = true;
@@ -391,7 +505,7 @@ async fn owner_to_edge(
                 debug!(?why, "the edge stopped reading; ending this direction");
                 return end_after_stop(from, to, grace).await;
             }
-            () = &mut cut => return cut_edge(from, to),
+            lost = owner.cut(false) => return cut_edge(from, to, lost.as_ref()),
         };
         let chunk = match read {
             Ok(Some(chunk)) => chunk,
@@ -410,17 +524,23 @@ async fn owner_to_edge(
             }
         };
         let n = chunk.bytes.len() as u64;
-        // Only the cut, not the owner's stream, is watched while the write
-        // waits: quinn's `received_reset` would leave its waker behind on a
-        // stream whose bytes are all buffered (a leak, and a debug assertion
-        // when the stream is then read to its end).
-        let written = tokio::select! {
-            written = to.write_chunk(chunk.bytes) => written,
-            () = &mut cut => return cut_edge(from, to),
-        };
-        if written.is_err() {
-            let _ = from.stop(stream_code::DETACHED.into());
-            return;
+        // Only the owner's watch, not the owner's stream, is watched while
+        // the write waits: quinn's `received_reset` would leave its waker
+        // behind on a stream whose bytes are all buffered (a leak, and a
+        // debug assertion when the stream is then read to its end). The
+        // chunk goes in as much of it as the edge's credit allows at a time
+        // (no copy), so that each byte the edge takes is seen.
+        let mut rest = [chunk.bytes];
+        while !rest[0].is_empty() {
+            owner.writing();
+            let written = tokio::select! {
+                written = to.write_chunks(&mut rest) => written,
+                lost = owner.cut(true) => return cut_edge(from, to, lost.as_ref()),
+            };
+            if written.is_err() {
+                let _ = from.stop(stream_code::DETACHED.into());
+                return;
+            }
         }
         counter.inc_by(n);
     }
@@ -438,27 +558,37 @@ fn edge_code_after_owner_link(e: &quinn::ConnectionError) -> u32 {
     }
 }
 
-/// The owner left and the edge did not take its last bytes within the grace:
-/// the edge's end is reset (`DETACHED`: the owner lives and the stream is the
-/// edge's to resume; `OWNER_GONE` when the owner's link was lost), and the
-/// owner's stream is let go so that the peer link counts it closed: a reset
-/// the owner sent is read (quinn frees a reset stream and announces its
-/// credit when the reset is read; stopped instead, the stream is freed
-/// without a word to the owner and its credit waits for the owner's next
-/// packet), anything else is stopped.
-fn cut_edge(mut from: quinn::RecvStream, mut to: quinn::SendStream) {
-    let code = match from.received_reset().now_or_never() {
-        Some(Ok(Some(_))) => stream_code::DETACHED,
-        Some(Err(quinn::ResetError::ConnectionLost(e))) => edge_code_after_owner_link(&e),
-        // Not reset (the pending check's waker goes with the stop).
-        _ => {
-            let _ = from.stop(stream_code::DETACHED.into());
-            stream_code::DETACHED
-        }
+/// The owner left: its link was lost (`lost`: cut at once), or the edge did
+/// not take its last bytes within the grace. The edge's end is reset
+/// (`DETACHED`: the owner lives and the stream is the edge's to resume;
+/// `OWNER_GONE` when the owner's link was lost), and the owner's stream is
+/// let go so that the peer link counts it closed: a reset the owner sent is
+/// read (quinn frees a reset stream and announces its credit when the reset
+/// is read; stopped instead, the stream is freed without a word to the owner
+/// and its credit waits for the owner's next packet), anything else is
+/// stopped.
+fn cut_edge(
+    mut from: quinn::RecvStream,
+    mut to: quinn::SendStream,
+    lost: Option<&quinn::ConnectionError>,
+) {
+    let code = match lost {
+        // Nothing to let go on a lost link.
+        Some(e) => edge_code_after_owner_link(e),
+        None => match from.received_reset().now_or_never() {
+            Some(Ok(Some(_))) => stream_code::DETACHED,
+            Some(Err(quinn::ResetError::ConnectionLost(e))) => edge_code_after_owner_link(&e),
+            // Not reset (the pending check's waker goes with the stop).
+            _ => {
+                let _ = from.stop(stream_code::DETACHED.into());
+                stream_code::DETACHED
+            }
+        },
     };
     debug!(
         code,
-        "the owner left and the edge did not take its last bytes in time; cutting"
+        lost = lost.is_some(),
+        "the owner left; cutting the edge's end"
     );
     let _ = to.reset(code.into());
 }
@@ -485,18 +615,26 @@ async fn end_after_stop(mut from: quinn::RecvStream, to: quinn::SendStream, grac
 /// come back), a failed write to the owner stops the edge's.
 ///
 /// When the owner stops reading or its peer link is lost, the owner has
-/// left: the other direction is told (`owner_left`), and the owner's end is
-/// let go at once, without waiting for the edge to send again: an owner
+/// left: the other direction is told how (`owner_left`), and the owner's end
+/// is let go at once, without waiting for the edge to send again: an owner
 /// whose client left stops reading, while the edge may stay silent for as
 /// long as the pod writes nothing (a `logs -f`), and until then the splice
 /// held one of the peer link's streams. The edge's end then gets `grace`
 /// to end on its own ([`end_after_stop`]; for a link lost the other
 /// direction has told it `OWNER_GONE`).
+///
+/// Once the edge finished, the owner's end is still watched for as long as
+/// the other direction runs: the owner stopping it, receiving all of it
+/// ([`OwnerLeft::Received`]) or its link being lost is told the same way.
+/// Before, this direction ended with the edge's finish and the other was
+/// never told: an edge that finished and then never read kept the splice,
+/// the bytes it had taken and the owner's stream (one of the peer link's
+/// `--peer-max-streams`) past the owner, until its connection closed.
 async fn edge_to_owner(
     mut from: quinn::RecvStream,
     mut to: quinn::SendStream,
     counter: prometheus_client::metrics::counter::Counter,
-    owner_left: watch::Sender<bool>,
+    owner_left: watch::Sender<OwnerLeft>,
     grace: Duration,
 ) {
     let stopped = to.stopped();
@@ -506,15 +644,18 @@ async fn edge_to_owner(
             read = from.read_chunk(PIPE_CHUNK, true) => read,
             why = &mut stopped => {
                 debug!(?why, "the owner left; ending this direction");
-                owner_left.send_replace(true);
+                owner_left.send_replace(OwnerLeft::from_stopped(why, false));
                 return end_after_stop(from, to, grace).await;
             }
         };
         match read {
             Ok(Some(chunk)) => {
                 let n = chunk.bytes.len();
-                if to.write_chunk(chunk.bytes).await.is_err() {
-                    owner_left.send_replace(true);
+                if let Err(e) = to.write_chunk(chunk.bytes).await {
+                    owner_left.send_replace(match e {
+                        quinn::WriteError::ConnectionLost(e) => OwnerLeft::LinkLost(e),
+                        _ => OwnerLeft::Stopped,
+                    });
                     let _ = from.stop(stream_code::DETACHED.into());
                     return;
                 }
@@ -522,6 +663,14 @@ async fn edge_to_owner(
             }
             Ok(None) => {
                 let _ = to.finish();
+                // Bounded by the other direction: it ends when the owner
+                // finishes, the edge stops, or the edge is cut.
+                let why = tokio::select! {
+                    why = &mut stopped => why,
+                    () = owner_left.closed() => return,
+                };
+                debug!(?why, "the edge had finished; the owner's end is done");
+                owner_left.send_replace(OwnerLeft::from_stopped(why, true));
                 return;
             }
             Err(e) => {
@@ -541,7 +690,7 @@ async fn splice(
     counters: ByteCounters,
     grace: Duration,
 ) {
-    let (left, owner_left) = watch::channel(false);
+    let (left, owner_left) = watch::channel(OwnerLeft::Here);
     tokio::join!(
         owner_to_edge(
             owner_recv,
@@ -908,28 +1057,97 @@ mod tests {
 
     /// The same edge, and the owner's peer link dies: the edge is told
     /// `OWNER_GONE` at once (nobody will re-attach the stream), not only
-    /// when it next reads, and the splice ends.
+    /// when it next reads nor once the grace has passed (the grace is for an
+    /// owner that left cleanly: it is long here, and the edge is told well
+    /// within it), and the splice ends once the edge lets its end go (as an
+    /// edge told `OWNER_GONE` does).
     #[tokio::test]
     async fn a_splice_to_an_edge_that_reads_nothing_tells_it_when_the_owners_link_dies() {
-        let grace = Duration::from_millis(300);
+        let grace = Duration::from_secs(30);
         let bound = Duration::from_secs(5);
         let Spliced {
             owner,
             owner_stream: _owner_stream,
-            edge_stream: (_edge_send, mut edge_recv),
+            edge_stream: (edge_send, mut edge_recv),
             splicing,
             _links,
         } = spliced(one_kib_window(), &[7u8; 256 * 1024], grace).await;
-        tokio::time::sleep(grace).await;
+        // The holder is now waiting for the edge's window.
+        tokio::time::sleep(Duration::from_millis(300)).await;
         owner.close(0u32.into(), b"owner replica gone");
         assert_eq!(
             edge_told(&mut edge_recv, bound).await,
             Some(stream_code::OWNER_GONE)
         );
+        drop(edge_send);
         tokio::time::timeout(bound, splicing)
             .await
             .expect("the splice ended")
             .unwrap();
+    }
+
+    /// The same, with the owner's link closed by this replica (it exits):
+    /// the edge's end is reset at once too, `DETACHED` (the owner lives and
+    /// re-attaches the stream elsewhere).
+    #[tokio::test]
+    async fn a_splice_to_an_edge_that_reads_nothing_is_detached_at_once_when_its_holder_closes_the_link(
+    ) {
+        let grace = Duration::from_secs(30);
+        let bound = Duration::from_secs(5);
+        let Spliced {
+            owner: _owner,
+            owner_stream: _owner_stream,
+            edge_stream: (edge_send, mut edge_recv),
+            splicing,
+            _links,
+        } = spliced(one_kib_window(), &[7u8; 256 * 1024], grace).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        _links.0.close(0u32.into(), b"this replica exits");
+        assert_eq!(
+            edge_told(&mut edge_recv, bound).await,
+            Some(stream_code::DETACHED)
+        );
+        drop(edge_send);
+        tokio::time::timeout(bound, splicing)
+            .await
+            .expect("the splice ended")
+            .unwrap();
+    }
+
+    /// An edge that finished its own direction and then reads nothing does
+    /// not keep the splice once the owner is done too (it received the
+    /// edge's end and finished its own): the edge gets the grace to take the
+    /// rest, then its end is reset `DETACHED` and the owner's stream is let
+    /// go, its credit back. With the edge's finish the splice used to stop
+    /// watching the owner, and the write to the edge waited for as long as
+    /// the edge's connection lived, holding one of the peer link's streams.
+    #[tokio::test]
+    async fn a_splice_to_an_edge_that_finished_and_reads_nothing_ends_when_the_owner_is_done() {
+        let grace = Duration::from_millis(300);
+        let bound = Duration::from_secs(5);
+        let Spliced {
+            owner,
+            owner_stream: (mut os, mut or),
+            edge_stream: (mut edge_send, mut edge_recv),
+            splicing,
+            _links,
+        } = spliced(one_kib_window(), &[7u8; 256 * 1024], grace).await;
+        edge_send.write_all(b"bye").await.unwrap();
+        edge_send.finish().unwrap();
+        let got = tokio::time::timeout(bound, or.read_to_end(16)).await;
+        assert!(matches!(got, Ok(Ok(ref b)) if b == b"bye"), "{got:?}");
+        os.finish().unwrap();
+        drop((os, or));
+        let next = tokio::time::timeout(bound, owner.open_bi()).await;
+        assert!(matches!(next, Ok(Ok(_))), "no stream credit back: {next:?}");
+        tokio::time::timeout(bound, splicing)
+            .await
+            .expect("the splice ended")
+            .unwrap();
+        assert_eq!(
+            edge_told(&mut edge_recv, bound).await,
+            Some(stream_code::DETACHED)
+        );
     }
 
     /// An owner that writes and finishes at once, to an edge that reads at
@@ -1000,6 +1218,54 @@ mod tests {
         );
         edge_send.finish().unwrap();
         let end = tokio::time::timeout(bound, or.read_to_end(0)).await;
+        assert!(
+            matches!(end, Ok(Ok(ref rest)) if rest.is_empty()),
+            "{end:?}"
+        );
+        tokio::time::timeout(bound, splicing)
+            .await
+            .expect("the splice ended")
+            .unwrap();
+    }
+
+    /// The same slow edge, having finished its own direction first (the
+    /// owner received all of it), is not cut either while the owner stays:
+    /// the grace then counts only a write the edge takes nothing of, and
+    /// each of its reads renews it. Reading takes several graces; every byte
+    /// arrives, and the owner's finish ends the edge's stream cleanly.
+    #[tokio::test]
+    async fn a_slow_edge_that_finished_is_not_cut_while_the_owner_stays() {
+        let grace = Duration::from_millis(500);
+        let bound = Duration::from_secs(30);
+        let sent: Vec<u8> = (0..256 * 1024u32).map(|i| (i % 247) as u8).collect();
+        let Spliced {
+            owner: _owner,
+            owner_stream: (mut os, mut or),
+            edge_stream: (mut edge_send, mut edge_recv),
+            splicing,
+            _links,
+        } = spliced(one_kib_window(), &sent, grace).await;
+        edge_send.finish().unwrap();
+        let end = tokio::time::timeout(bound, or.read_to_end(0)).await;
+        assert!(
+            matches!(end, Ok(Ok(ref rest)) if rest.is_empty()),
+            "{end:?}"
+        );
+        let t0 = tokio::time::Instant::now();
+        let mut got = Vec::with_capacity(sent.len());
+        tokio::time::timeout(bound, async {
+            while got.len() < sent.len() {
+                let chunk = edge_recv.read_chunk(1024, true).await.unwrap().unwrap();
+                got.extend_from_slice(&chunk.bytes);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the edge read everything in time");
+        assert!(t0.elapsed() > grace * 4, "{:?}", t0.elapsed());
+        assert!(got == sent, "the edge got other bytes");
+        os.finish().unwrap();
+        let end = tokio::time::timeout(bound, edge_recv.read_to_end(0)).await;
         assert!(
             matches!(end, Ok(Ok(ref rest)) if rest.is_empty()),
             "{end:?}"
