@@ -400,27 +400,38 @@ impl EdgeStreams {
         // chaining its buffer in front of the QUIC stream.
         let recv = reader.into_prefixed(recv);
         // One driver per stream: a re-attach replaces (aborts) a driver still
-        // blocked on the dead connection.
-        let task = tokio::spawn(drive(shared.clone(), recv, send, peer, max, copies));
-        // This transport's attach number: its failure acts on the stream
-        // only while no newer attach took it over.
-        let attach = {
+        // blocked on the dead connection. Checked, counted and spawned under
+        // one lock, so a stream ended since the lookup gets no driver and its
+        // owner is answered with a reset.
+        let attached = {
             let mut t = self.map();
             match t.live.get_mut(&id) {
                 Some(live) if Arc::ptr_eq(&live.shared, &shared) => {
                     live.attaches += 1;
                     live.expires = None;
+                    let task = tokio::spawn(drive(shared.clone(), recv, send, peer, max, copies));
                     if let Some(old) = live.driver.replace(task.abort_handle()) {
                         old.abort();
                     }
-                    live.attaches
+                    // This transport's attach number: its failure acts on
+                    // the stream only while no newer attach took it over.
+                    Ok((task, live.attaches))
                 }
-                _ => {
-                    // Ended meanwhile (session reset; its id may be a new
-                    // session's stream by now): nothing to drive.
-                    task.abort();
-                    return;
-                }
+                // Ended meanwhile (session reset, grace passed, owner gone;
+                // its id may be a new session's stream by now).
+                _ => Err(send),
+            }
+        };
+        let (task, attach) = match attached {
+            Ok(a) => a,
+            Err(send) => {
+                info!(node = %self.node, stream = id, "the stream ended while the cloud attached it; resetting it");
+                let why = format!(
+                    "edge {} does not hold stream {id} (it ended while the cloud attached it)",
+                    self.node
+                );
+                refuse(send, id, ResetCode::UnknownStream, why, max).await;
+                return;
             }
         };
         let result = match task.await {
