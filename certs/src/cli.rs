@@ -2,7 +2,8 @@
 //! few lines over the library. Files go to one directory (`--dir`, default
 //! `./pki`) under fixed names unless `--cert`/`--key` say otherwise;
 //! existing files are never overwritten without `--force`; keys are written
-//! 0600, atomically.
+//! 0600, atomically. Commands that change the join-token store wait at most
+//! `--store-lock-wait` for another process holding its lock.
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -178,6 +179,10 @@ enum IssueCommand {
         /// [default: <dir>/join-tokens.json].
         #[arg(long, env = "TETHER_JOIN_STORE", conflicts_with = "no_record")]
         store: Option<PathBuf>,
+        /// How long recording waits for another process holding the store's
+        /// lock (ms, s or m; e.g. 200ms), then fails.
+        #[arg(long, env = "TETHER_JOIN_STORE_LOCK_WAIT", default_value = "5s", value_parser = parse_lock_wait)]
+        store_lock_wait: Duration,
         /// Do not record the certificate in a join-token store (a token whose
         /// pattern matches the node may then replace it).
         #[arg(long)]
@@ -210,6 +215,10 @@ struct StoreOpt {
     /// The join-token store (shared with tether-cloud) [default: <dir>/join-tokens.json].
     #[arg(long, env = "TETHER_JOIN_STORE")]
     store: Option<PathBuf>,
+    /// How long a change waits for another process holding the store's lock
+    /// (ms, s or m; e.g. 200ms), then fails.
+    #[arg(long = "store-lock-wait", env = "TETHER_JOIN_STORE_LOCK_WAIT", default_value = "5s", value_parser = parse_lock_wait)]
+    lock_wait: Duration,
 }
 
 #[derive(Debug, Subcommand)]
@@ -292,6 +301,31 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
                 tether_certs::mint::MAX_VALIDITY_YEARS
             )
         })
+}
+
+/// Parses `--store-lock-wait`: `200ms`, `5s`, `2m`; more than 0 (a zero
+/// wait would fail a change whenever another process holds the lock for an
+/// instant).
+pub fn parse_lock_wait(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{s:?} has no unit: add ms, s or m"))?;
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} does not start with a number"))?;
+    let wait = match unit {
+        "ms" => Some(Duration::from_millis(n)),
+        "s" => Some(Duration::from_secs(n)),
+        "m" => n.checked_mul(60).map(Duration::from_secs),
+        other => return Err(format!("unknown unit {other:?}: use ms, s or m")),
+    }
+    .ok_or_else(|| format!("{s:?} is too long"))?;
+    if wait.is_zero() {
+        return Err("the store lock wait must be more than 0".into());
+    }
+    Ok(wait)
 }
 
 /// Runs one command.
@@ -429,6 +463,7 @@ fn issue(dir: &Path, cmd: IssueCommand) -> anyhow::Result<()> {
             node,
             opts,
             store,
+            store_lock_wait,
             no_record,
         } => {
             if !tether_certs::identity::valid_node_name(node) {
@@ -438,7 +473,11 @@ fn issue(dir: &Path, cmd: IssueCommand) -> anyhow::Result<()> {
             if !no_record {
                 // Before any file is written: a certificate the store does not
                 // know about is one a join token could replace.
-                record_edge(dir, store.clone(), node, &issued)?;
+                let store = StoreOpt {
+                    store: store.clone(),
+                    lock_wait: *store_lock_wait,
+                };
+                record_edge(dir, &store, node, &issued)?;
             }
             (issued, false)
         }
@@ -472,13 +511,8 @@ fn issue(dir: &Path, cmd: IssueCommand) -> anyhow::Result<()> {
 }
 
 /// Records an edge certificate made by hand in the join-token store.
-fn record_edge(
-    dir: &Path,
-    store: Option<PathBuf>,
-    node: &str,
-    issued: &CertKey,
-) -> anyhow::Result<()> {
-    let path = store_path(dir, &StoreOpt { store });
+fn record_edge(dir: &Path, store: &StoreOpt, node: &str, issued: &CertKey) -> anyhow::Result<()> {
+    let path = store_path(dir, store);
     let der = tether_certs::pem::certs_from_pem(&issued.cert_pem, "the new certificate")?;
     let first = der
         .first()
@@ -487,7 +521,10 @@ fn record_edge(
     let now = SystemTime::now();
     let expires = tether_certs::token::unix(now).saturating_add(summary.expires_in_secs);
     JoinStore::open(&path)
-        .and_then(|s| s.record_issue(node, &summary.serial, now, expires))
+        .and_then(|s| {
+            s.with_lock_wait(store.lock_wait)
+                .record_issue(node, &summary.serial, now, expires)
+        })
         .with_context(|| {
             format!(
                 "recording node {node:?} in the join-token store {} (--store names another, \
@@ -541,6 +578,11 @@ fn store_path(dir: &Path, opt: &StoreOpt) -> PathBuf {
         .unwrap_or_else(|| dir.join("join-tokens.json"))
 }
 
+/// The store `opt` names, its changes waiting `--store-lock-wait`.
+fn open_store(dir: &Path, opt: &StoreOpt) -> anyhow::Result<JoinStore> {
+    Ok(JoinStore::open(store_path(dir, opt))?.with_lock_wait(opt.lock_wait))
+}
+
 fn token(dir: &Path, cmd: TokenCommand) -> anyhow::Result<()> {
     let now = SystemTime::now();
     match cmd {
@@ -560,7 +602,7 @@ fn token(dir: &Path, cmd: TokenCommand) -> anyhow::Result<()> {
                 format!("reading the CA certificate {} to pin it", ca_path.display())
             })?;
             let pin = ca_pin(&ca_pem)?;
-            let store = JoinStore::open(store_path(dir, &store))?;
+            let store = open_store(dir, &store)?;
             let node_pattern = match (node, node_pattern) {
                 (Some(n), _) if n.contains('*') => {
                     anyhow::bail!("--node takes one node name; use --node-pattern for a pattern")
@@ -591,7 +633,7 @@ fn token(dir: &Path, cmd: TokenCommand) -> anyhow::Result<()> {
             );
         }
         TokenCommand::List { store } => {
-            let store = JoinStore::open(store_path(dir, &store))?;
+            let store = open_store(dir, &store)?;
             let tokens = store.list()?;
             if tokens.is_empty() {
                 println!("no tokens in {}", store.path().display());
@@ -628,7 +670,7 @@ fn token(dir: &Path, cmd: TokenCommand) -> anyhow::Result<()> {
             }
         }
         TokenCommand::Revoke { id, store } => {
-            let store = JoinStore::open(store_path(dir, &store))?;
+            let store = open_store(dir, &store)?;
             let r = store.revoke(&id)?;
             println!("token {} revoked", r.id);
         }
@@ -645,7 +687,7 @@ fn cert_command(dir: &std::path::Path, cmd: CertCommand) -> anyhow::Result<()> {
             reason,
             store,
         } => {
-            let store = JoinStore::open(store_path(dir, &store))?;
+            let store = open_store(dir, &store)?;
             let r = match (serial, node) {
                 (Some(s), _) => store.revoke_serial(&s, &reason, now)?,
                 (None, Some(n)) => store.revoke_node(&n, &reason, now)?,
@@ -661,7 +703,7 @@ fn cert_command(dir: &std::path::Path, cmd: CertCommand) -> anyhow::Result<()> {
             }
         }
         CertCommand::Revoked { store } => {
-            let store = JoinStore::open(store_path(dir, &store))?;
+            let store = open_store(dir, &store)?;
             println!("{:<26} {:<42} REASON", "REVOKED", "WHAT");
             for r in store.revocations()? {
                 let what = match (&r.serial, &r.node) {
@@ -723,6 +765,65 @@ mod tests {
         );
         reset_key(&out, true).unwrap();
         assert_ne!(std::fs::read_to_string(&out).unwrap(), first);
+    }
+
+    /// `--store-lock-wait` (was the fixed 5 s) reaches the store of every
+    /// command that changes it; nonsense is refused.
+    #[test]
+    fn the_store_lock_wait_is_parsed_and_reaches_the_store() {
+        assert_eq!(
+            parse_lock_wait("200ms").unwrap(),
+            Duration::from_millis(200)
+        );
+        assert_eq!(parse_lock_wait("5s").unwrap(), Duration::from_secs(5));
+        assert_eq!(parse_lock_wait("2m").unwrap(), Duration::from_secs(120));
+        for bad in ["", "0s", "0ms", "5", "5h", "ms", "-1s"] {
+            assert!(parse_lock_wait(bad).is_err(), "{bad}");
+        }
+        assert!(parse_lock_wait("0s").unwrap_err().contains("more than 0"));
+        let dir = tempfile::tempdir().unwrap();
+        let parse = |args: &[&str]| Cli::try_parse_from(args).map_err(|e| e.to_string());
+        let wait_of = |cli: Cli| match cli.command {
+            Command::Token(TokenCommand::Revoke { store, .. }) => store.lock_wait,
+            Command::Issue(IssueCommand::Edge {
+                store_lock_wait, ..
+            }) => store_lock_wait,
+            other => panic!("{other:?}"),
+        };
+        let d = dir.path().to_str().unwrap();
+        let cli = parse(&["tether-certs", "--dir", d, "token", "revoke", "abcdef"]).unwrap();
+        assert_eq!(wait_of(cli), tether_certs::token::DEFAULT_STORE_LOCK_WAIT);
+        let cli = parse(&[
+            "tether-certs",
+            "token",
+            "revoke",
+            "abcdef",
+            "--store-lock-wait",
+            "200ms",
+        ])
+        .unwrap();
+        assert_eq!(wait_of(cli), Duration::from_millis(200));
+        let cli = parse(&[
+            "tether-certs",
+            "issue",
+            "edge",
+            "--node",
+            "edge-1",
+            "--store-lock-wait",
+            "300ms",
+        ])
+        .unwrap();
+        assert_eq!(wait_of(cli), Duration::from_millis(300));
+        let e = parse(&["tether-certs", "token", "list", "--store-lock-wait", "0s"]).unwrap_err();
+        assert!(e.contains("--store-lock-wait"), "{e}");
+        let store = StoreOpt {
+            store: Some(dir.path().join("s.json")),
+            lock_wait: Duration::from_millis(200),
+        };
+        assert_eq!(
+            open_store(dir.path(), &store).unwrap().lock_wait(),
+            Duration::from_millis(200)
+        );
     }
 
     #[test]

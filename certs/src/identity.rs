@@ -13,10 +13,13 @@ use x509_parser::prelude::*;
 
 use crate::CertError;
 
+/// Longest node name: a DNS-1123 subdomain has at most 253 characters.
+pub const MAX_NODE_NAME_LEN: usize = 253;
+
 /// Whether `s` is a DNS-1123 subdomain (what Kubernetes allows as a node name).
 pub fn valid_node_name(s: &str) -> bool {
     !s.is_empty()
-        && s.len() <= 253
+        && s.len() <= MAX_NODE_NAME_LEN
         && s.split('.').all(|l| {
             !l.is_empty()
                 && l.len() <= 63

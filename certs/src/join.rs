@@ -3,9 +3,14 @@
 //! On the wire (ALPN [`ALPN_JOIN`], on the cloud's QUIC listener): the edge
 //! opens one bidirectional stream and sends a [`JoinRequest`]; the cloud
 //! answers with a [`JoinResponse`] and both sides close. Each message is a
-//! 4-byte big-endian length followed by the postcard encoding, at most
-//! [`MAX_JOIN_MESSAGE`] bytes — the same framing idea as the tunnel's frames,
-//! with its own small limit because a join carries only a CSR.
+//! 4-byte big-endian length followed by the postcard encoding — the same
+//! framing idea as the tunnel's frames, with its own small limit because a
+//! join carries only a CSR. The reader bounds what it takes
+//! ([`decode_len`]): the cloud a request by its `--join-max-message-bytes`,
+//! the edge an answer by its own, both [`DEFAULT_MAX_JOIN_MESSAGE`] unless
+//! told. Neither may be below what one real message needs:
+//! [`least_request_bytes`] and [`least_answer_bytes`] compute it
+//! ([`LEAST_REQUEST_BYTES`], [`LEAST_ANSWER_BYTES`]).
 //!
 //! Everything here is sans-IO, so the whole decision is tested without
 //! sockets:
@@ -25,6 +30,8 @@ use std::time::{Duration, SystemTime};
 
 use rustls::pki_types::CertificateDer;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use x509_parser::certification_request::X509CertificationRequest;
+use x509_parser::prelude::FromDer;
 
 use crate::mint::Ca;
 use crate::pin::{CaPin, PinnedCaVerifier};
@@ -32,8 +39,10 @@ use crate::token::{Grant, IssuedCert, JoinStore};
 
 /// ALPN of the join connection.
 pub const ALPN_JOIN: &[u8] = b"tether-join/1";
-/// Largest join message, either direction.
-pub const MAX_JOIN_MESSAGE: usize = 64 * 1024;
+/// Largest join message a side reads unless told: the default of the
+/// cloud's `--join-max-message-bytes` (requests) and of `tether-edge join
+/// --join-max-message-bytes` (answers).
+pub const DEFAULT_MAX_JOIN_MESSAGE: usize = 64 * 1024;
 /// How long the cloud waits for a joining edge's request: the default of
 /// its `--join-request-timeout`.
 pub const JOIN_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -104,6 +113,8 @@ pub enum JoinError {
     Invalid(String),
     #[error("join protocol: {0}")]
     Protocol(String),
+    #[error("a join message of {len} bytes is over the {max}-byte limit")]
+    TooLarge { len: usize, max: usize },
     #[error("the cloud refused the join: {0}")]
     Refused(String),
     #[error("the cloud's answer is not usable: {0}")]
@@ -121,27 +132,28 @@ impl JoinError {
     }
 }
 
-/// Encodes a message: 4-byte big-endian length, then postcard.
+/// Encodes a message: 4-byte big-endian length, then postcard. The reader
+/// bounds what it takes ([`decode_len`]); the writer only needs the length
+/// to fit the prefix.
 pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, JoinError> {
     let body = postcard::to_stdvec(msg).map_err(|e| JoinError::Protocol(e.to_string()))?;
-    if body.len() > MAX_JOIN_MESSAGE {
-        return Err(JoinError::Protocol(format!(
-            "message of {} bytes is over the {MAX_JOIN_MESSAGE}-byte limit",
+    let len = u32::try_from(body.len()).map_err(|_| {
+        JoinError::Protocol(format!(
+            "message of {} bytes does not fit a 4-byte length",
             body.len()
-        )));
-    }
-    let mut out = (body.len() as u32).to_be_bytes().to_vec();
+        ))
+    })?;
+    let mut out = len.to_be_bytes().to_vec();
     out.extend_from_slice(&body);
     Ok(out)
 }
 
-/// The body length announced by a 4-byte prefix, refused over the limit.
-pub fn decode_len(prefix: [u8; 4]) -> Result<usize, JoinError> {
+/// The body length announced by a 4-byte prefix, refused over `max` (the
+/// reader's `--join-max-message-bytes`) before anything is read or kept.
+pub fn decode_len(prefix: [u8; 4], max: usize) -> Result<usize, JoinError> {
     let len = u32::from_be_bytes(prefix) as usize;
-    if len > MAX_JOIN_MESSAGE {
-        return Err(JoinError::Protocol(format!(
-            "announced message of {len} bytes is over the {MAX_JOIN_MESSAGE}-byte limit"
-        )));
+    if len > max {
+        return Err(JoinError::TooLarge { len, max });
     }
     Ok(len)
 }
@@ -149,6 +161,119 @@ pub fn decode_len(prefix: [u8; 4]) -> Result<usize, JoinError> {
 /// Decodes a message body (without its prefix).
 pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, JoinError> {
     postcard::from_bytes(body).map_err(|e| JoinError::Protocol(format!("undecodable message: {e}")))
+}
+
+/// [`least_request_bytes`]: the least `--join-max-message-bytes` a cloud
+/// takes (a test recomputes it, so it cannot drift from the messages).
+pub const LEAST_REQUEST_BYTES: usize = 1432;
+
+/// [`least_answer_bytes`]: the least `--join-max-message-bytes` `tether-edge
+/// join` takes (a test recomputes it; a constant, so the edge binary does
+/// not carry the CA code that measures it).
+pub const LEAST_ANSWER_BYTES: usize = 1950;
+
+/// Longest ECDSA P-256 signature in DER: a SEQUENCE of two INTEGERs of 32
+/// bytes, each with a leading zero byte when its top bit is set. The keys a
+/// `tether-edge` makes are P-256, and so is the key of a CA made by
+/// `tether-certs ca create` unless told otherwise; a signature is the only
+/// part of such a CSR or certificate whose length changes from one signing
+/// to the next (serials are of fixed length, see `mint::random_serial`).
+const P256_SIGNATURE_MAX: usize = 2 + 2 * (2 + 33);
+
+/// The common name `tether-certs ca create` gives a CA unless told.
+const DEFAULT_CA_CN: &str = "Tether CA";
+
+/// Validity of the certificates [`least_answer_bytes`] measures: past 2049,
+/// so both notAfter times take the longer GeneralizedTime form.
+const LONGEST_TIME_FORM: Duration = Duration::from_secs(100 * 365 * 86_400);
+
+/// Length of the PEM text rcgen writes for `der_len` bytes of DER under
+/// `label`: base64 in lines of 64 characters, each line ended by a newline.
+fn pem_len(label: &str, der_len: usize) -> usize {
+    let b64 = der_len.div_ceil(3) * 4;
+    format!("-----BEGIN {label}-----\n").len()
+        + b64
+        + b64.div_ceil(64)
+        + format!("-----END {label}-----\n").len()
+}
+
+/// The length `pem` (`der_len` bytes of DER, signed with a signature of
+/// `sig_len` bytes) would have with the longest P-256 signature.
+fn with_longest_signature(pem: &str, label: &str, der_len: usize, sig_len: usize) -> usize {
+    let longest = der_len + P256_SIGNATURE_MAX.saturating_sub(sig_len);
+    pem.len() + pem_len(label, longest) - pem_len(label, der_len)
+}
+
+/// The longest node name: 253 characters, in labels of at most 63.
+pub fn longest_node_name() -> String {
+    let label = "a".repeat(63);
+    let last = "a".repeat(crate::identity::MAX_NODE_NAME_LEN - 3 * 64);
+    format!("{label}.{label}.{label}.{last}")
+}
+
+/// Encoded length of a message, without its 4-byte prefix.
+fn body_len<T: Serialize>(msg: &T) -> Result<usize, JoinError> {
+    Ok(encode(msg)?.len() - 4)
+}
+
+/// The largest request `tether-edge join` sends (its body, as
+/// [`decode_len`] counts it): a token of 6 + 1 + 16 characters, a node
+/// name of 253 and the CSR the edge makes for it (P-256) with the longest
+/// signature. The least `--join-max-message-bytes` a cloud takes: below it
+/// some edge's request would be refused.
+pub fn least_request_bytes() -> Result<usize, JoinError> {
+    let node = longest_node_name();
+    let req = crate::csr::make_edge_csr(&node)?;
+    let (_, pem) = x509_parser::pem::parse_x509_pem(req.csr_pem.as_bytes())
+        .map_err(|e| JoinError::Invalid(format!("the edge's own CSR is not PEM: {e}")))?;
+    let (_, csr) = X509CertificationRequest::from_der(&pem.contents)
+        .map_err(|e| JoinError::Invalid(format!("the edge's own CSR does not parse: {e}")))?;
+    let csr_len = with_longest_signature(
+        &req.csr_pem,
+        "CERTIFICATE REQUEST",
+        pem.contents.len(),
+        csr.signature_value.data.len(),
+    );
+    let token_len = crate::token::TOKEN_ID_LEN + 1 + crate::token::TOKEN_SECRET_LEN;
+    body_len(&JoinRequest {
+        token: "x".repeat(token_len),
+        node,
+        csr_pem: "x".repeat(csr_len),
+    })
+}
+
+/// The largest grant a cloud sends (its body) for a node name of 253
+/// characters when its CA was made by `tether-certs ca create` with its
+/// defaults (ECDSA P-256, CN `Tether CA`): the node's certificate and the
+/// CA's, each with the longest signature and the longer time form. The
+/// least `--join-max-message-bytes` `tether-edge join` takes: below it no
+/// such grant could be read. (A CA with a longer name makes a longer grant:
+/// the edge then refuses it, naming the flag.)
+pub fn least_answer_bytes() -> Result<usize, JoinError> {
+    let ca = Ca::new(DEFAULT_CA_CN, LONGEST_TIME_FORM)
+        .map_err(|e| JoinError::Invalid(format!("making a CA to measure a grant: {e}")))?;
+    let node = longest_node_name();
+    let req = crate::csr::make_edge_csr(&node)?;
+    let cert = crate::csr::sign_edge_csr(&ca, &req.csr_pem, &node, LONGEST_TIME_FORM)?;
+    let longest = |pem: &str| -> Result<usize, JoinError> {
+        let der = crate::pem::certs_from_pem(pem, "a certificate measured")
+            .map_err(|e| JoinError::Invalid(e.to_string()))?
+            .into_iter()
+            .next()
+            .ok_or_else(|| JoinError::Invalid("a certificate measured is empty".into()))?;
+        let (_, x) = x509_parser::parse_x509_certificate(der.as_ref())
+            .map_err(|e| JoinError::Invalid(format!("a certificate measured: {e}")))?;
+        Ok(with_longest_signature(
+            pem,
+            "CERTIFICATE",
+            der.as_ref().len(),
+            x.signature_value.data.len(),
+        ))
+    };
+    body_len(&JoinResponse::Granted {
+        cert_pem: "x".repeat(longest(&cert.cert_pem)?),
+        ca_pem: "x".repeat(longest(&ca.cert_pem)?),
+    })
 }
 
 /// The cloud's decision on one request: check and use the token, check and
@@ -287,6 +412,7 @@ pub fn accept_grant(
 mod tests {
     use super::*;
     use crate::csr::make_edge_csr;
+    use crate::token::JoinToken;
 
     const HOUR: Duration = Duration::from_secs(3600);
 
@@ -308,7 +434,7 @@ mod tests {
 
     fn roundtrip<T: Serialize + DeserializeOwned>(m: &T) -> T {
         let bytes = encode(m).unwrap();
-        let len = decode_len(bytes[..4].try_into().unwrap()).unwrap();
+        let len = decode_len(bytes[..4].try_into().unwrap(), DEFAULT_MAX_JOIN_MESSAGE).unwrap();
         assert_eq!(len, bytes.len() - 4);
         decode(&bytes[4..]).unwrap()
     }
@@ -325,13 +451,88 @@ mod tests {
             reason: "no".into(),
         };
         assert_eq!(roundtrip(&g), g);
-        assert!(decode_len((MAX_JOIN_MESSAGE as u32 + 1).to_be_bytes()).is_err());
-        let huge = JoinRequest {
-            csr_pem: "x".repeat(MAX_JOIN_MESSAGE),
-            ..r
-        };
-        assert!(encode(&huge).is_err());
         assert!(decode::<JoinRequest>(&[0xff, 0xff]).is_err());
+    }
+
+    /// `decode_len` refuses a length over the bound it is given (the
+    /// reader's `--join-max-message-bytes`; was the fixed 64 KiB), naming
+    /// both, and takes one at the bound.
+    #[test]
+    fn the_reader_bounds_a_message_by_the_limit_it_is_given() {
+        let r = JoinRequest {
+            token: "abcdef.0123456789abcdef".into(),
+            node: "edge-1".into(),
+            csr_pem: "x".repeat(1000),
+        };
+        let bytes = encode(&r).unwrap();
+        let prefix: [u8; 4] = bytes[..4].try_into().unwrap();
+        let len = bytes.len() - 4;
+        assert_eq!(decode_len(prefix, len).unwrap(), len);
+        let e = decode_len(prefix, len - 1).unwrap_err();
+        assert!(matches!(e, JoinError::TooLarge { .. }), "{e}");
+        assert!(
+            e.to_string()
+                .contains(&format!("{len} bytes is over the {}-byte limit", len - 1)),
+            "{e}"
+        );
+        // Over the default, under a raised bound.
+        let big = (DEFAULT_MAX_JOIN_MESSAGE as u32 + 1).to_be_bytes();
+        assert!(decode_len(big, DEFAULT_MAX_JOIN_MESSAGE).is_err());
+        assert_eq!(
+            decode_len(big, 2 * DEFAULT_MAX_JOIN_MESSAGE).unwrap(),
+            DEFAULT_MAX_JOIN_MESSAGE + 1
+        );
+    }
+
+    /// The least bounds are what the largest real messages take: a request
+    /// of `tether-edge join` for a 253-character node name, and a grant for
+    /// it from a CA of `tether-certs ca create`. Each real one fits (the
+    /// signature's length varies, so several are made) and the longest
+    /// signature's would take exactly the least: the PEM arithmetic is
+    /// checked against rcgen's own PEM.
+    #[test]
+    fn the_least_bounds_fit_the_largest_real_messages() {
+        let least_req = least_request_bytes().unwrap();
+        let least_ans = least_answer_bytes().unwrap();
+        assert_eq!(least_req, LEAST_REQUEST_BYTES);
+        assert_eq!(least_ans, LEAST_ANSWER_BYTES);
+        let node = longest_node_name();
+        assert!(crate::identity::valid_node_name(&node));
+        assert!(!crate::identity::valid_node_name(&format!("a{node}")));
+        let ca = Ca::new(DEFAULT_CA_CN, LONGEST_TIME_FORM).unwrap();
+        for _ in 0..8 {
+            let edge = make_edge_csr(&node).unwrap();
+            let (_, pem) = x509_parser::pem::parse_x509_pem(edge.csr_pem.as_bytes()).unwrap();
+            assert_eq!(
+                pem_len("CERTIFICATE REQUEST", pem.contents.len()),
+                edge.csr_pem.len()
+            );
+            let req = JoinRequest {
+                token: JoinToken::generate().reveal(),
+                node: node.clone(),
+                csr_pem: edge.csr_pem.clone(),
+            };
+            let bytes = encode(&req).unwrap();
+            let len = decode_len(bytes[..4].try_into().unwrap(), least_req).unwrap();
+            assert!(
+                len <= least_req && len + 16 >= least_req,
+                "{len} {least_req}"
+            );
+            let cert =
+                crate::csr::sign_edge_csr(&ca, &edge.csr_pem, &node, LONGEST_TIME_FORM).unwrap();
+            let der = crate::pem::certs_from_pem(&cert.cert_pem, "t").unwrap();
+            assert_eq!(pem_len("CERTIFICATE", der[0].len()), cert.cert_pem.len());
+            let answer = encode(&JoinResponse::Granted {
+                cert_pem: cert.cert_pem,
+                ca_pem: ca.cert_pem.clone(),
+            })
+            .unwrap();
+            let len = decode_len(answer[..4].try_into().unwrap(), least_ans).unwrap();
+            assert!(
+                len <= least_ans && len + 32 >= least_ans,
+                "{len} {least_ans}"
+            );
+        }
     }
 
     #[test]

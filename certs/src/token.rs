@@ -14,7 +14,10 @@
 //! time). Every change re-reads the file, applies the change and writes the
 //! file atomically under a lock file, so the cloud and the `tether-certs`
 //! CLI can share one store: a token revoked on the command line is refused
-//! by the running cloud at its next join.
+//! by the running cloud at its next join. A writer waits for another
+//! process's lock at most its lock wait ([`JoinStore::with_lock_wait`]: the
+//! cloud's `--join-store-lock-wait`, `tether-certs --store-lock-wait`,
+//! [`DEFAULT_STORE_LOCK_WAIT`] unless told), then fails naming the store.
 //!
 //! Time is always passed in (`now`), so expiry is tested without clocks.
 
@@ -33,8 +36,12 @@ use crate::join::JoinError;
 pub const TOKEN_ID_LEN: usize = 6;
 /// Length of a token secret.
 pub const TOKEN_SECRET_LEN: usize = 16;
-/// How long to wait for another process holding the store's lock.
-pub const STORE_LOCK_WAIT: Duration = Duration::from_secs(5);
+/// How long a writer waits for another process holding the store's lock
+/// unless told ([`JoinStore::with_lock_wait`]).
+pub const DEFAULT_STORE_LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// How often a writer tries a held lock again.
+const LOCK_POLL: Duration = Duration::from_millis(10);
 
 const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
 
@@ -280,6 +287,8 @@ pub struct IssuedCert {
 /// The token store file. See the module docs.
 pub struct JoinStore {
     path: PathBuf,
+    /// How long a change waits for another process's lock.
+    lock_wait: Duration,
     /// Serialises changes from tasks of this process; the lock file
     /// serialises them across processes.
     local: Mutex<()>,
@@ -298,10 +307,24 @@ impl JoinStore {
     pub fn open(path: impl Into<PathBuf>) -> Result<JoinStore, JoinError> {
         let store = JoinStore {
             path: path.into(),
+            lock_wait: DEFAULT_STORE_LOCK_WAIT,
             local: Mutex::new(()),
         };
         store.load()?;
         Ok(store)
+    }
+
+    /// This store, whose changes wait at most `wait` for another process
+    /// holding its lock (then fail, naming the store) instead of
+    /// [`DEFAULT_STORE_LOCK_WAIT`].
+    pub fn with_lock_wait(mut self, wait: Duration) -> JoinStore {
+        self.lock_wait = wait;
+        self
+    }
+
+    /// How long a change waits for another process's lock.
+    pub fn lock_wait(&self) -> Duration {
+        self.lock_wait
     }
 
     /// Where the store lives.
@@ -365,13 +388,15 @@ impl JoinStore {
             if e.kind() != std::io::ErrorKind::WouldBlock {
                 return Err(self.store_err(format!("lock {}: {e}", lock.display())));
             }
-            if start.elapsed() > STORE_LOCK_WAIT {
+            let waited = start.elapsed();
+            if waited >= self.lock_wait {
                 return Err(self.store_err(format!(
-                    "locked by another process for over {STORE_LOCK_WAIT:?} ({})",
+                    "locked by another process for over {:?}, the store lock wait ({})",
+                    self.lock_wait,
                     lock.display()
                 )));
             }
-            std::thread::sleep(Duration::from_millis(10));
+            std::thread::sleep(LOCK_POLL.min(self.lock_wait - waited));
         }
     }
 
@@ -837,6 +862,50 @@ mod tests {
         assert!(e.to_string().contains("locked by another process"), "{e}");
         drop(held);
         s.create(HOUR, "edge-2", 1, "", SystemTime::now()).unwrap();
+    }
+
+    /// A writer gives up on a lock another process holds after the store's
+    /// lock wait (was the fixed 5 s), naming the store and the wait;
+    /// reads do not lock; once the lock is free the change goes through.
+    #[test]
+    fn a_held_lock_fails_a_change_after_the_configured_wait_naming_the_store() {
+        use std::os::fd::AsRawFd;
+        const WAIT: Duration = Duration::from_millis(200);
+        let (_d, s) = store();
+        let s = s.with_lock_wait(WAIT);
+        assert_eq!(s.lock_wait(), WAIT);
+        let mut name = s.path().as_os_str().to_owned();
+        name.push(".lock");
+        let held = std::fs::File::create(&name).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        assert_eq!(
+            unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+            0
+        );
+        // The change runs on a thread of its own, so a wait that never ends
+        // fails the test instead of hanging it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            let r = s.create(HOUR, "edge-1", 1, "", SystemTime::now());
+            let _ = tx.send((r.map(|_| ()), started.elapsed(), s));
+        });
+        let (r, took, s) = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the change still waits for the lock after 20 s");
+        let e = r.expect_err("a change under a held lock");
+        let text = e.to_string();
+        assert!(text.contains(&s.path().display().to_string()), "{text}");
+        assert!(
+            text.contains("locked by another process for over 200ms"),
+            "{text}"
+        );
+        assert!(took >= WAIT, "gave up after {took:?}");
+        // The default wait was 5 s: this one ends well before.
+        assert!(took < Duration::from_secs(3), "gave up after {took:?}");
+        assert!(s.list().unwrap().is_empty(), "nothing written");
+        drop(held);
+        s.create(HOUR, "edge-1", 1, "", SystemTime::now()).unwrap();
     }
 
     #[test]

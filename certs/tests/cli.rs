@@ -23,9 +23,75 @@ fn run(dir: &Path, args: &[&str]) -> Output {
         .args(args)
         .env_remove("TETHER_PKI_DIR")
         .env_remove("TETHER_JOIN_STORE")
+        .env_remove("TETHER_JOIN_STORE_LOCK_WAIT")
         .output()
         .expect("running tether-certs");
     out
+}
+
+/// `--store-lock-wait` (was a fixed 5 s): `token revoke` while another
+/// process holds the store's lock gives up after the wait, naming the store
+/// and the wait, and changes nothing; once the lock is free it goes through.
+#[test]
+fn a_held_store_lock_fails_a_change_after_store_lock_wait() {
+    use std::os::fd::AsRawFd;
+    use std::time::{Duration, Instant, SystemTime};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let store = d.join("join-tokens.json");
+    let lib = tether_certs::JoinStore::open(&store).unwrap();
+    let (t, _) = lib
+        .create(
+            Duration::from_secs(3600),
+            "edge-1",
+            1,
+            "",
+            SystemTime::now(),
+        )
+        .unwrap();
+    let held = std::fs::File::create(d.join("join-tokens.json.lock")).unwrap();
+    // SAFETY: flock on a descriptor this test owns.
+    assert_eq!(
+        unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
+    let started = Instant::now();
+    let mut child = Command::new(bin())
+        .arg("--dir")
+        .arg(d)
+        .args(["token", "revoke", &t.id, "--store-lock-wait", "200ms"])
+        .env_remove("TETHER_PKI_DIR")
+        .env_remove("TETHER_JOIN_STORE")
+        .env_remove("TETHER_JOIN_STORE_LOCK_WAIT")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("tether-certs still waits for the lock after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = started.elapsed();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!status.success(), "revoked under a held lock: {err}");
+    assert!(err.contains(&store.display().to_string()), "{err}");
+    assert!(
+        err.contains("locked by another process for over 200ms"),
+        "{err}"
+    );
+    assert!(took >= Duration::from_millis(200), "{took:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    assert!(!lib.list().unwrap()[0].revoked);
+    drop(held);
+    ok(d, &["token", "revoke", &t.id, "--store-lock-wait", "200ms"]);
+    assert!(lib.list().unwrap()[0].revoked);
 }
 
 fn ok(dir: &Path, args: &[&str]) -> String {

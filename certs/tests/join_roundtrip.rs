@@ -98,8 +98,15 @@ async fn start_cloud() -> Cloud {
                 match alpn.as_deref() {
                     Some(p) if p == ALPN_JOIN => {
                         j.fetch_add(1, Ordering::SeqCst);
-                        if let Err(e) =
-                            cloud_join::serve_join(conn, s, c, DAY, Default::default()).await
+                        if let Err(e) = cloud_join::serve_join(
+                            conn,
+                            s,
+                            c,
+                            DAY,
+                            Default::default(),
+                            tether_certs::join::DEFAULT_MAX_JOIN_MESSAGE,
+                        )
+                        .await
                         {
                             eprintln!("serve_join: {e:#}");
                         }
@@ -245,6 +252,7 @@ async fn a_wrong_pin_stops_the_edge_before_it_sends_the_token() {
         "edge-1",
         out.path(),
         edge_join::DEFAULT_JOIN_TIMEOUT,
+        tether_certs::join::DEFAULT_MAX_JOIN_MESSAGE,
     )
     .await
     .unwrap_err();

@@ -244,6 +244,15 @@ pub struct CloudArgs {
     /// How long the answer to a join may take to be acknowledged before the close.
     #[arg(long, env = "TETHER_JOIN_LINGER", default_value = "5s", value_parser = parse_duration)]
     pub join_linger: Duration,
+    /// Largest join request read from a joining (not yet authenticated)
+    /// edge; a larger one is refused unread, the edge told why. At least what
+    /// the largest real request takes (a 253-character node name and its CSR).
+    #[arg(long, env = "TETHER_JOIN_MAX_MESSAGE_BYTES", default_value = "64KiB", value_parser = parse_bytes_u32)]
+    pub join_max_message_bytes: u32,
+    /// How long a join waits for another process (`tether-certs`) holding
+    /// the join-token store's lock before it fails.
+    #[arg(long, env = "TETHER_JOIN_STORE_LOCK_WAIT", default_value = "5s", value_parser = parse_duration)]
+    pub join_store_lock_wait: Duration,
     /// Lifetime of certificates issued to joining edges.
     #[arg(long, env = "TETHER_JOIN_CERT_VALIDITY", default_value = "720h", value_parser = parse_duration)]
     pub join_cert_validity: Duration,
@@ -404,6 +413,11 @@ pub struct JoinConfig {
     pub ca_key: PathBuf,
     /// `--join-request-timeout`, `--join-answer-timeout`, `--join-linger`.
     pub waits: crate::join::JoinWaits,
+    /// Largest join request read (`--join-max-message-bytes`).
+    pub max_message_bytes: usize,
+    /// How long a change of the store waits for another process's lock
+    /// (`--join-store-lock-wait`).
+    pub store_lock_wait: Duration,
     pub validity: Duration,
     /// Least time between two renewals of one node's certificate.
     pub renewal_min_interval: Duration,
@@ -773,10 +787,19 @@ impl CloudArgs {
             ("--join-request-timeout", self.join_request_timeout),
             ("--join-answer-timeout", self.join_answer_timeout),
             ("--join-linger", self.join_linger),
+            ("--join-store-lock-wait", self.join_store_lock_wait),
         ] {
             if d.is_zero() {
                 return Err(format!("{flag} must be more than 0"));
             }
+        }
+        let least = tether_certs::join::LEAST_REQUEST_BYTES;
+        if (self.join_max_message_bytes as usize) < least {
+            return Err(format!(
+                "--join-max-message-bytes {} is below the {least} bytes of the largest request \
+                 a tether-edge sends (a 253-character node name and its CSR); give at least {least}",
+                self.join_max_message_bytes
+            ));
         }
         if !(1..=MAX_KEEP_ALIVE_PROBES).contains(&self.apiserver_keep_alive_probes) {
             return Err(format!(
@@ -900,6 +923,8 @@ impl CloudArgs {
                         answer: self.join_answer_timeout,
                         linger: self.join_linger,
                     },
+                    max_message_bytes: self.join_max_message_bytes as usize,
+                    store_lock_wait: self.join_store_lock_wait,
                     validity: self.join_cert_validity,
                     renewal_min_interval: self.renewal_min_interval,
                 }),
@@ -1185,6 +1210,35 @@ mod tests {
                 Duration::from_secs(3)
             )
         );
+    }
+
+    /// `--join-max-message-bytes` and `--join-store-lock-wait` (were the
+    /// fixed 64 KiB and 5 s): their defaults, values reaching the join
+    /// settings, and nonsense refused at start — a zero wait, and a bound
+    /// below the largest real request (0 included), naming the least value.
+    #[test]
+    fn join_message_bound_and_store_lock_wait_have_defaults_and_floors() {
+        let join = ["--join-store=s", "--join-ca-cert=c", "--join-ca-key=k"];
+        let j = test_config(&join).unwrap().join.unwrap();
+        assert_eq!(j.max_message_bytes, 64 << 10);
+        assert_eq!(j.store_lock_wait, Duration::from_secs(5));
+        let least = tether_certs::join::LEAST_REQUEST_BYTES;
+        let at_least = format!("--join-max-message-bytes={least}");
+        let mut flags = join.to_vec();
+        flags.extend([at_least.as_str(), "--join-store-lock-wait=200ms"]);
+        let j = test_config(&flags).unwrap().join.unwrap();
+        assert_eq!(j.max_message_bytes, least);
+        assert_eq!(j.store_lock_wait, Duration::from_millis(200));
+        for bad in ["0".to_string(), (least - 1).to_string()] {
+            let flag = format!("--join-max-message-bytes={bad}");
+            let e = test_config(&[flag.as_str()]).unwrap_err();
+            assert!(
+                e.contains("--join-max-message-bytes") && e.contains(&format!("at least {least}")),
+                "{bad}: {e}"
+            );
+        }
+        let e = test_config(&["--join-store-lock-wait=0s"]).unwrap_err();
+        assert!(e.contains("--join-store-lock-wait"), "{e}");
     }
 
     #[test]

@@ -14,8 +14,11 @@
 //! ([`JoinWaits`]): a slow or silent edge is cut off after
 //! `--join-request-timeout`, one that does not take the answer after
 //! `--join-answer-timeout`, and the wait for the answer to arrive before the
-//! close is at most `--join-linger`. An oversized or undecodable request
-//! closes that connection only.
+//! close is at most `--join-linger`. A request whose announced length is over
+//! `--join-max-message-bytes` is not read: the edge is answered a refusal
+//! naming its size and the bound, the cloud logs it (with the edge's
+//! address), and that connection closes; an undecodable request closes that
+//! connection only. Other joins go on either way.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -53,8 +56,19 @@ impl Default for JoinWaits {
 /// QUIC close code of a finished join connection.
 const JOIN_DONE: u32 = 0;
 
+/// What the cloud read on a join stream.
+enum Received {
+    Request(quinn::SendStream, JoinRequest),
+    /// A request announced over `--join-max-message-bytes`, left unread:
+    /// the stream to answer on, the receiving side (kept until the close,
+    /// so the edge's write is not stopped before it reads the answer) and
+    /// why.
+    TooLarge(quinn::SendStream, quinn::RecvStream, join::JoinError),
+}
+
 /// Handles one established join connection: read the request, decide,
-/// answer, close. `validity` is the lifetime of the certificates issued.
+/// answer, close. `validity` is the lifetime of the certificates issued;
+/// `max_request` (`--join-max-message-bytes`) the largest request read.
 /// Every step is bounded by `waits`, so a join connection holds its edge
 /// slot for at most the request timeout + the decision + the answer timeout
 /// + the linger.
@@ -64,12 +78,9 @@ pub async fn serve_join(
     ca: Arc<Ca>,
     validity: Duration,
     waits: JoinWaits,
+    max_request: usize,
 ) -> anyhow::Result<()> {
-    let JoinWaits {
-        request: request_timeout,
-        answer: answer_timeout,
-        linger,
-    } = waits;
+    let request_timeout = waits.request;
     let remote = conn.remote_address();
     let read = async {
         let (send, mut recv) = conn
@@ -80,16 +91,33 @@ pub async fn serve_join(
         recv.read_exact(&mut prefix)
             .await
             .context("reading the join request's length")?;
-        let len = join::decode_len(prefix)?;
+        let len = match join::decode_len(prefix, max_request) {
+            Ok(len) => len,
+            Err(e) => return Ok(Received::TooLarge(send, recv, e)),
+        };
         let mut body = vec![0u8; len];
         recv.read_exact(&mut body)
             .await
             .context("reading the join request")?;
         let req: JoinRequest = join::decode(&body)?;
-        Ok::<_, anyhow::Error>((send, req))
+        Ok::<_, anyhow::Error>(Received::Request(send, req))
     };
-    let (mut send, req) = match tokio::time::timeout(request_timeout, read).await {
-        Ok(Ok(r)) => r,
+    let (send, req) = match tokio::time::timeout(request_timeout, read).await {
+        Ok(Ok(Received::Request(send, req))) => (send, req),
+        Ok(Ok(Received::TooLarge(send, recv, e))) => {
+            // Logged by the caller (`edge connection failed`, with the
+            // edge's address), as every other join that fails on the wire.
+            let reason = format!(
+                "the join request is too large: {e} (the cloud's --join-max-message-bytes)"
+            );
+            let answer = JoinResponse::Refused {
+                reason: reason.clone(),
+            };
+            let sent = answer_and_close(&conn, send, &answer, waits, "the edge", remote).await;
+            drop(recv);
+            sent?;
+            anyhow::bail!("join from {remote}: {reason}");
+        }
         Ok(Err(e)) => {
             conn.close(JOIN_DONE.into(), b"bad join request");
             return Err(e.context(format!("join from {remote}")));
@@ -131,15 +159,40 @@ pub async fn serve_join(
         ),
         Err(e) => warn!(node = ?claimed, %remote, error = %e, "join refused"),
     }
-    let bytes = join::encode(&answer)?;
+    answer_and_close(
+        &conn,
+        send,
+        &answer,
+        waits,
+        &format!("node {claimed}"),
+        remote,
+    )
+    .await
+}
+
+/// Sends `answer` on `send` within `--join-answer-timeout`, lets it arrive
+/// for at most `--join-linger` and closes the connection. `who` names the
+/// joining edge in errors.
+async fn answer_and_close(
+    conn: &quinn::Connection,
+    mut send: quinn::SendStream,
+    answer: &JoinResponse,
+    waits: JoinWaits,
+    who: &str,
+    remote: std::net::SocketAddr,
+) -> anyhow::Result<()> {
+    let JoinWaits {
+        answer: answer_timeout,
+        linger,
+        ..
+    } = waits;
+    let bytes = join::encode(answer)?;
     match tokio::time::timeout(answer_timeout, send.write_all(&bytes)).await {
-        Ok(r) => {
-            r.with_context(|| format!("sending the join answer to node {claimed} at {remote}"))?
-        }
+        Ok(r) => r.with_context(|| format!("sending the join answer to {who} at {remote}"))?,
         Err(_) => {
             conn.close(JOIN_DONE.into(), b"join answer not accepted in time");
             anyhow::bail!(
-                "join from node {claimed} at {remote}: the answer was not accepted within \
+                "join from {who} at {remote}: the answer was not accepted within \
                  {answer_timeout:?} (--join-answer-timeout)"
             );
         }
@@ -226,12 +279,106 @@ mod tests {
         store: Arc<JoinStore>,
         waits: JoinWaits,
     ) -> tokio::task::JoinHandle<(anyhow::Result<()>, Duration)> {
+        serve_next_within(server_ep, ca, store, waits, join::DEFAULT_MAX_JOIN_MESSAGE)
+    }
+
+    /// [`serve_next`] reading requests of at most `max_request` bytes.
+    fn serve_next_within(
+        server_ep: quinn::Endpoint,
+        ca: Arc<Ca>,
+        store: Arc<JoinStore>,
+        waits: JoinWaits,
+        max_request: usize,
+    ) -> tokio::task::JoinHandle<(anyhow::Result<()>, Duration)> {
         tokio::spawn(async move {
             let conn = server_ep.accept().await.unwrap().await.unwrap();
             let t = Instant::now();
-            let r = serve_join(conn, store, ca, DAY, waits).await;
+            let r = serve_join(conn, store, ca, DAY, waits, max_request).await;
             (r, t.elapsed())
         })
+    }
+
+    /// Sends `bytes` as a join request on a new connection to `addr` and
+    /// reads the answer (within 20 s).
+    async fn exchange(ca: &Ca, addr: SocketAddr, bytes: &[u8]) -> JoinResponse {
+        let conn = client(ca, addr, quinn::TransportConfig::default()).await;
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        let answer = async {
+            send.write_all(bytes).await.unwrap();
+            let _ = send.finish();
+            let mut prefix = [0u8; 4];
+            recv.read_exact(&mut prefix)
+                .await
+                .expect("an answer from the cloud");
+            let len = join::decode_len(prefix, join::DEFAULT_MAX_JOIN_MESSAGE).unwrap();
+            let mut body = vec![0u8; len];
+            recv.read_exact(&mut body).await.unwrap();
+            join::decode::<JoinResponse>(&body).unwrap()
+        };
+        tokio::time::timeout(Duration::from_secs(20), answer)
+            .await
+            .expect("no answer within 20 s")
+    }
+
+    /// A request over `--join-max-message-bytes` (was a fixed 64 KiB) is
+    /// not read: the edge is answered a refusal naming its size and the
+    /// bound, the join fails with that (what the caller logs, with the
+    /// edge's address) and spends nothing; the next join on the same
+    /// listener is served. The bound here is the least the cloud accepts,
+    /// and the largest real request (a 253-character node name) is granted
+    /// within it.
+    #[tokio::test]
+    async fn a_request_over_the_bound_is_refused_with_a_reason_and_other_joins_go_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server_ep, ca, store) = listener(dir.path());
+        let addr = server_ep.local_addr().unwrap();
+        let least = join::LEAST_REQUEST_BYTES;
+        let (token, _) = store.create(DAY, "*", 1, "", SystemTime::now()).unwrap();
+        let waits = JoinWaits::default();
+        let h = serve_next_within(server_ep.clone(), ca.clone(), store.clone(), waits, least);
+        let over = join::encode(&JoinRequest {
+            token: token.reveal(),
+            node: "edge-1".into(),
+            csr_pem: "x".repeat(least),
+        })
+        .unwrap();
+        let reason = match exchange(&ca, addr, &over).await {
+            JoinResponse::Refused { reason } => reason,
+            other => panic!("an oversized request was answered {other:?}"),
+        };
+        let said = format!("{} bytes is over the {least}-byte limit", over.len() - 4);
+        assert!(
+            reason.contains(&said) && reason.contains("--join-max-message-bytes"),
+            "{reason}"
+        );
+        let (r, _) = served(h).await;
+        let e = format!(
+            "{:#}",
+            r.expect_err("an oversized request is a failed join")
+        );
+        assert!(
+            e.contains(&said) && e.contains("--join-max-message-bytes") && e.contains("127.0.0.1"),
+            "{e}"
+        );
+        assert_eq!(store.list().unwrap()[0].uses_left, 1, "nothing spent");
+
+        let h = serve_next_within(server_ep, ca.clone(), store.clone(), waits, least);
+        let node = join::longest_node_name();
+        let edge = tether_certs::make_edge_csr(&node).unwrap();
+        let real = join::encode(&JoinRequest {
+            token: token.reveal(),
+            node: node.clone(),
+            csr_pem: edge.csr_pem,
+        })
+        .unwrap();
+        assert!(real.len() - 4 <= least);
+        match exchange(&ca, addr, &real).await {
+            JoinResponse::Granted { .. } => {}
+            other => panic!("the real request was answered {other:?}"),
+        }
+        let (r, _) = served(h).await;
+        r.expect("the real request is served");
+        assert_eq!(store.issued().unwrap()[0].node, node);
     }
 
     fn request() -> Vec<u8> {

@@ -290,7 +290,8 @@ pub async fn serve(
     let join = match &cfg.join {
         Some(j) => {
             let store = tether_certs::JoinStore::open(&j.store)
-                .with_context(|| format!("opening the join-token store {}", j.store.display()))?;
+                .with_context(|| format!("opening the join-token store {}", j.store.display()))?
+                .with_lock_wait(j.store_lock_wait);
             let read = |p: &std::path::Path| {
                 std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
             };
@@ -303,6 +304,7 @@ pub async fn serve(
                 store,
                 ca: Arc::new(ca),
                 waits: j.waits,
+                max_message_bytes: j.max_message_bytes,
                 validity: j.validity,
                 renewal_min_interval: j.renewal_min_interval,
                 renewals: std::sync::Mutex::new(RenewalLimiter::new(j.renewal_min_interval)),
@@ -635,6 +637,8 @@ struct JoinCtx {
     ca: Arc<tether_certs::Ca>,
     /// Waits on a joining edge (`--join-request-timeout` and the others).
     waits: crate::join::JoinWaits,
+    /// Largest join request read (`--join-max-message-bytes`).
+    max_message_bytes: usize,
     validity: Duration,
     /// `--renewal-min-interval` (the limiter's; also what a presented
     /// certificate's lifetime is checked against, [`presented_shortfall`]).
@@ -826,6 +830,7 @@ async fn attach(
             j.ca.clone(),
             j.validity,
             j.waits,
+            j.max_message_bytes,
         ))
         .await
         .map(|()| None);

@@ -217,6 +217,11 @@ pub struct JoinArgs {
     /// Time allowed for the whole join.
     #[arg(long, env = "TETHER_JOIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub join_timeout: Duration,
+    /// Largest answer read from the cloud.
+    // At least what a grant for a 253-character node name from a CA of
+    // `tether-certs ca create` takes (`tether_certs::join::LEAST_ANSWER_BYTES`).
+    #[arg(long, env = "TETHER_JOIN_MAX_MESSAGE_BYTES", default_value = "64KiB", value_parser = parse_bytes)]
+    pub join_max_message_bytes: u64,
 }
 
 impl JoinArgs {
@@ -225,7 +230,21 @@ impl JoinArgs {
         if self.join_timeout.is_zero() {
             return Err("--join-timeout must be more than 0".into());
         }
+        let least = tether_certs::join::LEAST_ANSWER_BYTES;
+        if self.join_max_message_bytes < least as u64 {
+            return Err(format!(
+                "--join-max-message-bytes {} is below the {least} bytes of a grant for a \
+                 253-character node name from a CA of `tether-certs ca create`; give at least {least}",
+                self.join_max_message_bytes
+            ));
+        }
         Ok(())
+    }
+
+    /// `--join-max-message-bytes` as a length (validated: at least
+    /// [`tether_certs::join::LEAST_ANSWER_BYTES`]).
+    pub fn max_answer_bytes(&self) -> usize {
+        usize::try_from(self.join_max_message_bytes).unwrap_or(usize::MAX)
     }
 }
 
@@ -613,6 +632,40 @@ mod tests {
         assert_eq!(join("2s").join_timeout, Duration::from_secs(2));
         let e = join("0s").validate().unwrap_err();
         assert!(e.contains("--join-timeout"), "{e}");
+    }
+
+    /// `tether-edge join --join-max-message-bytes` (was the fixed 64 KiB):
+    /// its default, a size in the units of the other sizes, and a bound
+    /// below a real grant (or 0) refused at start, naming the least value.
+    #[test]
+    fn the_join_answer_bound_has_its_default_and_a_floor() {
+        let join = |extra: &[&str]| {
+            let mut args = vec![
+                "join", "--cloud", "c:1", "--token", "t", "--ca-pin", "p", "--node", "n",
+            ];
+            args.extend_from_slice(extra);
+            JoinArgs::try_parse_from(args).unwrap()
+        };
+        let a = join(&[]);
+        assert_eq!(a.max_answer_bytes(), 64 << 10);
+        a.validate().unwrap();
+        let least = tether_certs::join::LEAST_ANSWER_BYTES;
+        let a = join(&["--join-max-message-bytes", &least.to_string()]);
+        a.validate().unwrap();
+        assert_eq!(a.max_answer_bytes(), least);
+        assert_eq!(
+            join(&["--join-max-message-bytes", "1MiB"]).max_answer_bytes(),
+            1 << 20
+        );
+        for bad in ["0", &(least - 1).to_string()] {
+            let e = join(&["--join-max-message-bytes", bad])
+                .validate()
+                .unwrap_err();
+            assert!(
+                e.contains("--join-max-message-bytes") && e.contains(&format!("at least {least}")),
+                "{bad}: {e}"
+            );
+        }
     }
 
     /// `--copy-hello-tries`, `--copy-hello-resend` (were the fixed 5 and

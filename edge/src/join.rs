@@ -9,9 +9,10 @@
 //!    holds a CA whose public key hashes to the pin and its leaf chains to
 //!    that CA for the name dialled (`tether_certs::PinnedCaVerifier`). A wrong
 //!    pin fails the TLS handshake, so the token is never sent.
-//! 3. Send the `JoinRequest`, read the `JoinResponse`; check a grant (pinned
-//!    CA, the very CA the handshake verified; a client certificate for this
-//!    node and this key) before writing anything.
+//! 3. Send the `JoinRequest`, read the `JoinResponse` — refused, nothing
+//!    read, when it announces more than `--join-max-message-bytes`; check a
+//!    grant (pinned CA, the very CA the handshake verified; a client
+//!    certificate for this node and this key) before writing anything.
 //! 4. Write `node.key` (0600), `node.crt` and `ca.crt` into the output
 //!    directory, each atomically; the edge then starts with
 //!    `--cert node.crt --key node.key --ca ca.crt`.
@@ -44,7 +45,8 @@ pub struct JoinedFiles {
 }
 
 /// Joins `cloud` (`host:port`) as `node`; the TLS server name is the host;
-/// the exchange may take [`DEFAULT_JOIN_TIMEOUT`].
+/// the exchange may take [`DEFAULT_JOIN_TIMEOUT`], the answer
+/// [`join::DEFAULT_MAX_JOIN_MESSAGE`] bytes.
 pub async fn join(
     cloud: &str,
     token: &str,
@@ -60,6 +62,7 @@ pub async fn join(
         node,
         out_dir,
         DEFAULT_JOIN_TIMEOUT,
+        join::DEFAULT_MAX_JOIN_MESSAGE,
     )
     .await
 }
@@ -78,7 +81,9 @@ fn host_of(cloud: &str) -> &str {
 /// As [`join`], verifying the cloud's certificate for `server_name` when the
 /// address dialled is not a name in it. Everything from resolving `cloud`
 /// to writing the files must be done within `timeout` (`--join-timeout`): a
-/// cloud that accepts and never answers is given up on.
+/// cloud that accepts and never answers is given up on. An answer of more
+/// than `max_answer` bytes (`--join-max-message-bytes`) is refused unread.
+#[allow(clippy::too_many_arguments)]
 pub async fn join_with_server_name(
     cloud: &str,
     server_name: Option<&str>,
@@ -87,6 +92,7 @@ pub async fn join_with_server_name(
     node: &str,
     out_dir: &Path,
     timeout: Duration,
+    max_answer: usize,
 ) -> anyhow::Result<JoinedFiles> {
     // Everything that can be checked locally is, before any packet leaves.
     let pin = CaPin::parse(ca_pin).context("--ca-pin")?;
@@ -134,7 +140,9 @@ pub async fn join_with_server_name(
         recv.read_exact(&mut prefix)
             .await
             .context("reading the cloud's answer")?;
-        let mut body = vec![0u8; join::decode_len(prefix)?];
+        let len = join::decode_len(prefix, max_answer)
+            .context("the cloud's answer is refused (this edge's --join-max-message-bytes)")?;
+        let mut body = vec![0u8; len];
         recv.read_exact(&mut body)
             .await
             .context("reading the cloud's answer")?;
@@ -189,6 +197,14 @@ mod tests {
     /// (was a fixed 30 s), saying which setting ran out. Returns the cloud's
     /// address and a receiver told when a request arrived.
     async fn silent_join_cloud() -> (SocketAddr, String, tokio::sync::oneshot::Receiver<()>) {
+        fake_join_cloud(None).await
+    }
+
+    /// A cloud as [`silent_join_cloud`] that, given `answer`, sends those
+    /// bytes once the request's length has arrived.
+    async fn fake_join_cloud(
+        answer: Option<Vec<u8>>,
+    ) -> (SocketAddr, String, tokio::sync::oneshot::Receiver<()>) {
         const DAY: Duration = Duration::from_secs(86400);
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let ca = tether_certs::Ca::new("silent CA", DAY).unwrap();
@@ -219,14 +235,18 @@ mod tests {
                 return;
             };
             let Ok(conn) = incoming.await else { return };
-            let Ok((_send, mut recv)) = conn.accept_bi().await else {
+            let Ok((mut send, mut recv)) = conn.accept_bi().await else {
                 return;
             };
             let mut prefix = [0u8; 4];
             if recv.read_exact(&mut prefix).await.is_ok() {
                 let _ = got_tx.send(());
+                if let Some(answer) = answer {
+                    let _ = send.write_all(&answer).await;
+                    let _ = send.finish();
+                }
             }
-            // Holds the connection open, answering nothing.
+            // Holds the connection open (answering nothing when silent).
             conn.closed().await;
             drop(endpoint);
         });
@@ -250,6 +270,7 @@ mod tests {
                 "edge-1",
                 &out,
                 TIMEOUT,
+                join::DEFAULT_MAX_JOIN_MESSAGE,
             ),
         )
         .await
@@ -264,5 +285,50 @@ mod tests {
             "the request never reached the cloud"
         );
         assert!(!out.exists(), "files written for a join that failed");
+    }
+
+    /// An answer announced over `--join-max-message-bytes` (was the fixed
+    /// 64 KiB) is refused unread, with an error naming its size, the bound
+    /// and the flag, and nothing is written; the same answer under a bound
+    /// that takes it is read (here: a refusal, so the join fails for that).
+    /// The bound is the least the edge accepts.
+    #[tokio::test]
+    async fn an_answer_over_the_bound_is_refused_naming_the_flag() {
+        let least = join::LEAST_ANSWER_BYTES;
+        let answer = join::encode(&JoinResponse::Refused {
+            reason: "x".repeat(least),
+        })
+        .unwrap();
+        let said = format!("{} bytes is over the {least}-byte limit", answer.len() - 4);
+        for (bound, refused_unread) in [(least, true), (answer.len(), false)] {
+            let (addr, pin, _got) = fake_join_cloud(Some(answer.clone())).await;
+            let out = std::env::temp_dir()
+                .join(format!("tether-join-over-{}-{bound}", std::process::id()));
+            let joined = tokio::time::timeout(
+                Duration::from_secs(20),
+                join_with_server_name(
+                    &addr.to_string(),
+                    Some("cloud.test"),
+                    "abc123.0123456789abcdef",
+                    &pin,
+                    "edge-1",
+                    &out,
+                    Duration::from_secs(10),
+                    bound,
+                ),
+            )
+            .await
+            .expect("the join did not end within 20 s");
+            let e = format!("{:#}", joined.expect_err("no grant was sent"));
+            if refused_unread {
+                assert!(
+                    e.contains(&said) && e.contains("--join-max-message-bytes"),
+                    "{e}"
+                );
+            } else {
+                assert!(e.contains("the cloud refused the join: xxx"), "{e}");
+            }
+            assert!(!out.exists(), "files written for a join that failed");
+        }
     }
 }

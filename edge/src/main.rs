@@ -101,6 +101,7 @@ async fn join(a: JoinArgs) -> anyhow::Result<()> {
         &a.node,
         &a.out_dir,
         a.join_timeout,
+        a.max_answer_bytes(),
     )
     .await
     .context("joining the cloud")?;
