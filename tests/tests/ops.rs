@@ -490,6 +490,10 @@ fn print_config_output_round_trips_through_a_config_file() {
         "5",
         "--peer-copy-hello-resend",
         "300ms",
+        "--join-max-message-bytes",
+        "2KiB",
+        "--join-store-lock-wait",
+        "250ms",
     ];
     for (bin, args) in [("tether-edge", &edge[..]), ("tether-cloud", &cloud[..])] {
         let first = print_config(bin, args);
