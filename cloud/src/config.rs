@@ -164,6 +164,15 @@ pub struct CloudArgs {
     /// for this long is closed (it reconnects and resumes its streams).
     #[arg(long, env = "TETHER_CONTROL_WRITE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub control_write_timeout: Duration,
+    /// How often the cloud looks at every edge connection's address whatever
+    /// arrives (a NAT rebinding is noticed from the first packet sent from the
+    /// new address; this sweep is the fallback).
+    #[arg(long, env = "TETHER_MIGRATION_SWEEP_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    pub migration_sweep_interval: Duration,
+    /// The least time between two looks at every edge connection's address:
+    /// bounds what packets from unknown sources (spoofed ones too) can cost.
+    #[arg(long, env = "TETHER_MIGRATION_SWEEP_MIN_GAP", default_value = "200ms", value_parser = parse_duration)]
+    pub migration_sweep_min_gap: Duration,
     /// Time allowed for an apiserver's TLS handshake and request head (on
     /// HTTP/2, its preface and first request).
     #[arg(long, env = "TETHER_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
@@ -573,6 +582,9 @@ pub struct CloudConfig {
     pub handshake_timeout: Duration,
     /// Bound on each control-stream write to an attached edge.
     pub control_write_timeout: Duration,
+    /// When the migration sweep runs (`--migration-sweep-interval`,
+    /// `--migration-sweep-min-gap`).
+    pub migration_sweeps: crate::migration::Schedule,
     pub http_header_timeout: Duration,
     pub max_http_header_bytes: usize,
     pub max_apiserver_connections: usize,
@@ -780,6 +792,8 @@ impl CloudArgs {
             ("--response-timeout", self.response_timeout),
             ("--handshake-timeout", self.handshake_timeout),
             ("--control-write-timeout", self.control_write_timeout),
+            ("--migration-sweep-interval", self.migration_sweep_interval),
+            ("--migration-sweep-min-gap", self.migration_sweep_min_gap),
             ("--http-header-timeout", self.http_header_timeout),
             ("--apiserver-keep-alive", self.apiserver_keep_alive),
             ("--join-cert-validity", self.join_cert_validity),
@@ -887,6 +901,10 @@ impl CloudArgs {
             grace: self.grace,
             handshake_timeout: self.handshake_timeout,
             control_write_timeout: self.control_write_timeout,
+            migration_sweeps: crate::migration::Schedule {
+                interval: self.migration_sweep_interval,
+                min_gap: self.migration_sweep_min_gap,
+            },
             http_header_timeout: self.http_header_timeout,
             max_http_header_bytes: self.max_http_header_bytes as usize,
             max_apiserver_connections: self.max_apiserver_connections,
@@ -1006,10 +1024,36 @@ mod tests {
             ("--join-request-timeout", "0s"),
             ("--join-answer-timeout", "0s"),
             ("--join-linger", "0s"),
+            ("--migration-sweep-interval", "0s"),
+            ("--migration-sweep-min-gap", "0s"),
         ] {
             let e = test_config(&[flag, zero]).expect_err(flag);
             assert!(e.contains(flag), "{flag}: {e}");
         }
+    }
+
+    #[test]
+    fn the_migration_sweep_schedule_has_its_defaults_and_takes_its_flags() {
+        let c = test_config(&[]).unwrap();
+        assert_eq!(
+            c.migration_sweeps,
+            crate::migration::Schedule {
+                interval: Duration::from_secs(5),
+                min_gap: Duration::from_millis(200),
+            }
+        );
+        let c = test_config(&[
+            "--migration-sweep-interval=30s",
+            "--migration-sweep-min-gap=1s",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.migration_sweeps,
+            crate::migration::Schedule {
+                interval: Duration::from_secs(30),
+                min_gap: Duration::from_secs(1),
+            }
+        );
     }
 
     #[test]

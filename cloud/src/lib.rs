@@ -164,7 +164,9 @@ impl Cloud {
             reattach: cfg.grace,
         });
         let shutting_down = Arc::new(AtomicBool::new(false));
-        let endpoint = tunnel::bind(&cfg).context("starting the QUIC listener for edges")?;
+        let moves = migration::Watcher::new();
+        let endpoint =
+            tunnel::bind(&cfg, &moves).context("starting the QUIC listener for edges")?;
         let tunnel_addr = endpoint
             .local_addr()
             .context("reading the QUIC listener's address")?;
@@ -235,6 +237,7 @@ impl Cloud {
             registry.clone(),
             metrics.clone(),
             shutting_down.clone(),
+            moves,
         ));
         tasks.spawn(front.serve());
         tasks.spawn(async move {

@@ -59,8 +59,12 @@ pub fn cid_key(reset_key: &ring::hmac::Key) -> u64 {
 }
 
 /// Binds the QUIC endpoint, with the shared stateless-reset key when
-/// `--reset-key-file` is set (see [`reset_key`]).
-pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
+/// `--reset-key-file` is set (see [`reset_key`]); its socket tells `moves`
+/// of packets from sources it does not know (see [`crate::migration`]).
+pub fn bind(
+    cfg: &CloudConfig,
+    moves: &Arc<crate::migration::Watcher>,
+) -> anyhow::Result<quinn::Endpoint> {
     let sc = crate::tls::quic_server_config(cfg, &cfg.quic)?;
     let endpoint_config = endpoint_config(cfg.reset_key_file.as_deref(), cfg.reset_interval)?;
     let (socket, buffers) = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
@@ -80,7 +84,11 @@ pub fn bind(cfg: &CloudConfig) -> anyhow::Result<quinn::Endpoint> {
         ),
     }
     let runtime = quinn::default_runtime().context("no async runtime for QUIC")?;
-    quinn::Endpoint::new(endpoint_config, Some(sc), socket, runtime)
+    let socket = runtime
+        .wrap_udp_socket(socket)
+        .with_context(|| format!("registering UDP {}", cfg.tunnel_listen))?;
+    let socket = Arc::new(crate::migration::Observed::new(socket, moves.clone()));
+    quinn::Endpoint::new_with_abstract_socket(endpoint_config, Some(sc), socket, runtime)
         .context("creating the QUIC endpoint")
 }
 
@@ -271,13 +279,15 @@ async fn wait_in_line(
     }
 }
 
-/// Accepts edge connections until the endpoint closes.
+/// Accepts edge connections until the endpoint closes; `moves` is the
+/// migration watcher the endpoint's socket reports to (see [`bind`]).
 pub async fn serve(
     endpoint: quinn::Endpoint,
     cfg: Arc<CloudConfig>,
     registry: Arc<Registry>,
     metrics: CloudMetrics,
     draining: Arc<std::sync::atomic::AtomicBool>,
+    moves: Arc<crate::migration::Watcher>,
 ) -> anyhow::Result<()> {
     // Shared by every edge's task (a clone of each metric handle per edge
     // would cost every connected edge a few hundred bytes).
@@ -327,8 +337,7 @@ pub async fn serve(
         cfg.handshake_rate_sources,
     );
     // One sweep notices every edge's migration (no timer per edge).
-    let moves = crate::migration::Watcher::new();
-    let _sweeps = AbortOnDrop(tokio::spawn(moves.clone().run(crate::migration::SWEEP)));
+    let _sweeps = AbortOnDrop(tokio::spawn(moves.clone().run(cfg.migration_sweeps)));
     while let Some(incoming) = endpoint.accept().await {
         if draining.load(std::sync::atomic::Ordering::Relaxed) {
             // Refused at once (CONNECTION_REFUSED in the Initial's answer):
@@ -448,6 +457,9 @@ pub async fn serve(
                     incoming.refuse();
                     return;
                 };
+                // Its packets after the handshake, before it is watched, ask
+                // for no migration sweep.
+                moves.expect(remote);
                 // Two phases, each in a box of its own: this task (one per
                 // edge, for as long as it stays connected) holds only the box
                 // of the phase it is in, so the handshake's state (the hello,

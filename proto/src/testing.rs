@@ -21,6 +21,18 @@ pub async fn quic_pair(
 pub async fn quic_pair_with(
     transport: Arc<quinn::TransportConfig>,
 ) -> Result<(quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>), PairError> {
+    quic_pair_wrapped(transport, |s| s).await
+}
+
+/// The listener's UDP socket as the listener's endpoint is given it.
+pub type Socket = Arc<dyn quinn::AsyncUdpSocket>;
+
+/// [`quic_pair_with`], the listener's socket wrapped by `wrap` (to watch or
+/// change what it receives).
+pub async fn quic_pair_wrapped(
+    transport: Arc<quinn::TransportConfig>,
+    wrap: impl FnOnce(Socket) -> Socket,
+) -> Result<(quinn::Connection, quinn::Connection, Vec<quinn::Endpoint>), PairError> {
     let provider = crate::tls::provider();
     let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()])?;
     let der = CertificateDer::from(cert.cert.der().to_vec());
@@ -35,7 +47,14 @@ pub async fn quic_pair_with(
     ));
     sc.transport_config(transport.clone());
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
-    let listener = quinn::Endpoint::server(sc, loopback)?;
+    let runtime = quinn::default_runtime().ok_or("no async runtime for QUIC")?;
+    let socket = runtime.wrap_udp_socket(std::net::UdpSocket::bind(loopback)?)?;
+    let listener = quinn::Endpoint::new_with_abstract_socket(
+        quinn::EndpointConfig::default(),
+        Some(sc),
+        wrap(socket),
+        runtime,
+    )?;
     let mut roots = rustls::RootCertStore::empty();
     roots.add(der)?;
     let mut client = rustls::ClientConfig::builder_with_provider(provider)
