@@ -17,8 +17,9 @@
 //! counted in `tether_cloud_claims_refused` (one node's refused pod claims,
 //! and apart from them its refused addresses, are logged at most once per
 //! `--claim-warning-interval`, however its reports alternate or its hellos
-//! repeat; every refused address is counted). Without one (the insecure
-//! opt-in) the edges' reports are all there is. Either way an address in
+//! repeat; every refused address is counted, once per hello however the
+//! hello is admitted: new, joined, or resumed with a ticket). Without one
+//! (the insecure opt-in) the edges' reports are all there is. Either way an address in
 //! `Host`/SNI is looked up as an address before as a node name, so a node
 //! named like an IP cannot take that IP's requests.
 //!
@@ -731,11 +732,15 @@ impl Registry {
     /// [`crate::admission`]): the node's live session here; the session the
     /// ticket names, unless a newer generation of the edge is known; or a new
     /// one. `create` makes the session to install: `Some((id, gen))` for the
-    /// ticket's session, `None` for a new one.
+    /// ticket's session, `None` for a new one. The session admitted announces
+    /// the hello's `addresses` from then on, vetted once whichever way it is
+    /// admitted: an address refused is counted (and warned about) once per
+    /// hello.
     pub fn admit<E>(
         &self,
         node: &str,
         claim: &Claim,
+        addresses: Vec<String>,
         ticket: Option<&Ticket>,
         create: impl FnOnce(Option<(SessionId, u64)>) -> Result<Arc<Session>, E>,
     ) -> Result<Admitted, E> {
@@ -747,7 +752,10 @@ impl Registry {
             None => Verdict::NewSession,
         };
         match (verdict, current) {
-            (Verdict::Join, Some(s)) => return Ok(Admitted::Joined(s)),
+            (Verdict::Join, Some(s)) => {
+                self.set_addresses_locked(&mut t, &s, addresses);
+                return Ok(Admitted::Joined(s));
+            }
             (Verdict::Superseded, _) => return Ok(Admitted::Superseded),
             _ => {}
         }
@@ -777,12 +785,16 @@ impl Registry {
                     (s, other.into_iter().collect())
                 }
             };
+            // Installing it vets these (an owned session may still carry
+            // those of an earlier hello, held here before).
+            session.set_addresses(addresses);
             replaced.extend(self.insert_locked(&mut t, session.clone()));
             replaced.retain(|r| !Arc::ptr_eq(r, &session));
             return Ok(Admitted::Resumed { session, replaced });
         }
         let session = create(None)?;
         session.set_timeouts(self.timeouts());
+        session.set_addresses(addresses);
         let mut replaced: Vec<_> = t.owned.remove(node).into_iter().collect();
         replaced.extend(self.insert_locked(&mut t, session.clone()));
         Ok(Admitted::New { session, replaced })
@@ -974,9 +986,13 @@ impl Registry {
         old
     }
 
-    /// Updates the addresses a node announces (on a resume).
+    /// Updates the addresses a node announces (a hello that joins its
+    /// session does it in [`Registry::admit`]).
     pub fn set_addresses(&self, session: &Arc<Session>, addresses: Vec<String>) {
-        let mut t = self.tables();
+        self.set_addresses_locked(&mut self.tables(), session, addresses);
+    }
+
+    fn set_addresses_locked(&self, t: &mut Tables, session: &Arc<Session>, addresses: Vec<String>) {
         let current = t
             .sessions
             .get(&session.node)
@@ -986,8 +1002,8 @@ impl Registry {
         if !current {
             return;
         }
-        let addresses = self.vet_addresses(&mut t, &session.node, addresses);
-        Self::index_addresses(&mut t, &session.node, addresses);
+        let addresses = self.vet_addresses(t, &session.node, addresses);
+        Self::index_addresses(t, &session.node, addresses);
         t.mark(&session.node);
         self.touch();
     }
@@ -1762,19 +1778,19 @@ mod tests {
         };
         // An older generation of that session: refused, nothing touched.
         assert!(matches!(
-            r.admit("n", &claim(1, 1), Some(&ticket(7, 99)), make),
+            r.admit("n", &claim(1, 1), vec![], Some(&ticket(7, 99)), make),
             Ok(Admitted::StaleTicket(_))
         ));
         // Another session older than the one attached: refused likewise.
         assert!(matches!(
-            r.admit("n", &claim(1, 1), Some(&ticket(8, 50)), make),
+            r.admit("n", &claim(1, 1), vec![], Some(&ticket(8, 50)), make),
             Ok(Admitted::StaleTicket(_))
         ));
         assert!(!owned.is_ended() && r.get("n").is_none());
         // The current generation (the edge's link to b died): resumed here, in the
         // very session object that owns the stream.
         let Ok(Admitted::Resumed { session, replaced }) =
-            r.admit("n", &claim(1, 1), Some(&ticket(7, 100)), make)
+            r.admit("n", &claim(1, 1), vec![], Some(&ticket(7, 100)), make)
         else {
             panic!("the ticket resumes")
         };
@@ -1818,7 +1834,7 @@ mod tests {
         let Ok(Admitted::New {
             session: first,
             replaced,
-        }) = r.admit("n", &claim(1, 1), None, make(claim(1, 1)))
+        }) = r.admit("n", &claim(1, 1), vec![], None, make(claim(1, 1)))
         else {
             panic!("the first hello starts a session")
         };
@@ -1826,9 +1842,13 @@ mod tests {
         // Sibling and later attempts of the same state join it, whatever
         // their order.
         for attempt in [3, 2, 7] {
-            let Ok(Admitted::Joined(s)) =
-                r.admit("n", &claim(1, attempt), None, make(claim(1, attempt)))
-            else {
+            let Ok(Admitted::Joined(s)) = r.admit(
+                "n",
+                &claim(1, attempt),
+                vec![],
+                None,
+                make(claim(1, attempt)),
+            ) else {
                 panic!("attempt {attempt} must join")
             };
             assert!(Arc::ptr_eq(&s, &first));
@@ -1837,7 +1857,7 @@ mod tests {
         let Ok(Admitted::New {
             session: second,
             replaced,
-        }) = r.admit("n", &claim(2, 8), None, make(claim(2, 8)))
+        }) = r.admit("n", &claim(2, 8), vec![], None, make(claim(2, 8)))
         else {
             panic!("another state starts a new session")
         };
@@ -1847,7 +1867,7 @@ mod tests {
         // An ended session is joined by nobody.
         second.end(tether_proto::frame::ResetCode::Shutdown, "test");
         assert!(matches!(
-            r.admit("n", &claim(2, 9), None, make(claim(2, 9))),
+            r.admit("n", &claim(2, 9), vec![], None, make(claim(2, 9))),
             Ok(Admitted::New { replaced, .. }) if replaced.len() == 1
         ));
     }

@@ -1334,22 +1334,28 @@ fn admit(
     ticket: Option<&Ticket>,
 ) -> anyhow::Result<Result<(Arc<Session>, bool), (RefusalCode, String)>> {
     let admitted = registry
-        .admit(node, claim, ticket, |resume| match resume {
-            Some((id, gen)) => Ok(Session::resumed(
-                node.to_string(),
-                id,
-                gen,
-                hello.addresses.clone(),
-                cfg.limits.agree(&hello.limits),
-                claim,
-            )),
-            None => Session::new(
-                node.to_string(),
-                hello.addresses.clone(),
-                cfg.limits.agree(&hello.limits),
-                claim,
-            ),
-        })
+        .admit(
+            node,
+            claim,
+            hello.addresses.clone(),
+            ticket,
+            |resume| match resume {
+                Some((id, gen)) => Ok(Session::resumed(
+                    node.to_string(),
+                    id,
+                    gen,
+                    hello.addresses.clone(),
+                    cfg.limits.agree(&hello.limits),
+                    claim,
+                )),
+                None => Session::new(
+                    node.to_string(),
+                    hello.addresses.clone(),
+                    cfg.limits.agree(&hello.limits),
+                    claim,
+                ),
+            },
+        )
         .context("generating session secrets")?;
     let end_replaced = |replaced: Vec<Arc<Session>>, new: &Arc<Session>| {
         for old in replaced {
@@ -1361,10 +1367,7 @@ fn admit(
         }
     };
     match admitted {
-        Admitted::Joined(s) => {
-            registry.set_addresses(&s, hello.addresses.clone());
-            Ok(Ok((s, true)))
-        }
+        Admitted::Joined(s) => Ok(Ok((s, true))),
         Admitted::Superseded => Ok(Err((
             RefusalCode::Superseded,
             "a newer connection of this edge is attached".into(),
@@ -1378,7 +1381,6 @@ fn admit(
         }
         Admitted::Resumed { session, replaced } => {
             end_replaced(replaced, &session);
-            registry.set_addresses(&session, hello.addresses.clone());
             info!(node, session = %session.id, owned_streams = session.open_streams(), "the edge resumes its session here with a ticket");
             Ok(Ok((session, true)))
         }
@@ -1898,7 +1900,7 @@ mod renewal_tests {
         let claim = crate::session::testing::claim();
         let registry = Arc::new(Registry::new(Duration::from_secs(60)));
         let admit = |node: &str| match registry
-            .admit(node, &claim, None, |_| {
+            .admit(node, &claim, vec![], None, |_| {
                 Session::new(node.into(), vec![], tether_proto::Limits::default(), &claim)
             })
             .unwrap()
@@ -2192,5 +2194,142 @@ mod hello_tests {
         );
         // The default still takes what an edge announces at most.
         assert_eq!(check_hello(&hello_announcing(64), "edge-1", 64), None);
+    }
+}
+
+#[cfg(test)]
+mod admit_tests {
+    use super::*;
+    use crate::authority::Authority;
+    use crate::metrics::KindLabel;
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::family::Family;
+    use tether_proto::token::SessionId;
+
+    /// A hello of edge-b announcing its own address and edge-a's (the
+    /// apiserver gives 10.0.0.1 to edge-a): one refused address.
+    fn hello(attempt: u64, ticket: Option<Ticket>) -> Hello {
+        Hello {
+            versions: vec![tether_proto::handshake::PROTOCOL_VERSION],
+            node: "edge-b".into(),
+            addresses: vec!["10.0.0.2".into(), "10.0.0.1".into()],
+            resume: tether_proto::token::ResumeToken([1; 16]),
+            instance: 1,
+            attempt,
+            limits: tether_proto::Limits::default(),
+            ticket,
+        }
+    }
+
+    fn ticket(session: u64, gen: u64) -> Ticket {
+        Ticket {
+            node: "edge-b".into(),
+            session: SessionId(session),
+            gen,
+            expires_ms: u64::MAX,
+            mac: [0; 32],
+        }
+    }
+
+    /// A registry that has the apiserver's word on both nodes' addresses,
+    /// and the counter its refused claims go to.
+    fn registry() -> (Arc<Registry>, Family<KindLabel, Counter>) {
+        let auth = Arc::new(Authority::new());
+        auth.set_node("edge-a", Some(vec!["10.0.0.1".into()]));
+        auth.set_node("edge-b", Some(vec!["10.0.0.2".into()]));
+        let refused = Family::default();
+        let r = Registry::with_authority(Duration::from_secs(60), Some(auth), refused.clone());
+        (Arc::new(r), refused)
+    }
+
+    fn counted(refused: &Family<KindLabel, Counter>) -> u64 {
+        refused.get_or_create(&KindLabel { kind: "address" }).get()
+    }
+
+    /// One hello through `admit`: whether it resumed, and how many refused
+    /// addresses it added to the counter.
+    fn admit_one(
+        r: &Arc<Registry>,
+        refused: &Family<KindLabel, Counter>,
+        hello: &Hello,
+    ) -> (bool, u64) {
+        let cfg = crate::config::test_config(&[]).unwrap();
+        let before = counted(refused);
+        let claim = Claim::of(hello);
+        let (session, resumed) = admit(r, &cfg, "edge-b", hello, &claim, hello.ticket.as_ref())
+            .unwrap()
+            .unwrap_or_else(|(_, why)| panic!("refused: {why}"));
+        // The refused address is not indexed; the edge's own is.
+        assert_eq!(session.addresses(), hello.addresses);
+        assert_eq!(
+            r.route_node(None, None, Some("10.0.0.2")).unwrap().node,
+            "edge-b"
+        );
+        assert!(r.route_node(None, None, Some("10.0.0.1")).is_err());
+        (resumed, counted(refused) - before)
+    }
+
+    /// A hello announcing another node's address has it refused and counted
+    /// once, whichever way it is admitted. Before, a resume with a ticket
+    /// was counted twice: the session was installed with the hello's
+    /// addresses (vetted), then given them again (vetted again); and a
+    /// session resumed here that had been held here before counted its old
+    /// hello's addresses again besides.
+    #[tokio::test]
+    async fn a_hellos_refused_address_is_counted_once_on_every_path() {
+        // A new session, then a later attempt of the same state joining it.
+        let (r, refused) = registry();
+        assert_eq!(admit_one(&r, &refused, &hello(1, None)), (false, 1));
+        assert_eq!(admit_one(&r, &refused, &hello(2, None)), (true, 1));
+
+        // A ticket resumes on a replica that never had the session.
+        let (r, refused) = registry();
+        assert_eq!(
+            admit_one(&r, &refused, &hello(1, Some(ticket(7, 100)))),
+            (true, 1)
+        );
+
+        // A session held here (its hello counted once), then taken over by
+        // replica b (a newer generation there: only owned here now), then
+        // resumed here again with a ticket.
+        let (r, refused) = registry();
+        let cfg = crate::config::test_config(&[]).unwrap();
+        let first = hello(1, None);
+        let s = Session::resumed(
+            "edge-b".into(),
+            SessionId(7),
+            0,
+            first.addresses.clone(),
+            cfg.limits.agree(&first.limits),
+            &Claim::of(&first),
+        );
+        r.insert(s.clone());
+        assert_eq!(counted(&refused), 1);
+        let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await.unwrap();
+        let peer = crate::peer::PeerLink::new(
+            c1.remote_address(),
+            crate::peer::ReplicaId::new("b"),
+            c1,
+            Default::default(),
+            Default::default(),
+        );
+        let record = crate::routes::EdgeRecord {
+            node: "edge-b".into(),
+            session: format!("{:016x}", 7),
+            attached: true,
+            since_ms: 100,
+            sid: 7,
+            gen: 100,
+            limits: tether_proto::Limits::default(),
+            pods: vec![],
+            addresses: vec![],
+        };
+        r.apply_remote(&peer, crate::routes::Update::Upsert(vec![record]));
+        assert!(r.get("edge-b").is_none() && s.relayed_via().is_some());
+        assert_eq!(
+            admit_one(&r, &refused, &hello(2, Some(ticket(7, 100)))),
+            (true, 1)
+        );
+        assert!(Arc::ptr_eq(&r.get("edge-b").unwrap(), &s));
     }
 }
