@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use tether_certs::files::{write_public, write_secret};
+use tether_certs::token::parse_lock_wait;
 use tether_certs::{ca_pin, Ca, CertKey, JoinStore, KeyAlgorithm};
 
 /// Certificates and join tokens for Tether.
@@ -180,7 +181,7 @@ enum IssueCommand {
         #[arg(long, env = "TETHER_JOIN_STORE", conflicts_with = "no_record")]
         store: Option<PathBuf>,
         /// How long recording waits for another process holding the store's
-        /// lock (ms, s or m; e.g. 200ms), then fails.
+        /// lock (ms, s, m or h; e.g. 200ms), then fails.
         #[arg(long, env = "TETHER_JOIN_STORE_LOCK_WAIT", default_value = "5s", value_parser = parse_lock_wait)]
         store_lock_wait: Duration,
         /// Do not record the certificate in a join-token store (a token whose
@@ -216,7 +217,7 @@ struct StoreOpt {
     #[arg(long, env = "TETHER_JOIN_STORE")]
     store: Option<PathBuf>,
     /// How long a change waits for another process holding the store's lock
-    /// (ms, s or m; e.g. 200ms), then fails.
+    /// (ms, s, m or h; e.g. 200ms), then fails.
     #[arg(long = "store-lock-wait", env = "TETHER_JOIN_STORE_LOCK_WAIT", default_value = "5s", value_parser = parse_lock_wait)]
     lock_wait: Duration,
 }
@@ -301,31 +302,6 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
                 tether_certs::mint::MAX_VALIDITY_YEARS
             )
         })
-}
-
-/// Parses `--store-lock-wait`: `200ms`, `5s`, `2m`; more than 0 (a zero
-/// wait would fail a change whenever another process holds the lock for an
-/// instant).
-pub fn parse_lock_wait(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit())
-        .ok_or_else(|| format!("{s:?} has no unit: add ms, s or m"))?;
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} does not start with a number"))?;
-    let wait = match unit {
-        "ms" => Some(Duration::from_millis(n)),
-        "s" => Some(Duration::from_secs(n)),
-        "m" => n.checked_mul(60).map(Duration::from_secs),
-        other => return Err(format!("unknown unit {other:?}: use ms, s or m")),
-    }
-    .ok_or_else(|| format!("{s:?} is too long"))?;
-    if wait.is_zero() {
-        return Err("the store lock wait must be more than 0".into());
-    }
-    Ok(wait)
 }
 
 /// Runs one command.
@@ -777,7 +753,8 @@ mod tests {
         );
         assert_eq!(parse_lock_wait("5s").unwrap(), Duration::from_secs(5));
         assert_eq!(parse_lock_wait("2m").unwrap(), Duration::from_secs(120));
-        for bad in ["", "0s", "0ms", "5", "5h", "ms", "-1s"] {
+        assert_eq!(parse_lock_wait("1h").unwrap(), Duration::from_secs(3600));
+        for bad in ["", "0s", "0ms", "0", "5d", "ms", "-1s", "99999999999h"] {
             assert!(parse_lock_wait(bad).is_err(), "{bad}");
         }
         assert!(parse_lock_wait("0s").unwrap_err().contains("more than 0"));

@@ -16,7 +16,8 @@
 //! CLI can share one store: a token revoked on the command line is refused
 //! by the running cloud at its next join. A writer waits for another
 //! process's lock at most its lock wait ([`JoinStore::with_lock_wait`]: the
-//! cloud's `--join-store-lock-wait`, `tether-certs --store-lock-wait`,
+//! cloud's `--join-store-lock-wait`, `tether-certs --store-lock-wait`, both
+//! read from `TETHER_JOIN_STORE_LOCK_WAIT` and parsed alike ([`parse_lock_wait`];
 //! [`DEFAULT_STORE_LOCK_WAIT`] unless told), then fails naming the store.
 //!
 //! Time is always passed in (`now`), so expiry is tested without clocks.
@@ -39,6 +40,20 @@ pub const TOKEN_SECRET_LEN: usize = 16;
 /// How long a writer waits for another process holding the store's lock
 /// unless told ([`JoinStore::with_lock_wait`]).
 pub const DEFAULT_STORE_LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// Parses a store lock wait (`tether-certs --store-lock-wait`, read from
+/// `TETHER_JOIN_STORE_LOCK_WAIT` as `tether-cloud --join-store-lock-wait`
+/// is): a duration as every Tether flag takes one
+/// ([`tether_units::parse_duration`]: `200ms`, `5s`, `2m`, `1h`, a bare
+/// number of seconds), more than 0 (a zero wait would fail a change
+/// whenever another process holds the lock for an instant).
+pub fn parse_lock_wait(s: &str) -> Result<Duration, String> {
+    let wait = tether_units::parse_duration(s)?;
+    if wait.is_zero() {
+        return Err("the store lock wait must be more than 0".into());
+    }
+    Ok(wait)
+}
 
 /// How often a writer tries a held lock again.
 const LOCK_POLL: Duration = Duration::from_millis(10);

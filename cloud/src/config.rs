@@ -1285,6 +1285,30 @@ mod tests {
         assert!(e.contains("--join-store-lock-wait"), "{e}");
     }
 
+    /// `TETHER_JOIN_STORE_LOCK_WAIT` sets `tether-cloud --join-store-lock-wait`
+    /// and `tether-certs --store-lock-wait` (whose parser is
+    /// [`tether_certs::token::parse_lock_wait`]): both take the same strings,
+    /// as the same wait, and refuse the same (0 included: both need more).
+    #[test]
+    fn the_store_lock_wait_variable_is_parsed_alike_by_cloud_and_certs() {
+        let join = ["--join-store=s", "--join-ca-cert=c", "--join-ca-key=k"];
+        let taken = ["250ms", "5s", "2m", "1h", "5", "5 s", "1.5s"];
+        let refused = ["0s", "", "-1s", "99999999999h"];
+        let mut differ = Vec::new();
+        for s in taken.iter().chain(&refused) {
+            let flag = format!("--join-store-lock-wait={s}");
+            let mut flags = join.to_vec();
+            flags.push(flag.as_str());
+            let cloud = test_config(&flags).map(|c| c.join.map(|j| j.store_lock_wait));
+            let cloud = cloud.ok().flatten();
+            let certs = tether_certs::token::parse_lock_wait(s).ok();
+            if cloud != certs || cloud.is_some() != taken.contains(s) {
+                differ.push(format!("{s:?}: cloud {cloud:?}, certs {certs:?}"));
+            }
+        }
+        assert!(differ.is_empty(), "{differ:#?}");
+    }
+
     #[test]
     fn worker_threads_default_to_the_cpus_and_are_bounded() {
         assert_eq!(test_config(&[]).unwrap().worker_threads, None);

@@ -17,7 +17,8 @@
 //! - [`token`]: resume tokens and session ids.
 //! - [`ticket`]: resume tickets any replica can verify (shared key, node, generation, expiry).
 //! - [`limits`]: every bound, with its default.
-//! - [`units`]: parsing durations and sizes in configuration.
+//! - [`units`]: parsing durations and sizes in configuration (re-exported
+//!   from `tether-units`, which `tether-certs` shares).
 //! - [`copies`]: datagram copies of small interactive writes (a lost
 //!   keystroke does not wait for QUIC's loss detection).
 //! - [`io`]: the tokio adapter that makes a [`stream::StreamState`] an
