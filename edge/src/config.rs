@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use tether_proto::cli::{LimitArgs, LogArgs, QuicArgs};
 use tether_proto::quic::QuicSettings;
-use tether_proto::units::{parse_bytes, parse_duration};
+use tether_proto::units::{parse_bytes, parse_bytes_u32, parse_duration};
 use tether_proto::Limits;
 
 /// Command-line flags of `tether-edge`.
@@ -220,8 +220,9 @@ pub struct JoinArgs {
     /// Largest answer read from the cloud.
     // At least what a grant for a 253-character node name from a CA of
     // `tether-certs ca create` takes (`tether_certs::join::LEAST_ANSWER_BYTES`).
-    #[arg(long, env = "TETHER_JOIN_MAX_MESSAGE_BYTES", default_value = "64KiB", value_parser = parse_bytes)]
-    pub join_max_message_bytes: u64,
+    // A `u32`, as the cloud's flag of the same name: over 4 GiB is refused.
+    #[arg(long, env = "TETHER_JOIN_MAX_MESSAGE_BYTES", default_value = "64KiB", value_parser = parse_bytes_u32)]
+    pub join_max_message_bytes: u32,
 }
 
 impl JoinArgs {
@@ -231,7 +232,7 @@ impl JoinArgs {
             return Err("--join-timeout must be more than 0".into());
         }
         let least = tether_certs::join::LEAST_ANSWER_BYTES;
-        if self.join_max_message_bytes < least as u64 {
+        if (self.join_max_message_bytes as usize) < least {
             return Err(format!(
                 "--join-max-message-bytes {} is below the {least} bytes of a grant for a \
                  253-character node name from a CA of `tether-certs ca create`; give at least {least}",
@@ -637,15 +638,18 @@ mod tests {
     /// `tether-edge join --join-max-message-bytes` (was the fixed 64 KiB):
     /// its default, a size in the units of the other sizes, and a bound
     /// below a real grant (or 0) refused at start, naming the least value.
+    /// A `u32` like the cloud's flag of the same name: over 4 GiB is refused
+    /// as the cloud refuses it (it was a `u64` here, and 5 GiB was taken).
     #[test]
     fn the_join_answer_bound_has_its_default_and_a_floor() {
-        let join = |extra: &[&str]| {
+        let try_join = |extra: &[&str]| {
             let mut args = vec![
                 "join", "--cloud", "c:1", "--token", "t", "--ca-pin", "p", "--node", "n",
             ];
             args.extend_from_slice(extra);
-            JoinArgs::try_parse_from(args).unwrap()
+            JoinArgs::try_parse_from(args).map_err(|e| e.to_string())
         };
+        let join = |extra: &[&str]| try_join(extra).unwrap();
         let a = join(&[]);
         assert_eq!(a.max_answer_bytes(), 64 << 10);
         a.validate().unwrap();
@@ -664,6 +668,18 @@ mod tests {
             assert!(
                 e.contains("--join-max-message-bytes") && e.contains(&format!("at least {least}")),
                 "{bad}: {e}"
+            );
+        }
+        let most = u32::MAX.to_string();
+        assert_eq!(
+            join(&["--join-max-message-bytes", &most]).max_answer_bytes(),
+            u32::MAX as usize
+        );
+        for over in ["4294967296", "5GiB"] {
+            let e = try_join(&["--join-max-message-bytes", over]).unwrap_err();
+            assert!(
+                e.contains("--join-max-message-bytes") && e.contains("at most 4GiB"),
+                "{over}: {e}"
             );
         }
     }
