@@ -323,7 +323,8 @@ async fn run_binding(
     r.push(&format!(
         "\nStream open after the NAT dropped the binding (binding {b} s, keep-alive {interval}): {} s \
          (max {:.1} s). Bound: the edge's next keep-alive (at most its interval) opens a new binding; \
-         the cloud notices the new address within 0.5 s and sends a frame whose acknowledgement \
+         the cloud notices the new address from its first packet (about 50 ms later; at the latest \
+         at its next --migration-sweep-interval, 5 s) and sends a frame whose acknowledgement \
          makes QUIC resend the stream's first packet at once (an RTT).\n",
         list.join(", "),
         max.as_secs_f64(),
