@@ -877,7 +877,7 @@ impl Drop for StreamBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::peer::{PeerLink, ReplicaId};
+    use crate::peer::PeerLink;
     use crate::routes::{EdgeRecord, Update};
     use crate::session::testing::claim;
     use crate::session::Session;
@@ -966,13 +966,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_head_over_the_bound_a_peer_agreed_with_its_edge_is_431_naming_it() {
         let (c1, _c2, _endpoints) = tether_proto::testing::quic_pair().await.expect("a link");
-        let peer = PeerLink::new(
-            c1.remote_address(),
-            ReplicaId::new("b"),
-            c1,
-            Default::default(),
-            Default::default(),
-        );
+        let peer = PeerLink::for_test("b", c1);
         let registry = Arc::new(Registry::new(Duration::from_secs(60)));
         registry.apply_remote(
             &peer,

@@ -96,7 +96,7 @@ impl Watcher {
                 addr: addr.clone(),
             },
         );
-        self.expect(now);
+        self.note_handshake(now);
         Watch {
             id,
             watcher: Arc::downgrade(self),
@@ -108,7 +108,7 @@ impl Watcher {
     /// Takes `source` as known until the sweep after next: a handshake from
     /// it started, so its first packets after the handshake, before the
     /// connection is watched, ask for no sweep.
-    pub fn expect(&self, source: SocketAddr) {
+    pub fn note_handshake(&self, source: SocketAddr) {
         let mut k = self.write_known();
         let n = k.sweeps;
         k.addrs.insert(source, n);
@@ -445,8 +445,8 @@ mod tests {
             .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap())
             .collect();
         let (a, b) = (&senders[0], &senders[1]);
-        watcher.expect(a.local_addr().unwrap());
-        watcher.expect(b.local_addr().unwrap());
+        watcher.note_handshake(a.local_addr().unwrap());
+        watcher.note_handshake(b.local_addr().unwrap());
         let sweeps = tokio::spawn(watcher.clone().run(Schedule {
             interval: Duration::from_secs(3600),
             min_gap: Duration::from_millis(1),
@@ -529,7 +529,7 @@ mod tests {
         );
         // An expected source: known through the next sweep, gone after the one after.
         let edge = SocketAddr::from(([192, 0, 2, 2], 4433));
-        watcher.expect(edge);
+        watcher.note_handshake(edge);
         watcher.sweep();
         assert!(watcher.is_known(&edge));
         watcher.sweep();

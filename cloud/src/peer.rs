@@ -223,6 +223,19 @@ pub struct PeerLink {
 }
 
 impl PeerLink {
+    /// For tests: the link over `conn` to a replica named `name`, at the
+    /// connection's remote address, with default copy settings.
+    #[cfg(test)]
+    pub(crate) fn for_test(name: &str, conn: quinn::Connection) -> PeerLink {
+        PeerLink::new(
+            conn.remote_address(),
+            ReplicaId::new(name),
+            conn,
+            Default::default(),
+            Default::default(),
+        )
+    }
+
     /// The link over `conn` to `replica` at `addr`, its relayed copies sent
     /// within `copies` and counted in `counters`.
     pub fn new(

@@ -986,8 +986,9 @@ impl Registry {
         old
     }
 
-    /// Updates the addresses a node announces (a hello that joins its
-    /// session does it in [`Registry::admit`]).
+    /// Updates the addresses a node announces, as a hello does in
+    /// [`Registry::admit`] (which vets them there, once).
+    #[cfg(test)]
     pub fn set_addresses(&self, session: &Arc<Session>, addresses: Vec<String>) {
         self.set_addresses_locked(&mut self.tables(), session, addresses);
     }
@@ -1740,13 +1741,7 @@ mod tests {
     #[tokio::test]
     async fn tickets_resume_anywhere_but_never_over_a_newer_generation() {
         let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await.unwrap();
-        let peer = crate::peer::PeerLink::new(
-            c1.remote_address(),
-            crate::peer::ReplicaId::new("b"),
-            c1,
-            Default::default(),
-            Default::default(),
-        );
+        let peer = crate::peer::PeerLink::for_test("b", c1);
         let r = Registry::new(Duration::from_secs(60));
         let record = |gen: u64, sid: u64, attached: bool| EdgeRecord {
             node: "n".into(),

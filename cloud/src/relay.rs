@@ -1283,7 +1283,7 @@ mod link_tests {
 
     use tether_proto::Limits;
 
-    use crate::peer::{PeerLink, ReplicaId};
+    use crate::peer::PeerLink;
     use crate::registry::{Holder, Registry};
     use crate::routes::{EdgeRecord, Update};
     use crate::session::testing::session;
@@ -1309,16 +1309,7 @@ mod link_tests {
     async fn routes_learnt_from_peers_share_the_indices_and_prefer_a_live_holder() {
         let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await.unwrap();
         let (c2, _s2, _e2) = tether_proto::testing::quic_pair().await.unwrap();
-        let peer = |name: &str, conn: quinn::Connection| {
-            PeerLink::new(
-                conn.remote_address(),
-                ReplicaId::new(name),
-                conn,
-                Default::default(),
-                Default::default(),
-            )
-        };
-        let (a, b) = (peer("a", c1), peer("b", c2));
+        let (a, b) = (PeerLink::for_test("a", c1), PeerLink::for_test("b", c2));
         let r = Registry::new(Duration::from_secs(60));
         // A pod claimed by edges held on two different replicas: 409, as on one.
         r.apply_remote(

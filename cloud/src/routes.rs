@@ -486,13 +486,7 @@ mod tests {
     async fn a_stalled_subscription_fails_within_the_peer_timeout() {
         let bound = Duration::from_millis(300);
         let (conn, publisher, _endpoints) = tether_proto::testing::quic_pair().await.unwrap();
-        let link = PeerLink::new(
-            conn.remote_address(),
-            crate::peer::ReplicaId::new("r1"),
-            conn,
-            Default::default(),
-            Default::default(),
-        );
+        let link = PeerLink::for_test("r1", conn);
         let registry = Arc::new(Registry::new(Duration::from_secs(60)));
         let metrics = CloudMetrics::register(&mut prometheus_client::registry::Registry::default());
         let subscribing =

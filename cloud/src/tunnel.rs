@@ -459,7 +459,7 @@ pub async fn serve(
                 };
                 // Its packets after the handshake, before it is watched, ask
                 // for no migration sweep.
-                moves.expect(remote);
+                moves.note_handshake(remote);
                 // Two phases, each in a box of its own: this task (one per
                 // edge, for as long as it stays connected) holds only the box
                 // of the phase it is in, so the handshake's state (the hello,
@@ -1339,18 +1339,20 @@ fn admit(
             claim,
             hello.addresses.clone(),
             ticket,
+            // Made without addresses: the registry sets the hello's as it
+            // installs the session, and vets them there once.
             |resume| match resume {
                 Some((id, gen)) => Ok(Session::resumed(
                     node.to_string(),
                     id,
                     gen,
-                    hello.addresses.clone(),
+                    Vec::new(),
                     cfg.limits.agree(&hello.limits),
                     claim,
                 )),
                 None => Session::new(
                     node.to_string(),
-                    hello.addresses.clone(),
+                    Vec::new(),
                     cfg.limits.agree(&hello.limits),
                     claim,
                 ),
@@ -2306,13 +2308,7 @@ mod admit_tests {
         r.insert(s.clone());
         assert_eq!(counted(&refused), 1);
         let (c1, _s1, _e1) = tether_proto::testing::quic_pair().await.unwrap();
-        let peer = crate::peer::PeerLink::new(
-            c1.remote_address(),
-            crate::peer::ReplicaId::new("b"),
-            c1,
-            Default::default(),
-            Default::default(),
-        );
+        let peer = crate::peer::PeerLink::for_test("b", c1);
         let record = crate::routes::EdgeRecord {
             node: "edge-b".into(),
             session: format!("{:016x}", 7),
