@@ -430,6 +430,8 @@ async fn simulated(n: usize) -> Result<Vec<(String, Cell)>> {
     let endpoints = scale::endpoints_for(n)?;
     let welcomes = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    // Never changed: these edges send no warm-up keep-alives.
+    let (_warm_tx, warm) = tokio::sync::watch::channel(0u64);
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for (i, cfg) in cfgs.into_iter().enumerate() {
@@ -443,6 +445,7 @@ async fn simulated(n: usize) -> Result<Vec<(String, Cell)>> {
             order,
             welcomes.clone(),
             stop.clone(),
+            warm.clone(),
         )));
         if i % 50 == 49 {
             tokio::time::sleep(Duration::from_millis(40)).await;

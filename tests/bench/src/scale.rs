@@ -19,6 +19,15 @@
 //! Measured: time to connect all; the cloud's RSS per edge and idle CPU; after a
 //! cloud restart (SIGTERM, `--shutdown-grace 1s`, a new process on the same port), the
 //! time until every edge has a welcome again. Everything runs on loopback.
+//!
+//! The RSS per edge is taken twice: 3 s after the last edge connected, and again
+//! once every edge has sent [`KEEPALIVES_TO_STEADY`] of tether-edge's keep-alive
+//! frames, what a default edge sends in its first quarter of an hour. quinn hands
+//! every datagram a connection receives to the connection's task through a tokio
+//! channel that allocates its slots 32 at a time and keeps a spent block for reuse
+//! (~7 KiB each): a connection that has received more than 32 datagrams, which
+//! every edge's has after a few minutes, holds two for as long as it lives. The
+//! second figure is what an idle edge costs for hours.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -279,6 +288,38 @@ const NEW_ATTEMPT_EVERY: Duration = Duration::from_secs(1);
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const RECONNECT_SPREAD: Duration = Duration::from_secs(5);
 
+/// Keep-alive frames each simulated edge sends before the steady-state RSS is
+/// taken: with its handshake's datagrams, past the 32 of the first block of
+/// quinn's per-connection event channel. (A default tether-edge sends one every
+/// 20 s, and its QUIC keep-alive as often: about 15 minutes.)
+pub(crate) const KEEPALIVES_TO_STEADY: u32 = 40;
+
+/// Between one simulated edge's keep-alive frames, so that each is a datagram
+/// of its own (10,000 edges: ~40,000 a second at the cloud).
+const KEEPALIVE_SPACING: Duration = Duration::from_millis(250);
+
+/// Keep-alive frames the simulated edges have sent (the steady-state warm-up).
+static KEEPALIVES: AtomicUsize = AtomicUsize::new(0);
+
+/// Once `warm` changes while this connection is held, sends
+/// [`KEEPALIVES_TO_STEADY`] keep-alive frames on its control stream, as
+/// tether-edge does over its first minutes; then, or if the sender is gone,
+/// waits forever.
+async fn keep_alives(send: &mut quinn::SendStream, warm: &mut tokio::sync::watch::Receiver<u64>) {
+    if warm.changed().await.is_ok() {
+        let offset = rand::rng().random_range(0..KEEPALIVE_SPACING.as_millis() as u64);
+        tokio::time::sleep(Duration::from_millis(offset)).await;
+        for _ in 0..KEEPALIVES_TO_STEADY {
+            if write_frame(send, &Frame::KeepAlive, 1 << 20).await.is_err() {
+                break;
+            }
+            KEEPALIVES.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(KEEPALIVE_SPACING).await;
+        }
+    }
+    std::future::pending().await
+}
+
 /// What a simulated edge says in its hellos: its state's token, its
 /// process id and its attempt counter, as tether-edge does.
 struct EdgeState {
@@ -374,7 +415,9 @@ async fn establish(
 
 /// One simulated edge: welcomed, hold the connection; again when it closes.
 /// With several addresses (replicas behind a load balancer) it starts at the
-/// first and moves to the next one after every lost connection.
+/// first and moves to the next one after every lost connection. When `warm`
+/// changes, the connection held then sends its keep-alive frames
+/// ([`keep_alives`]); a connection made later does not.
 pub(crate) async fn edge(
     ep: quinn::Endpoint,
     cfg: quinn::ClientConfig,
@@ -382,6 +425,7 @@ pub(crate) async fn edge(
     addrs: Vec<std::net::SocketAddr>,
     welcomes: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
+    mut warm: tokio::sync::watch::Receiver<u64>,
 ) {
     let mut turn = 0usize;
     let mut delay = Duration::from_millis(100);
@@ -395,8 +439,10 @@ pub(crate) async fn edge(
             return;
         };
         turn += 1;
-        if let Some((conn, send, recv)) = establish(&ep, &cfg, &node, addr, &state).await {
+        if let Some((conn, mut send, recv)) = establish(&ep, &cfg, &node, addr, &state).await {
             welcomes.fetch_add(1, Ordering::Relaxed);
+            // A warm-up asked for before this connection is not its own.
+            warm.borrow_and_update();
             delay = Duration::from_millis(100);
             // Answer the cloud's datagram hello as the edge does (and take
             // copies, though nothing here writes).
@@ -408,6 +454,7 @@ pub(crate) async fn edge(
             let closed = tokio::select! {
                 closed = conn.closed() => closed,
                 () = copies.announce_and_serve(|_| tether_proto::copies::Fate::Unused, "cloud") => conn.closed().await,
+                () = keep_alives(&mut send, &mut warm) => conn.closed().await,
             };
             drop((send, recv));
             // The edge's --reconnect-spread after a cloud shutdown.
@@ -457,6 +504,7 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
     let endpoints = endpoints_for(n)?;
     let welcomes = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    let (warm_tx, warm) = tokio::sync::watch::channel(0u64);
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for (i, cfg) in cfgs.into_iter().enumerate() {
@@ -467,6 +515,7 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
             vec![addr],
             welcomes.clone(),
             stop.clone(),
+            warm.clone(),
         )));
         // Pace the dial-in a little: 1,000 handshakes/s is about what 2 shared cores do.
         if i % 50 == 49 {
@@ -485,6 +534,20 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
         };
         tokio::time::sleep(Duration::from_secs(3)).await;
         let rss1 = crate::footprint::status_kb(pid, "VmRSS:")?;
+        // Steady state: every edge's keep-alives of its first minutes.
+        let k0 = KEEPALIVES.load(Ordering::Relaxed);
+        let t_warm = Instant::now();
+        warm_tx.send_replace(1);
+        let want = k0 + n * KEEPALIVES_TO_STEADY as usize;
+        let warmed = wait_count(&KEEPALIVES, want, Duration::from_secs(120)).await;
+        eprintln!(
+            "tether-bench: scale {n}: {} keep-alive frames sent in {:.1} s for the steady state ({} wanted)",
+            KEEPALIVES.load(Ordering::Relaxed) - k0,
+            t_warm.elapsed().as_secs_f64(),
+            n * KEEPALIVES_TO_STEADY as usize,
+        );
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let rss_steady = crate::footprint::status_kb(pid, "VmRSS:")?;
         let c0 = cpu_ticks(pid)?;
         tokio::time::sleep(idle_window).await;
         let c1 = cpu_ticks(pid)?;
@@ -494,9 +557,15 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
         let before = welcomes.load(Ordering::Relaxed);
         let t_term = Instant::now();
         cloud.terminate(Duration::from_secs(10)).await;
+        let t_exit = Instant::now();
         let (new_cloud, _, metrics) = start_cloud(dir.path(), &files, port, n).await?;
         cloud = new_cloud;
         let t_ready = Instant::now();
+        eprintln!(
+            "tether-bench: scale {n}: the old cloud exited {:.2} s after its SIGTERM; the new one was ready {:.2} s after it was started",
+            (t_exit - t_term).as_secs_f64(),
+            (t_ready - t_exit).as_secs_f64(),
+        );
         let new_pid = cloud.pid().context("cloud pid")?;
         let (cloud_c0, self_c0) = (cpu_ticks(new_pid)?, cpu_ticks(std::process::id())?);
         let (a0, h0) = (ATTEMPTS.load(Ordering::Relaxed), HANDSHAKES.load(Ordering::Relaxed));
@@ -551,8 +620,25 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
                 Cell::Num(rss1 as f64 / 1024.0),
             ),
             (
-                "RSS per edge (KiB)".into(),
+                "RSS per edge, 3 s after the last connected (KiB)".into(),
                 Cell::Num((rss1.saturating_sub(rss0)) as f64 / n as f64),
+            ),
+            (
+                format!(
+                    "cloud RSS with {n} idle edges, steady state: after {KEEPALIVES_TO_STEADY} keep-alives each (MiB)"
+                ),
+                Cell::Num(rss_steady as f64 / 1024.0),
+            ),
+            (
+                "RSS per idle edge, steady state (KiB)".into(),
+                match warmed {
+                    Some(_) => Cell::Num((rss_steady.saturating_sub(rss0)) as f64 / n as f64),
+                    None => Cell::text(format!(
+                        "not measured: {} of {} keep-alives sent within 120 s",
+                        KEEPALIVES.load(Ordering::Relaxed) - k0,
+                        n * KEEPALIVES_TO_STEADY as usize
+                    )),
+                },
             ),
             (
                 format!(
