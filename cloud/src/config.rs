@@ -24,6 +24,9 @@ const MAX_WORKER_THREADS: usize = 1024;
 /// practice, and the HTTP client's timer adds the value to the clock
 /// unchecked (a value near `u64::MAX` seconds would panic there).
 const MAX_APISERVER_READ_TIMEOUT: Duration = Duration::from_secs(86_400);
+/// The longest `--shutdown-close-wait`: a replica that must go should not
+/// linger for peers that may never answer.
+const MAX_SHUTDOWN_CLOSE_WAIT: Duration = Duration::from_secs(60);
 /// Default of `--max-pods-per-report`: ninety times kubelet's default
 /// `--max-pods` (110), a tenth of what the protocol allows.
 pub const DEFAULT_MAX_PODS_PER_REPORT: usize = 10_000;
@@ -218,6 +221,12 @@ pub struct CloudArgs {
     /// sending it new connections first (a preStop delay built in).
     #[arg(long, env = "TETHER_SHUTDOWN_DELAY", default_value = "5s", value_parser = parse_duration)]
     pub shutdown_delay: Duration,
+    /// On SIGTERM, once the edge connections are closed, how long the replica
+    /// waits for the closes to finish (quinn keeps each closed connection for
+    /// three probe timeouts, to answer a peer whose own close was lost) before
+    /// it exits anyway. `0s`: exit at once. At most 60s.
+    #[arg(long, env = "TETHER_SHUTDOWN_CLOSE_WAIT", default_value = "2s", value_parser = parse_duration)]
+    pub shutdown_close_wait: Duration,
     /// Secret file (at least 32 bytes of key material, e.g. from
     /// `tether-certs reset-key`) shared by every replica: the stateless-reset
     /// key of the edge listener, so any replica answers a packet for an edge
@@ -613,6 +622,7 @@ pub struct CloudConfig {
     pub shutdown_grace: Duration,
     pub drain_spread: Duration,
     pub shutdown_delay: Duration,
+    pub shutdown_close_wait: Duration,
     /// The shared stateless-reset key's file, when set.
     pub reset_key_file: Option<PathBuf>,
     pub reset_interval: Duration,
@@ -929,6 +939,14 @@ impl CloudArgs {
             shutdown_grace: self.shutdown_grace,
             drain_spread: self.drain_spread,
             shutdown_delay: self.shutdown_delay,
+            shutdown_close_wait: if self.shutdown_close_wait <= MAX_SHUTDOWN_CLOSE_WAIT {
+                self.shutdown_close_wait
+            } else {
+                return Err(format!(
+                    "--shutdown-close-wait must be at most {}s",
+                    MAX_SHUTDOWN_CLOSE_WAIT.as_secs()
+                ));
+            },
             reset_key_file: self.reset_key_file,
             reset_interval: self.reset_interval,
             join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {
@@ -994,6 +1012,21 @@ mod tests {
         let c = test_config(&["--drain-spread", "0s", "--reset-key-file", "/s/reset.key"]).unwrap();
         assert_eq!(c.drain_spread, Duration::ZERO);
         assert_eq!(c.reset_key_file, Some(PathBuf::from("/s/reset.key")));
+    }
+
+    #[test]
+    fn shutdown_close_wait_is_bounded() {
+        let c = test_config(&[]).unwrap();
+        assert_eq!(c.shutdown_close_wait, Duration::from_secs(2));
+        let c = test_config(&["--shutdown-close-wait", "0s"]).unwrap();
+        assert_eq!(c.shutdown_close_wait, Duration::ZERO);
+        let c = test_config(&["--shutdown-close-wait", "60s"]).unwrap();
+        assert_eq!(c.shutdown_close_wait, MAX_SHUTDOWN_CLOSE_WAIT);
+        let err = test_config(&["--shutdown-close-wait", "61s"]).unwrap_err();
+        assert!(
+            err.contains("--shutdown-close-wait must be at most 60s"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -95,6 +95,7 @@ pub struct Cloud {
     shutdown_grace: std::time::Duration,
     drain_spread: std::time::Duration,
     shutdown_delay: std::time::Duration,
+    shutdown_close_wait: std::time::Duration,
     tasks: tokio::task::JoinSet<anyhow::Result<()>>,
 }
 
@@ -259,6 +260,7 @@ impl Cloud {
             shutdown_grace: cfg.shutdown_grace,
             drain_spread: cfg.drain_spread,
             shutdown_delay: cfg.shutdown_delay,
+            shutdown_close_wait: cfg.shutdown_close_wait,
             tasks,
         })
     }
@@ -342,8 +344,19 @@ impl Cloud {
         if let Some(m) = &self.members {
             m.close().await;
         }
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
-            .await;
+        // quinn keeps each closed connection for three probe timeouts, to
+        // answer a peer whose own close was lost; after a reconnect storm
+        // inflated the RTT estimates that outlasts any reasonable wait.
+        if tokio::time::timeout(self.shutdown_close_wait, self.endpoint.wait_idle())
+            .await
+            .is_err()
+        {
+            info!(
+                connections = self.endpoint.open_connections(),
+                wait = ?self.shutdown_close_wait,
+                "edge connections still closing after --shutdown-close-wait: exiting without them"
+            );
+        }
         self.tasks.abort_all();
         info!("shut down");
     }

@@ -304,6 +304,38 @@ async fn cloud_sigterm_moves_edges_then_drains_its_streams() {
     );
 }
 
+/// `--shutdown-close-wait` bounds how long a replica on SIGTERM waits for its
+/// closed edge connections to finish closing. The edge is cut off (its relay
+/// drops every packet), so nothing but the bound ends the wait early: given
+/// `0s` the replica exits at once and says how many were still closing; given
+/// the default (2 s) quinn's three probe timeouts on loopback end first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_close_wait_bounds_the_wait_for_closed_connections() {
+    for (close_wait, cut_short) in [(Some("0s"), true), (None, false)] {
+        let mut args = vec!["--shutdown-grace", "0s"];
+        if let Some(w) = close_wait {
+            args.extend(["--shutdown-close-wait", w]);
+        }
+        let mut env = Env::start_with(ONE, &args, &[], true).await.unwrap();
+        env.relay.as_ref().unwrap().set_outage(true);
+        let status = env.cloud.terminate(Duration::from_secs(20)).await;
+        let log = env.cloud_log();
+        assert!(
+            status.map(|s| s.success()).unwrap_or(false),
+            "cloud must exit cleanly ({close_wait:?}): {status:?}\n{log}"
+        );
+        assert!(log.contains("shut down"), "{log}");
+        let line = log
+            .lines()
+            .find(|l| l.contains("edge connections still closing after --shutdown-close-wait"));
+        match line {
+            Some(l) if cut_short => assert!(l.contains("connections=1"), "{l}"),
+            None if !cut_short => {}
+            _ => panic!("close wait {close_wait:?}: cut short {cut_short} expected\n{log}"),
+        }
+    }
+}
+
 #[test]
 fn configuration_file_env_and_flags_with_precedence_and_rejection() {
     let dir = tempfile::tempdir().unwrap();
