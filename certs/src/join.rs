@@ -302,14 +302,35 @@ pub fn response_for(outcome: &Result<(Grant, IssuedCert), JoinError>, ca: &Ca) -
         },
         // Whether an id exists is not told to whoever lacks its secret.
         Err(JoinError::UnknownToken(id) | JoinError::WrongSecret(id)) => JoinResponse::Refused {
-            reason: format!(
+            reason: bounded_reason(format!(
                 "join token {id} is not valid on this cloud (unknown, or a wrong secret)"
-            ),
+            )),
         },
         Err(e) => JoinResponse::Refused {
-            reason: e.to_string(),
+            reason: bounded_reason(e.to_string()),
         },
     }
+}
+
+/// The longest refusal reason a cloud sends, bytes. A reason may echo what
+/// the edge sent (a token id, a node name) up to the cloud's
+/// `--join-max-message-bytes`; the answer must still fit the least bound an
+/// edge reads answers with ([`LEAST_ANSWER_BYTES`]), or the edge would be
+/// told its answer is too large instead of why it was refused.
+pub const MAX_REFUSAL_REASON: usize = 1024;
+
+/// `reason` cut to at most [`MAX_REFUSAL_REASON`] bytes, on a character
+/// boundary, saying that it was cut.
+fn bounded_reason(reason: String) -> String {
+    const CUT: &str = " … (cut short; the cloud's log has it whole)";
+    if reason.len() <= MAX_REFUSAL_REASON {
+        return reason;
+    }
+    let mut end = MAX_REFUSAL_REASON - CUT.len();
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{CUT}", &reason[..end])
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -415,6 +436,33 @@ mod tests {
     use crate::token::JoinToken;
 
     const HOUR: Duration = Duration::from_secs(3600);
+
+    #[test]
+    fn a_refusal_echoing_long_input_fits_the_least_answer_bound() {
+        let ca = Ca::new("Tether CA", HOUR).unwrap();
+        for e in [
+            JoinError::InvalidNodeName("é".repeat(DEFAULT_MAX_JOIN_MESSAGE / 2)),
+            JoinError::UnknownToken("x".repeat(DEFAULT_MAX_JOIN_MESSAGE)),
+        ] {
+            let JoinResponse::Refused { reason } = response_for(&Err(e), &ca) else {
+                panic!("a refusal expected");
+            };
+            assert!(reason.len() <= MAX_REFUSAL_REASON, "{}", reason.len());
+            assert!(
+                reason.ends_with("the cloud's log has it whole)"),
+                "{reason}"
+            );
+            let body = encode(&JoinResponse::Refused { reason }).unwrap().len() - 4;
+            assert!(body <= LEAST_ANSWER_BYTES, "{body}");
+        }
+        // A short reason is sent whole.
+        let short = JoinError::InvalidNodeName("Edge_1".into());
+        let want = short.to_string();
+        let JoinResponse::Refused { reason } = response_for(&Err(short), &ca) else {
+            panic!("a refusal expected");
+        };
+        assert_eq!(reason, want);
+    }
 
     struct Cloud {
         _dir: tempfile::TempDir,
