@@ -306,9 +306,9 @@ async fn cloud_sigterm_moves_edges_then_drains_its_streams() {
 
 /// `--shutdown-close-wait` bounds how long a replica on SIGTERM waits for its
 /// closed edge connections to finish closing. The edge is cut off (its relay
-/// drops every packet), so nothing but the bound ends the wait early: given
-/// `0s` the replica exits at once and says how many were still closing; given
-/// the default (2 s) quinn's three probe timeouts on loopback end first.
+/// drops every packet), so nothing it sends ends a close early: given `0s`
+/// the replica exits at once and says how many were still closing; given the
+/// default (2 s) quinn's three probe timeouts on loopback end first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_close_wait_bounds_the_wait_for_closed_connections() {
     for (close_wait, cut_short) in [(Some("0s"), true), (None, false)] {
