@@ -839,6 +839,12 @@ impl CloudArgs {
         if self.max_http_header_bytes < 8192 {
             return Err("--max-http-header-bytes must be at least 8KiB".into());
         }
+        if self.shutdown_close_wait > MAX_SHUTDOWN_CLOSE_WAIT {
+            return Err(format!(
+                "--shutdown-close-wait must be at most {}s",
+                MAX_SHUTDOWN_CLOSE_WAIT.as_secs()
+            ));
+        }
         let peer = self.peer_config(&quic)?;
         let apiserver_client_ca = if self.insecure_skip_client_auth {
             None
@@ -939,14 +945,7 @@ impl CloudArgs {
             shutdown_grace: self.shutdown_grace,
             drain_spread: self.drain_spread,
             shutdown_delay: self.shutdown_delay,
-            shutdown_close_wait: if self.shutdown_close_wait <= MAX_SHUTDOWN_CLOSE_WAIT {
-                self.shutdown_close_wait
-            } else {
-                return Err(format!(
-                    "--shutdown-close-wait must be at most {}s",
-                    MAX_SHUTDOWN_CLOSE_WAIT.as_secs()
-                ));
-            },
+            shutdown_close_wait: self.shutdown_close_wait,
             reset_key_file: self.reset_key_file,
             reset_interval: self.reset_interval,
             join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {
