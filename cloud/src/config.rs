@@ -27,6 +27,8 @@ const MAX_APISERVER_READ_TIMEOUT: Duration = Duration::from_secs(86_400);
 /// The longest `--shutdown-close-wait`: a replica that must go should not
 /// linger for peers that may never answer.
 const MAX_SHUTDOWN_CLOSE_WAIT: Duration = Duration::from_secs(60);
+/// TLS 1.3 tickets an edge keeps per server (rustls' client cache).
+const MAX_TICKETS_PER_HANDSHAKE: usize = 8;
 /// Default of `--max-pods-per-report`: ninety times kubelet's default
 /// `--max-pods` (110), a tenth of what the protocol allows.
 pub const DEFAULT_MAX_PODS_PER_REPORT: usize = 10_000;
@@ -235,6 +237,20 @@ pub struct CloudArgs {
     /// after the idle timeout. Unset: a random key per process.
     #[arg(long, env = "TETHER_RESET_KEY_FILE")]
     pub reset_key_file: Option<PathBuf>,
+    /// How long the TLS session ticket an edge gets at each handshake lets
+    /// it resume (no signatures or certificate checks; its certificate's
+    /// revocation and validity are still checked): sealed under a key derived
+    /// from `--reset-key-file` and the edge CAs, so any replica resumes it,
+    /// after any restart. `0s`: no tickets. At most 7d (TLS 1.3's bound).
+    #[arg(long, env = "TETHER_TLS_TICKET_LIFETIME", default_value = "7d", value_parser = parse_duration)]
+    pub tls_ticket_lifetime: Duration,
+    /// TLS session tickets an edge gets at each full or resumed handshake
+    /// (each about 0.7 KB on the wire). An edge spends one per connection
+    /// attempt, also on attempts no cloud answers (while a restarted cloud
+    /// is down) or that a storm drops; once it has none left, its next
+    /// handshake is a full one. 1 to 8 (what an edge keeps).
+    #[arg(long, env = "TETHER_TLS_TICKETS_PER_HANDSHAKE", default_value_t = 8)]
+    pub tls_tickets_per_handshake: usize,
     /// Least time between two stateless resets this replica sends (quinn's
     /// own default, 20 ms, resets at most 50 edges a second: after a crash
     /// of a replica that held thousands, the last would learn it only after
@@ -625,6 +641,10 @@ pub struct CloudConfig {
     pub shutdown_close_wait: Duration,
     /// The shared stateless-reset key's file, when set.
     pub reset_key_file: Option<PathBuf>,
+    /// Lifetime of the edge listener's TLS session tickets; zero: none.
+    pub tls_ticket_lifetime: Duration,
+    /// Tickets sent at each handshake.
+    pub tls_tickets_per_handshake: usize,
     pub reset_interval: Duration,
     /// Join settings, when joins are enabled.
     pub join: Option<JoinConfig>,
@@ -845,6 +865,14 @@ impl CloudArgs {
                 MAX_SHUTDOWN_CLOSE_WAIT.as_secs()
             ));
         }
+        if self.tls_ticket_lifetime > crate::session_tickets::MAX_LIFETIME {
+            return Err("--tls-ticket-lifetime must be at most 7d (TLS 1.3's bound)".into());
+        }
+        if !(1..=MAX_TICKETS_PER_HANDSHAKE).contains(&self.tls_tickets_per_handshake) {
+            return Err(format!(
+                "--tls-tickets-per-handshake must be 1 to {MAX_TICKETS_PER_HANDSHAKE} (the tickets an edge keeps)"
+            ));
+        }
         let peer = self.peer_config(&quic)?;
         let apiserver_client_ca = if self.insecure_skip_client_auth {
             None
@@ -947,6 +975,8 @@ impl CloudArgs {
             shutdown_delay: self.shutdown_delay,
             shutdown_close_wait: self.shutdown_close_wait,
             reset_key_file: self.reset_key_file,
+            tls_ticket_lifetime: self.tls_ticket_lifetime,
+            tls_tickets_per_handshake: self.tls_tickets_per_handshake,
             reset_interval: self.reset_interval,
             join: match (self.join_store, self.join_ca_cert, self.join_ca_key) {
                 (Some(store), Some(ca_cert), Some(ca_key)) => Some(JoinConfig {
@@ -1011,6 +1041,27 @@ mod tests {
         let c = test_config(&["--drain-spread", "0s", "--reset-key-file", "/s/reset.key"]).unwrap();
         assert_eq!(c.drain_spread, Duration::ZERO);
         assert_eq!(c.reset_key_file, Some(PathBuf::from("/s/reset.key")));
+    }
+
+    #[test]
+    fn tls_ticket_lifetime_is_bounded() {
+        let c = test_config(&[]).unwrap();
+        assert_eq!(c.tls_ticket_lifetime, crate::session_tickets::MAX_LIFETIME);
+        let c = test_config(&["--tls-ticket-lifetime", "0s"]).unwrap();
+        assert_eq!(c.tls_ticket_lifetime, Duration::ZERO);
+        let c = test_config(&["--tls-ticket-lifetime", "12h"]).unwrap();
+        assert_eq!(c.tls_ticket_lifetime, Duration::from_secs(12 * 3600));
+        let err = test_config(&["--tls-ticket-lifetime", "169h"]).unwrap_err();
+        assert!(err.contains("at most 7d"), "{err}");
+        assert_eq!(c.tls_tickets_per_handshake, 8);
+        for n in ["1", "8"] {
+            let c = test_config(&["--tls-tickets-per-handshake", n]).unwrap();
+            assert_eq!(c.tls_tickets_per_handshake.to_string(), n);
+        }
+        for n in ["0", "9"] {
+            let err = test_config(&["--tls-tickets-per-handshake", n]).unwrap_err();
+            assert!(err.contains("must be 1 to 8"), "{err}");
+        }
     }
 
     #[test]

@@ -39,6 +39,8 @@
 //! - [`tls`]: rustls configurations for both listeners;
 //! - [`slim_tls`]: the edge listener's QUIC TLS sessions, which drop
 //!   rustls once the handshake is over;
+//! - [`session_tickets`]: the edge listener's TLS session tickets, which
+//!   any replica opens (resumption without signatures after a restart);
 //! - [`metrics`]: the Prometheus metrics, registered in one place (served
 //!   with `/healthz`, `/readyz` and `/status` by [`tether_proto::ops`]);
 //! - [`config`]: the typed configuration `main` parses once.
@@ -65,6 +67,7 @@ pub mod relay;
 pub mod revocation;
 pub mod routes;
 pub mod session;
+pub mod session_tickets;
 pub mod slim_tls;
 #[cfg(test)]
 mod testlog;
@@ -167,7 +170,7 @@ impl Cloud {
         let shutting_down = Arc::new(AtomicBool::new(false));
         let moves = migration::Watcher::new();
         let endpoint =
-            tunnel::bind(&cfg, &moves).context("starting the QUIC listener for edges")?;
+            tunnel::bind(&cfg, &moves, &metrics).context("starting the QUIC listener for edges")?;
         let tunnel_addr = endpoint
             .local_addr()
             .context("reading the QUIC listener's address")?;

@@ -47,6 +47,8 @@ pub struct CloudMetrics {
     pub refused: Family<ReasonLabel, Counter>,
     /// Edge connections refused before their handshake, by reason.
     pub edges_refused: Family<ReasonLabel, Counter>,
+    /// Completed edge TLS handshakes: `full` or `resumed` (a session ticket).
+    pub edge_handshakes: Family<KindLabel, Counter>,
     pub stream_open_seconds: Histogram,
     pub edge_rtt_seconds: Histogram,
     pub edge_lost_packets: Counter,
@@ -95,6 +97,7 @@ impl CloudMetrics {
             migrations: Counter::default(),
             refused: Family::default(),
             edges_refused: Family::default(),
+            edge_handshakes: Family::default(),
             stream_open_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             edge_rtt_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             edge_lost_packets: Counter::default(),
@@ -174,6 +177,11 @@ impl CloudMetrics {
             "edges_refused",
             "Edge connections refused before their handshake, by reason (max_edges, handshake_backlog, waiting_full, replaced_waiting: an older Initial of a waiting source, duplicate_attempt: a waiting Initial of a source with a connection, retry, source_rate, draining)",
             m.edges_refused.clone(),
+        );
+        r.register(
+            "edge_tls_handshakes",
+            "Edge TLS handshakes completed, by kind (full: certificates and signatures; resumed: a session ticket)",
+            m.edge_handshakes.clone(),
         );
         r.register(
             "stream_open_seconds",
@@ -290,6 +298,15 @@ impl CloudMetrics {
         self.edges_refused
             .get_or_create(&ReasonLabel { reason })
             .inc();
+    }
+
+    /// What counts the edge listener's completed TLS handshakes, by kind.
+    pub fn edge_handshake_counter(&self) -> crate::slim_tls::OnHandshake {
+        let family = self.edge_handshakes.clone();
+        std::sync::Arc::new(move |resumed| {
+            let kind = if resumed { "resumed" } else { "full" };
+            family.get_or_create(&KindLabel { kind }).inc();
+        })
     }
 }
 

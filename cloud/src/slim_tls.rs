@@ -62,7 +62,12 @@ pub struct SlimServerConfig {
     initial: Suite,
     /// Sessions started here that still hold a rustls connection.
     holding_tls: Arc<AtomicUsize>,
+    /// Told of every handshake that ends: `true` when it resumed a session.
+    on_done: Option<OnHandshake>,
 }
+
+/// Told, once per completed handshake, whether it resumed a TLS session.
+pub type OnHandshake = Arc<dyn Fn(bool) + Send + Sync>;
 
 impl SlimServerConfig {
     pub fn new(tls: rustls::ServerConfig) -> Result<Self, SlimTlsError> {
@@ -85,7 +90,14 @@ impl SlimServerConfig {
             tls,
             initial,
             holding_tls: Arc::new(AtomicUsize::new(0)),
+            on_done: None,
         })
+    }
+
+    /// Tells `on_done` of every handshake that ends, full or resumed.
+    pub fn counting(mut self, on_done: OnHandshake) -> Self {
+        self.on_done = Some(on_done);
+        self
     }
 
     /// How many sessions started here still hold a rustls connection: those
@@ -124,6 +136,7 @@ impl crypto::ServerConfig for SlimServerConfig {
                     conn,
                     got_handshake_data: false,
                     _holding: Holding::new(&self.holding_tls),
+                    on_done: self.on_done.clone(),
                 })),
                 Err(e) => {
                     warn!(error = %e, "a TLS session could not start; refusing the handshake");
@@ -172,6 +185,7 @@ struct Handshaking {
     conn: rustls::quic::ServerConnection,
     got_handshake_data: bool,
     _holding: Holding,
+    on_done: Option<OnHandshake>,
 }
 
 /// What a connection still reads from its TLS session after the handshake.
@@ -207,6 +221,9 @@ impl SlimSession {
             peer_certs: peer_chain_of(&h.conn),
             transport_params: h.conn.quic_transport_parameters().map(<[u8]>::to_vec),
         };
+        if let Some(on_done) = &h.on_done {
+            on_done(h.conn.handshake_kind() == Some(rustls::HandshakeKind::Resumed));
+        }
         self.stage = Stage::Done(Box::new(done));
     }
 
@@ -541,8 +558,43 @@ mod tests {
     /// An edge (quinn's own client session, with an edge certificate) and a
     /// cloud listener with [`SlimServerConfig`] requiring one, on loopback.
     async fn pair(node: &str) -> Pair {
-        let provider = tether_proto::tls::provider();
         let ca = Ca::new("test CA", DAY).unwrap();
+        let (tls, roots) = server_tls(&ca);
+        let config = Arc::new(SlimServerConfig::new(tls).unwrap());
+        let listener = quinn::Endpoint::server(
+            quinn::ServerConfig::with_crypto(config.clone()),
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+        )
+        .unwrap();
+
+        let dialler = dialler(roots.clone(), Some(ca.issue_edge(node, DAY).unwrap()));
+        let (edge, cloud) = connect(&dialler, &listener).await;
+        Pair {
+            edge,
+            cloud,
+            config,
+            roots,
+            listener,
+            _dialler: dialler,
+        }
+    }
+
+    async fn connect(
+        dialler: &quinn::Endpoint,
+        listener: &quinn::Endpoint,
+    ) -> (quinn::Connection, quinn::Connection) {
+        let connecting = dialler
+            .connect(listener.local_addr().unwrap(), "cloud.test")
+            .unwrap();
+        let (edge, cloud) =
+            tokio::join!(connecting, async { listener.accept().await.unwrap().await });
+        (edge.unwrap(), cloud.unwrap())
+    }
+
+    /// The cloud's TLS configuration (a server certificate of `ca`, edge
+    /// certificates of `ca` required, no tickets) and the roots of `ca`.
+    fn server_tls(ca: &Ca) -> (rustls::ServerConfig, Arc<rustls::RootCertStore>) {
+        let provider = tether_proto::tls::provider();
         let mut roots = rustls::RootCertStore::empty();
         roots
             .add(certs_from_pem(&ca.cert_pem, "ca").unwrap()[0].clone())
@@ -567,27 +619,92 @@ mod tests {
             .unwrap();
         tls.alpn_protocols = vec![b"tether-test".to_vec()];
         tls.send_tls13_tickets = 0;
-        let config = Arc::new(SlimServerConfig::new(tls).unwrap());
-        let listener = quinn::Endpoint::server(
-            quinn::ServerConfig::with_crypto(config.clone()),
-            SocketAddr::from(([127, 0, 0, 1], 0)),
-        )
-        .unwrap();
+        (tls, roots)
+    }
 
-        let dialler = dialler(roots.clone(), Some(ca.issue_edge(node, DAY).unwrap()));
-        let connecting = dialler
-            .connect(listener.local_addr().unwrap(), "cloud.test")
+    fn chain_of(conn: &quinn::Connection) -> Vec<CertificateDer<'static>> {
+        *conn
+            .peer_identity()
+            .unwrap()
+            .downcast::<Vec<CertificateDer<'static>>>()
+            .unwrap()
+    }
+
+    /// With session tickets, an edge's second connection resumes its TLS
+    /// session: counted as resumed, the ticket's certificate chain is the
+    /// connection's peer identity, and the connection works and sheds rustls
+    /// like a full one. A listener with another ticket key (another replica
+    /// without the shared secret) falls back to a full handshake.
+    #[tokio::test]
+    async fn a_second_connection_resumes_with_the_ticket_of_the_first() {
+        let ca = Ca::new("test CA", DAY).unwrap();
+        let ca_der = certs_from_pem(&ca.cert_pem, "ca").unwrap();
+        let secret = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &[7; 32]);
+        let kinds = Arc::new(Mutex::new(Vec::new()));
+        let listen = |secret: &ring::hmac::Key| {
+            let (mut tls, _) = server_tls(&ca);
+            tls.ticketer = Arc::new(
+                crate::session_tickets::SessionTickets::shared(secret, &ca_der, DAY).unwrap(),
+            );
+            tls.send_tls13_tickets = 1;
+            let seen = kinds.clone();
+            let config = Arc::new(
+                SlimServerConfig::new(tls)
+                    .unwrap()
+                    .counting(Arc::new(move |resumed| seen.lock().unwrap().push(resumed))),
+            );
+            let listener = quinn::Endpoint::server(
+                quinn::ServerConfig::with_crypto(config.clone()),
+                SocketAddr::from(([127, 0, 0, 1], 0)),
+            )
             .unwrap();
-        let (edge, cloud) =
-            tokio::join!(connecting, async { listener.accept().await.unwrap().await });
-        Pair {
-            edge: edge.unwrap(),
-            cloud: cloud.unwrap(),
-            config,
-            roots,
-            listener,
-            _dialler: dialler,
+            (config, listener)
+        };
+        let (config, listener) = listen(&secret);
+        let (_, roots) = server_tls(&ca);
+        let dialler = dialler(roots.clone(), Some(ca.issue_edge("edge-9", DAY).unwrap()));
+        let mut pairs = Vec::new();
+        for _ in 0..2 {
+            let (edge, cloud) = connect(&dialler, &listener).await;
+            let p = Pair {
+                edge,
+                cloud,
+                config: config.clone(),
+                roots: roots.clone(),
+                listener: listener.clone(),
+                _dialler: dialler.clone(),
+            };
+            echo(&p, 1000).await;
+            wait_shed(&config).await;
+            pairs.push(p);
         }
+        assert_eq!(*kinds.lock().unwrap(), vec![false, true]);
+        let resumed = chain_of(&pairs[1].cloud);
+        assert_eq!(resumed, chain_of(&pairs[0].cloud));
+        assert_eq!(
+            tether_certs::node_name_from_cert(&resumed[0]).unwrap(),
+            "edge-9"
+        );
+        // A restarted listener with the same secret opens the ticket the
+        // second connection got; one with another secret does not.
+        drop(pairs);
+        let other = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &[8; 32]);
+        for secret in [&secret, &other] {
+            let (config, listener) = listen(secret);
+            let (edge, cloud) = connect(&dialler, &listener).await;
+            assert_eq!(chain_of(&cloud), resumed);
+            let p = Pair {
+                edge,
+                cloud,
+                config,
+                roots: roots.clone(),
+                listener,
+                _dialler: dialler.clone(),
+            };
+            // The echo lets the edge take the ticket this listener sent.
+            echo(&p, 10).await;
+        }
+        assert_eq!(*kinds.lock().unwrap(), vec![false, true, true, false]);
     }
 
     /// Sends `len` bytes edge → cloud and back on a new stream; checks them

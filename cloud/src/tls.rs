@@ -10,18 +10,23 @@ use tether_proto::handshake::ALPN_TUNNEL;
 use tether_proto::quic::QuicSettings;
 
 use crate::config::CloudConfig;
+use crate::metrics::CloudMetrics;
+use crate::session_tickets::SessionTickets;
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     tether_proto::tls::provider()
 }
 
 /// The QUIC listener's configuration: TLS 1.3, a client certificate signed by
-/// the edge CA required, migration allowed.
+/// the edge CA required, session tickets (see [`crate::session_tickets`]),
+/// migration allowed.
 pub fn quic_server_config(
     cfg: &CloudConfig,
     settings: &QuicSettings,
+    metrics: &CloudMetrics,
 ) -> anyhow::Result<quinn::ServerConfig> {
     let roots = load_roots(&cfg.edge_ca).context("loading --edge-ca")?;
+    let edge_cas = load_certs(&cfg.edge_ca).context("loading --edge-ca")?;
     let mut builder = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider());
     if cfg.join.is_some() {
         // Joining edges have no certificate yet; the tunnel ALPN still
@@ -50,18 +55,32 @@ pub fn quic_server_config(
         .with_single_cert(chain, key)
         .context("--tunnel-cert and --tunnel-key do not match")?;
     tls.alpn_protocols = vec![ALPN_TUNNEL.to_vec()];
-    // No session tickets: rustls would keep them in a 256-entry cache, far
-    // fewer than the edges of a fleet, so every handshake paid for two
-    // tickets (each with the edge's certificate chain) no edge could resume
-    // with, and a restart forgets them anyway.
-    tls.send_tls13_tickets = 0;
+    // No server-side session cache (rustls' holds 256 sessions, far fewer
+    // than a fleet's edges, and a restart forgets them): stateless tickets,
+    // one per handshake, that every replica opens.
     tls.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    tls.send_tls13_tickets = 0;
+    if !cfg.tls_ticket_lifetime.is_zero() {
+        let tickets = match &cfg.reset_key_file {
+            Some(path) => SessionTickets::shared(
+                crate::tunnel::reset_key(path)?.as_ref(),
+                &edge_cas,
+                cfg.tls_ticket_lifetime,
+            ),
+            None => SessionTickets::random(&edge_cas, cfg.tls_ticket_lifetime),
+        }
+        .context("setting up TLS session tickets")?;
+        tls.ticketer = Arc::new(tickets);
+        tls.send_tls13_tickets = cfg.tls_tickets_per_handshake;
+    }
     if cfg.join.is_some() {
         tls.alpn_protocols.push(tether_certs::ALPN_JOIN.to_vec());
     }
     // Sessions that drop rustls once the handshake is over: an idle edge's
     // connection lives for days (see `slim_tls`).
-    let crypto = crate::slim_tls::SlimServerConfig::new(tls).context("QUIC TLS configuration")?;
+    let crypto = crate::slim_tls::SlimServerConfig::new(tls)
+        .context("QUIC TLS configuration")?
+        .counting(metrics.edge_handshake_counter());
     let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     let mut transport = settings.transport().map_err(anyhow::Error::msg)?;
     // Only the edge sends keep-alives: they hold its NAT binding and keep both

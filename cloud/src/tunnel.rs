@@ -64,8 +64,9 @@ pub fn cid_key(reset_key: &ring::hmac::Key) -> u64 {
 pub fn bind(
     cfg: &CloudConfig,
     moves: &Arc<crate::migration::Watcher>,
+    metrics: &CloudMetrics,
 ) -> anyhow::Result<quinn::Endpoint> {
-    let sc = crate::tls::quic_server_config(cfg, &cfg.quic)?;
+    let sc = crate::tls::quic_server_config(cfg, &cfg.quic, metrics)?;
     let endpoint_config = endpoint_config(cfg.reset_key_file.as_deref(), cfg.reset_interval)?;
     let (socket, buffers) = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
         .with_context(|| format!("binding UDP {}", cfg.tunnel_listen))?;
@@ -858,6 +859,15 @@ async fn attach(
                 return Err(e);
             }
         };
+        // A resumed TLS session names the certificate its ticket sealed,
+        // perhaps days ago: it must still be valid.
+        if let Some(why) = leaf_of(&conn).ok().and_then(|leaf| {
+            crate::session_tickets::lapsed(&leaf, crate::session_tickets::unix_secs())
+        }) {
+            metrics.refuse_edge("certificate_lapsed");
+            conn.close(close_code::REFUSED.into(), b"certificate not valid now");
+            anyhow::bail!("refusing node {node}: {why}");
+        }
         if let (Some(j), Ok(leaf)) = (&join, leaf_of(&conn)) {
             if let Err(why) = j.revocations.check(&leaf, &node) {
                 metrics.refuse_edge("revoked");

@@ -101,6 +101,31 @@ pub fn issue_client(dir: &Path, file_name: &str, common_name: &str, orgs: &[&str
     write_pair(dir, file_name, ck)
 }
 
+/// Where [`mint`] keeps the Tether CA's key (for [`issue_edge`]).
+const TETHER_CA_KEY: &str = "tether-ca.key";
+
+/// Issues another edge certificate for `node`, valid for `valid_for`, from
+/// the Tether CA of a set [`mint`]ed into `dir`; written as
+/// `dir/<file_name>.crt` and `.key`.
+pub fn issue_edge(
+    dir: &Path,
+    file_name: &str,
+    node: &str,
+    valid_for: std::time::Duration,
+) -> Result<Pair> {
+    let read =
+        |p: &Path| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
+    let ca = Ca::from_pem(
+        &read(&dir.join("tether-ca.crt"))?,
+        &read(&dir.join(TETHER_CA_KEY))?,
+    )
+    .context("loading the Tether CA")?;
+    let ck = ca
+        .issue_edge(node, valid_for)
+        .with_context(|| format!("minting an edge certificate for {node}"))?;
+    write_pair(dir, file_name, ck)
+}
+
 impl Pki {
     /// This set with `client` as the apiserver's client certificate (a
     /// [`crate`] client built from it presents `client` instead).
@@ -155,6 +180,7 @@ pub fn mint(dir: &Path, nodes: &[&str]) -> Result<Pki> {
     let apiserver_client_ca = dir.join("apiserver-client-ca.crt");
     write_file(&apiserver_client_ca, &client_ca.cert_pem, 0o644)?;
     write_file(&dir.join(CLIENT_CA_KEY), &client_ca.key_pem(), 0o600)?;
+    write_file(&dir.join(TETHER_CA_KEY), &ca.key_pem(), 0o600)?;
 
     let cloud_tunnel = write_pair(
         dir,

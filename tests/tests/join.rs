@@ -328,6 +328,46 @@ async fn edge_joins_with_a_token_then_serves() {
         "the refused renewal is not logged with the node and the reason: {}",
         cloud.stderr_tail(10)
     );
+    // The same edge dials again with a TLS session ticket it got before the
+    // revocation: the handshake resumes (its certificate is neither sent nor
+    // verified), and the cloud still refuses the revoked certificate.
+    let metrics: std::net::SocketAddr = addr("metrics").parse().unwrap();
+    let resumed = || async move {
+        let (_, text) = support::plain_get(metrics, "/metrics").await.unwrap();
+        support::sample(
+            &text,
+            "tether_cloud_edge_tls_handshakes_total{kind=\"resumed\"}",
+        )
+        .unwrap_or(0.0)
+    };
+    let before = resumed().await;
+    let again = tokio::time::timeout(
+        Duration::from_secs(10),
+        raw.endpoint
+            .connect(
+                tunnel.parse().unwrap(),
+                tether_tests::pki::CLOUD_SERVER_NAME,
+            )
+            .unwrap(),
+    )
+    .await
+    .expect("a handshake within 10 s")
+    .expect("the resumed handshake completes");
+    let closed = tokio::time::timeout(Duration::from_secs(10), again.closed())
+        .await
+        .expect("the cloud closes a resumed connection of a revoked certificate");
+    match &closed {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(&c.reason[..], b"certificate revoked", "{closed}")
+        }
+        other => panic!("closed for another reason: {other}"),
+    }
+    assert_eq!(
+        resumed().await,
+        before + 1.0,
+        "the handshake did not resume"
+    );
+
     let edge = spawn_edge(d, &tunnel, kubelet.addr, "tether-edge-3", &[]);
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {

@@ -18,7 +18,11 @@
 //!
 //! Measured: time to connect all; the cloud's RSS per edge and idle CPU; after a
 //! cloud restart (SIGTERM, `--shutdown-grace 1s`, a new process on the same port), the
-//! time until every edge has a welcome again. Everything runs on loopback.
+//! time until every edge has a welcome again. The cloud runs as deployed, with the
+//! replicas' shared `--reset-key-file`, so the new process opens the TLS session
+//! tickets the old one gave the edges (each simulated edge keeps its own, as
+//! tether-edge does): the bench prints how many handshakes of the reconnect resumed.
+//! Everything runs on loopback.
 //!
 //! The RSS per edge is taken twice: 3 s after the last edge connected, and again
 //! once every edge has sent [`KEEPALIVES_TO_STEADY`] of tether-edge's keep-alive
@@ -135,7 +139,10 @@ async fn refusals(metrics: std::net::SocketAddr) -> String {
     match crate::measure::metrics_text(metrics).await {
         Some(body) => body
             .lines()
-            .filter(|l| l.starts_with("tether_cloud_edges_refused"))
+            .filter(|l| {
+                l.starts_with("tether_cloud_edges_refused")
+                    || l.starts_with("tether_cloud_edge_tls_handshakes_total")
+            })
             .collect::<Vec<_>>()
             .join(", "),
         None => "(metrics unavailable)".into(),
@@ -497,7 +504,14 @@ pub(crate) async fn wait_count(c: &AtomicUsize, n: usize, limit: Duration) -> Op
 pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> {
     let dir = tempfile::tempdir()?;
     let ca = Ca::new("tether-scale-ca", VALIDITY)?;
-    let files = cloud_files(dir.path(), &ca)?;
+    let mut files = cloud_files(dir.path(), &ca)?;
+    // The replicas' shared secret, as deploy/ mounts it (tether-certs reset-key).
+    let secret: [u8; 32] = rand::random();
+    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    files.args.push("--reset-key-file".into());
+    files
+        .args
+        .push(write(dir.path(), "reset.key", &hex)?.into());
     let t_mint = Instant::now();
     let mut cfgs = Vec::with_capacity(n);
     for i in 0..n {
@@ -620,7 +634,7 @@ pub async fn run(r: &mut Report, n: usize, idle_window: Duration) -> Result<()> 
             HANDSHAKES.load(Ordering::Relaxed) - h0,
         );
         eprintln!(
-            "tether-bench: scale {n}: the new cloud's refusals during the reconnect: {}",
+            "tether-bench: scale {n}: the new cloud's TLS handshakes (full, resumed) and refusals during the reconnect: {}",
             refusals(metrics).await
         );
         let mut rows = vec![

@@ -387,6 +387,8 @@ pub struct Env {
     pub relay: Option<UdpRelay>,
     /// Extra flags for every edge.
     pub edge_args: Vec<String>,
+    /// The cloud's flags beyond the PKI's and the listeners'.
+    pub cloud_args: Vec<String>,
     pub dir: tempfile::TempDir,
     pub pki: Pki,
     pub cloud: Proc,
@@ -423,32 +425,9 @@ impl Env {
         let mut names: Vec<&str> = specs.iter().map(|s| s.name).collect();
         names.push("edge-intruder");
         let pki = pki::mint(dir.path(), &names)?;
-        let mut cmd = tokio::process::Command::new(tether_tests::bins::binary("tether-cloud")?);
-        cmd.args(tether_tests::LOOPBACK_LISTENS)
-            // With an apiserver to watch, drop the opt-in to route by edge reports.
-            .args(pki.cloud_flags().into_iter().filter(|f| {
-                !(f == "--insecure-trust-edge-reports"
-                    && cloud_args.contains(&"--apiserver-kubeconfig"))
-            }))
-            .args(cloud_args)
-            .env("TETHER_LOG", "info,tether_cloud=debug")
-            .env("RUST_BACKTRACE", "0");
-        let mut cloud = Proc::spawn("tether-cloud", cmd, dir.path(), SpawnOptions::default())?;
-        let ready = cloud
-            .wait_line("cloud ready line", Duration::from_secs(20), |l| {
-                l.starts_with("tether-cloud ready")
-            })
-            .await?;
-        let field = |k: &str| -> Result<SocketAddr> {
-            let v = ready
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix(&format!("{k}=")))
-                .with_context(|| format!("no {k}= in {ready:?}"))?;
-            Ok(v.parse()?)
-        };
-        let tunnel = field("tunnel")?;
-        let kubelet_api = field("kubelet-api")?;
-        let metrics = field("metrics")?;
+        let cloud_args: Vec<String> = cloud_args.iter().map(|s| s.to_string()).collect();
+        let (cloud, [tunnel, kubelet_api, metrics]) =
+            Self::spawn_cloud(&pki, dir.path(), "tether-cloud", "127.0.0.1:0", &cloud_args).await?;
         let client = Client::new(&pki, kubelet_api)?;
         let relay = if relay {
             Some(UdpRelay::start(tunnel).await?)
@@ -459,6 +438,7 @@ impl Env {
         let mut env = Env {
             relay,
             edge_args,
+            cloud_args,
             dir,
             pki,
             cloud,
@@ -485,6 +465,64 @@ impl Env {
             }
         }
         Ok(env)
+    }
+
+    /// A cloud with the test PKI and `cloud_args`, its edge listener on
+    /// `tunnel`, waited for until ready; and its tunnel, kubelet-API and
+    /// operations addresses.
+    async fn spawn_cloud(
+        pki: &Pki,
+        dir: &std::path::Path,
+        name: &str,
+        tunnel: &str,
+        cloud_args: &[String],
+    ) -> Result<(Proc, [SocketAddr; 3])> {
+        let mut cmd = tokio::process::Command::new(tether_tests::bins::binary("tether-cloud")?);
+        cmd.args(["--tunnel-listen", tunnel])
+            .args(&tether_tests::LOOPBACK_LISTENS[2..])
+            // With an apiserver to watch, drop the opt-in to route by edge reports.
+            .args(pki.cloud_flags().into_iter().filter(|f| {
+                !(f == "--insecure-trust-edge-reports"
+                    && cloud_args.iter().any(|a| a == "--apiserver-kubeconfig"))
+            }))
+            .args(cloud_args)
+            .env("TETHER_LOG", "info,tether_cloud=debug")
+            .env("RUST_BACKTRACE", "0");
+        let mut cloud = Proc::spawn(name, cmd, dir, SpawnOptions::default())?;
+        let ready = cloud
+            .wait_line("cloud ready line", Duration::from_secs(20), |l| {
+                l.starts_with("tether-cloud ready")
+            })
+            .await?;
+        let field = |k: &str| -> Result<SocketAddr> {
+            let v = ready
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{k}=")))
+                .with_context(|| format!("no {k}= in {ready:?}"))?;
+            Ok(v.parse()?)
+        };
+        Ok((
+            cloud,
+            [field("tunnel")?, field("kubelet-api")?, field("metrics")?],
+        ))
+    }
+
+    /// Stops the cloud (SIGTERM) and starts another, named `name`, on the
+    /// same edge listener address with the first one's flags and `extra`;
+    /// the client then talks to the new one.
+    #[allow(dead_code)]
+    pub async fn restart_cloud(&mut self, name: &str, extra: &[&str]) -> Result<()> {
+        self.cloud.terminate(Duration::from_secs(10)).await;
+        let mut args = self.cloud_args.clone();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let tunnel = self.tunnel.to_string();
+        let (cloud, [_, kubelet_api, metrics]) =
+            Self::spawn_cloud(&self.pki, self.dir.path(), name, &tunnel, &args).await?;
+        self.cloud = cloud;
+        self.kubelet_api = kubelet_api;
+        self.metrics = metrics;
+        self.client = Client::new(&self.pki, kubelet_api)?;
+        Ok(())
     }
 
     /// Spawns an edge for `node` and waits for it to connect.
@@ -580,8 +618,9 @@ impl Env {
     }
 
     /// The cloud's log so far.
+    /// The current cloud's log (after [`Env::restart_cloud`], the new one's).
     pub fn cloud_log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("tether-cloud.log")).unwrap_or_default()
+        std::fs::read_to_string(self.cloud.log_path()).unwrap_or_default()
     }
 }
 
