@@ -241,8 +241,9 @@ pub struct CloudArgs {
     /// it resume (no signatures or certificate checks; its certificate's
     /// revocation and validity are still checked): sealed under a key derived
     /// from `--reset-key-file` and the edge CAs, so any replica resumes it,
-    /// after any restart. `0s`: no tickets. At most 7d (TLS 1.3's bound).
-    #[arg(long, env = "TETHER_TLS_TICKET_LIFETIME", default_value = "7d", value_parser = parse_duration)]
+    /// after any restart. `0s`: no tickets. At most 168h (7 days, TLS 1.3's
+    /// bound).
+    #[arg(long, env = "TETHER_TLS_TICKET_LIFETIME", default_value = "168h", value_parser = parse_duration)]
     pub tls_ticket_lifetime: Duration,
     /// TLS session tickets an edge gets at each full or resumed handshake
     /// (each about 0.7 KB on the wire). An edge spends one per connection
@@ -866,7 +867,9 @@ impl CloudArgs {
             ));
         }
         if self.tls_ticket_lifetime > crate::session_tickets::MAX_LIFETIME {
-            return Err("--tls-ticket-lifetime must be at most 7d (TLS 1.3's bound)".into());
+            return Err(
+                "--tls-ticket-lifetime must be at most 168h (7 days, TLS 1.3's bound)".into(),
+            );
         }
         if !(1..=MAX_TICKETS_PER_HANDSHAKE).contains(&self.tls_tickets_per_handshake) {
             return Err(format!(
@@ -1052,7 +1055,7 @@ mod tests {
         let c = test_config(&["--tls-ticket-lifetime", "12h"]).unwrap();
         assert_eq!(c.tls_ticket_lifetime, Duration::from_secs(12 * 3600));
         let err = test_config(&["--tls-ticket-lifetime", "169h"]).unwrap_err();
-        assert!(err.contains("at most 7d"), "{err}");
+        assert!(err.contains("at most 168h"), "{err}");
         assert_eq!(c.tls_tickets_per_handshake, 8);
         for n in ["1", "8"] {
             let c = test_config(&["--tls-tickets-per-handshake", n]).unwrap();

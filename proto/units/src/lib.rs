@@ -1,6 +1,6 @@
 //! # tether-units — the units Tether's configuration values are written in
 //!
-//! Parsing durations (`250ms`, `10s`, `5m`, `1h`, `7d`) and byte sizes (`64KiB`,
+//! Parsing durations (`250ms`, `10s`, `5m`, `1h`) and byte sizes (`64KiB`,
 //! `1MiB`, `4096`). One crate with no dependencies, so that every binary
 //! parses a value alike: `tether-proto` re-exports it (`tether_proto::units`)
 //! for the cloud and the edge, and `tether-certs`, which does not depend on
@@ -9,8 +9,8 @@
 
 use std::time::Duration;
 
-/// Parses `<number><unit>` with unit `ms`, `s`, `m`, `h` or `d` (a bare
-/// number is seconds).
+/// Parses `<number><unit>` with unit `ms`, `s`, `m` or `h` (a bare number is
+/// seconds).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s
@@ -25,10 +25,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "" | "s" => n,
         "m" => n * 60.0,
         "h" => n * 3600.0,
-        "d" => n * 86_400.0,
         u => {
             return Err(format!(
-                "{s:?}: unknown duration unit {u:?} (use ms, s, m, h or d)"
+                "{s:?}: unknown duration unit {u:?} (use ms, s, m or h)"
             ))
         }
     };
@@ -78,8 +77,7 @@ mod tests {
         assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
         assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));
         assert!(parse_duration("ten").is_err());
-        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
-        assert!(parse_duration("5w").is_err());
+        assert!(parse_duration("5d").is_err());
     }
 
     #[test]
