@@ -249,8 +249,11 @@ pub struct CloudArgs {
     /// (each about 0.7 KB on the wire). An edge spends one per connection
     /// attempt, also on attempts no cloud answers (while a restarted cloud
     /// is down) or that a storm drops; once it has none left, its next
-    /// handshake is a full one. 1 to 8 (what an edge keeps).
-    #[arg(long, env = "TETHER_TLS_TICKETS_PER_HANDSHAKE", default_value_t = 8)]
+    /// handshake is a full one. More than one make the flight that carries
+    /// them several datagrams, and quinn then keeps a send buffer of a whole
+    /// segmentation batch (~13 KB) for the connection's life. 1 to 8 (what
+    /// an edge keeps).
+    #[arg(long, env = "TETHER_TLS_TICKETS_PER_HANDSHAKE", default_value_t = 1)]
     pub tls_tickets_per_handshake: usize,
     /// Least time between two stateless resets this replica sends (quinn's
     /// own default, 20 ms, resets at most 50 edges a second: after a crash
@@ -1056,7 +1059,7 @@ mod tests {
         assert_eq!(c.tls_ticket_lifetime, Duration::from_secs(12 * 3600));
         let err = test_config(&["--tls-ticket-lifetime", "169h"]).unwrap_err();
         assert!(err.contains("at most 168h"), "{err}");
-        assert_eq!(c.tls_tickets_per_handshake, 8);
+        assert_eq!(c.tls_tickets_per_handshake, 1);
         for n in ["1", "8"] {
             let c = test_config(&["--tls-tickets-per-handshake", n]).unwrap();
             assert_eq!(c.tls_tickets_per_handshake.to_string(), n);

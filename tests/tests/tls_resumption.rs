@@ -55,14 +55,25 @@ async fn reconnected(env: &mut Env) {
 async fn a_restarted_cloud_with_the_shared_secret_resumes_the_edges_tls_session() {
     let keys = tempfile::tempdir().unwrap();
     let shared = secret_file(keys.path(), "reset.key");
-    let mut env = Env::start_with(ONE, &["--reset-key-file", &shared], EDGE, false)
-        .await
-        .unwrap();
+    // Eight tickets per handshake: the edge spends one per attempt, also on
+    // those the stopping cloud refuses, and must have one left when the new
+    // cloud is up (with the default one it may not: then a full handshake).
+    let mut env = Env::start_with(
+        ONE,
+        &[
+            "--reset-key-file",
+            &shared,
+            "--tls-tickets-per-handshake",
+            "8",
+        ],
+        EDGE,
+        false,
+    )
+    .await
+    .unwrap();
     assert_eq!(handshakes(&env).await, (1.0, 0.0), "the first is full");
 
     // Same secret: the edge's tickets open; its certificate is the ticket's.
-    // (It spends one per attempt, also on those the stopping cloud refused;
-    // with eight it has some left.)
     env.restart_cloud("tether-cloud-2", &[]).await.unwrap();
     reconnected(&mut env).await;
     let (full, resumed) = handshakes(&env).await;
@@ -117,9 +128,20 @@ async fn a_restarted_cloud_with_the_shared_secret_resumes_the_edges_tls_session(
 async fn a_resumed_session_whose_certificate_expired_since_is_refused() {
     let keys = tempfile::tempdir().unwrap();
     let shared = secret_file(keys.path(), "reset.key");
-    let mut env = Env::start_with(&[], &["--reset-key-file", &shared], EDGE, false)
-        .await
-        .unwrap();
+    // Eight tickets, so the edge has one left for the new cloud (see above).
+    let mut env = Env::start_with(
+        &[],
+        &[
+            "--reset-key-file",
+            &shared,
+            "--tls-tickets-per-handshake",
+            "8",
+        ],
+        EDGE,
+        false,
+    )
+    .await
+    .unwrap();
     let valid_for = Duration::from_secs(8);
     let issued = Instant::now();
     let pair =
