@@ -83,18 +83,23 @@ fn write_pair(dir: &Path, name: &str, ck: CertKey) -> Result<Pair> {
 /// Where [`mint`] keeps the apiserver client CA's key (for [`issue_client`]).
 const CLIENT_CA_KEY: &str = "apiserver-client-ca.key";
 
+/// A CA [`mint`] wrote into `dir`, from its certificate and key files.
+fn ca_from_files(dir: &Path, cert: &str, key: &str) -> Result<Ca> {
+    let read =
+        |p: &Path| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
+    Ok(Ca::from_pem(
+        &read(&dir.join(cert))?,
+        &read(&dir.join(key))?,
+    )?)
+}
+
 /// Issues another client certificate from the apiserver client CA of a set
 /// [`mint`]ed into `dir` — on kubeadm that CA signs every user's and node's
 /// certificate too, so tests use this for callers that are not the apiserver.
 /// Written as `dir/<file_name>.crt` and `.key`.
 pub fn issue_client(dir: &Path, file_name: &str, common_name: &str, orgs: &[&str]) -> Result<Pair> {
-    let read =
-        |p: &Path| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
-    let ca = Ca::from_pem(
-        &read(&dir.join("apiserver-client-ca.crt"))?,
-        &read(&dir.join(CLIENT_CA_KEY))?,
-    )
-    .context("loading the apiserver client CA")?;
+    let ca = ca_from_files(dir, "apiserver-client-ca.crt", CLIENT_CA_KEY)
+        .context("loading the apiserver client CA")?;
     let ck = ca
         .issue_client(common_name, orgs, VALIDITY)
         .with_context(|| format!("minting a client certificate for {common_name}"))?;
@@ -113,13 +118,7 @@ pub fn issue_edge(
     node: &str,
     valid_for: std::time::Duration,
 ) -> Result<Pair> {
-    let read =
-        |p: &Path| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
-    let ca = Ca::from_pem(
-        &read(&dir.join("tether-ca.crt"))?,
-        &read(&dir.join(TETHER_CA_KEY))?,
-    )
-    .context("loading the Tether CA")?;
+    let ca = ca_from_files(dir, "tether-ca.crt", TETHER_CA_KEY).context("loading the Tether CA")?;
     let ck = ca
         .issue_edge(node, valid_for)
         .with_context(|| format!("minting an edge certificate for {node}"))?;

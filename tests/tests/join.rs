@@ -313,12 +313,7 @@ async fn edge_joins_with_a_token_then_serves() {
     let closed = tokio::time::timeout(Duration::from_secs(10), raw.conn.closed())
         .await
         .expect("the cloud closes a revoked edge's connection when it asks for a renewal");
-    match &closed {
-        quinn::ConnectionError::ApplicationClosed(c) => {
-            assert_eq!(&c.reason[..], b"certificate revoked", "{closed}")
-        }
-        other => panic!("closed for another reason: {other}"),
-    }
+    assert_closed_revoked(&closed);
     let log = std::fs::read_to_string(d.join("tether-cloud.log")).unwrap();
     assert!(
         log.lines().any(|l| l
@@ -356,12 +351,7 @@ async fn edge_joins_with_a_token_then_serves() {
     let closed = tokio::time::timeout(Duration::from_secs(10), again.closed())
         .await
         .expect("the cloud closes a resumed connection of a revoked certificate");
-    match &closed {
-        quinn::ConnectionError::ApplicationClosed(c) => {
-            assert_eq!(&c.reason[..], b"certificate revoked", "{closed}")
-        }
-        other => panic!("closed for another reason: {other}"),
-    }
+    assert_closed_revoked(&closed);
     assert_eq!(
         resumed().await,
         before + 1.0,
@@ -391,6 +381,16 @@ async fn edge_joins_with_a_token_then_serves() {
         "a revoked certificate must not connect"
     );
     drop(kubelet);
+}
+
+/// The cloud closed the connection because its certificate is revoked.
+fn assert_closed_revoked(closed: &quinn::ConnectionError) {
+    match closed {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(&c.reason[..], b"certificate revoked", "{closed}")
+        }
+        other => panic!("closed for another reason: {other}"),
+    }
 }
 
 /// `tether-edge` with the joined certificate, dialling `tunnel`, for `kubelet`.

@@ -109,27 +109,16 @@ async fn spawn_replica(
         .env("NO_COLOR", "1")
         .env("RUST_BACKTRACE", "0");
     let mut proc = Proc::spawn(name, cmd, dir, SpawnOptions::default())?;
-    let ready = proc
-        .wait_line("cloud ready line", Duration::from_secs(20), |l| {
-            l.starts_with("tether-cloud ready")
-        })
-        .await?;
-    let field = |k: &str| -> Result<SocketAddr> {
-        let v = ready
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix(&format!("{k}=")))
-            .with_context(|| format!("no {k}= in {ready:?}"))?;
-        Ok(v.parse()?)
-    };
+    let ready = support::ReadyLine::wait(&mut proc).await?;
     assert_eq!(
-        field("peer")?,
+        ready.addr("peer")?,
         listen,
         "{name} listens for peers where told"
     );
     Ok(Replica {
         name: name.to_string(),
         proc,
-        metrics: field("metrics")?,
+        metrics: ready.addr("metrics")?,
     })
 }
 

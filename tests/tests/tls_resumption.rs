@@ -27,6 +27,26 @@ fn secret_file(dir: &std::path::Path, name: &str) -> String {
     path.display().to_string()
 }
 
+/// A cloud with the shared secret in `secret_file` and eight tickets per
+/// handshake, and edges for `specs`. An edge spends a ticket per attempt,
+/// also on those the stopping cloud refuses, and must have one left when the
+/// new cloud is up (with the default one it may not: then a full handshake).
+async fn with_tickets(specs: &[NodeSpec<'_>], secret_file: &str) -> Env {
+    Env::start_with(
+        specs,
+        &[
+            "--reset-key-file",
+            secret_file,
+            "--tls-tickets-per-handshake",
+            "8",
+        ],
+        EDGE,
+        false,
+    )
+    .await
+    .unwrap()
+}
+
 /// The new cloud's completed edge handshakes: (full, resumed).
 async fn handshakes(env: &Env) -> (f64, f64) {
     let (_, text) = plain_get(env.metrics, "/metrics").await.unwrap();
@@ -55,22 +75,7 @@ async fn reconnected(env: &mut Env) {
 async fn a_restarted_cloud_with_the_shared_secret_resumes_the_edges_tls_session() {
     let keys = tempfile::tempdir().unwrap();
     let shared = secret_file(keys.path(), "reset.key");
-    // Eight tickets per handshake: the edge spends one per attempt, also on
-    // those the stopping cloud refuses, and must have one left when the new
-    // cloud is up (with the default one it may not: then a full handshake).
-    let mut env = Env::start_with(
-        ONE,
-        &[
-            "--reset-key-file",
-            &shared,
-            "--tls-tickets-per-handshake",
-            "8",
-        ],
-        EDGE,
-        false,
-    )
-    .await
-    .unwrap();
+    let mut env = with_tickets(ONE, &shared).await;
     assert_eq!(handshakes(&env).await, (1.0, 0.0), "the first is full");
 
     // Same secret: the edge's tickets open; its certificate is the ticket's.
@@ -128,20 +133,7 @@ async fn a_restarted_cloud_with_the_shared_secret_resumes_the_edges_tls_session(
 async fn a_resumed_session_whose_certificate_expired_since_is_refused() {
     let keys = tempfile::tempdir().unwrap();
     let shared = secret_file(keys.path(), "reset.key");
-    // Eight tickets, so the edge has one left for the new cloud (see above).
-    let mut env = Env::start_with(
-        &[],
-        &[
-            "--reset-key-file",
-            &shared,
-            "--tls-tickets-per-handshake",
-            "8",
-        ],
-        EDGE,
-        false,
-    )
-    .await
-    .unwrap();
+    let mut env = with_tickets(&[], &shared).await;
     let valid_for = Duration::from_secs(8);
     let issued = Instant::now();
     let pair =

@@ -400,6 +400,31 @@ pub struct Env {
     pub client: Client,
 }
 
+/// A cloud's `tether-cloud ready` line, which names its listeners.
+pub struct ReadyLine(String);
+
+impl ReadyLine {
+    /// Waits at most 20 s for `cloud` to print it.
+    pub async fn wait(cloud: &mut Proc) -> Result<ReadyLine> {
+        cloud
+            .wait_line("cloud ready line", Duration::from_secs(20), |l| {
+                l.starts_with("tether-cloud ready")
+            })
+            .await
+            .map(ReadyLine)
+    }
+
+    /// The address after `<key>=` (`tunnel`, `kubelet-api`, `metrics`, `peer`).
+    pub fn addr(&self, key: &str) -> Result<SocketAddr> {
+        let v = self
+            .0
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            .with_context(|| format!("no {key}= in {:?}", self.0))?;
+        Ok(v.parse()?)
+    }
+}
+
 /// What one node runs and announces.
 pub struct NodeSpec<'a> {
     pub name: &'a str,
@@ -489,21 +514,14 @@ impl Env {
             .env("TETHER_LOG", "info,tether_cloud=debug")
             .env("RUST_BACKTRACE", "0");
         let mut cloud = Proc::spawn(name, cmd, dir, SpawnOptions::default())?;
-        let ready = cloud
-            .wait_line("cloud ready line", Duration::from_secs(20), |l| {
-                l.starts_with("tether-cloud ready")
-            })
-            .await?;
-        let field = |k: &str| -> Result<SocketAddr> {
-            let v = ready
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix(&format!("{k}=")))
-                .with_context(|| format!("no {k}= in {ready:?}"))?;
-            Ok(v.parse()?)
-        };
+        let ready = ReadyLine::wait(&mut cloud).await?;
         Ok((
             cloud,
-            [field("tunnel")?, field("kubelet-api")?, field("metrics")?],
+            [
+                ready.addr("tunnel")?,
+                ready.addr("kubelet-api")?,
+                ready.addr("metrics")?,
+            ],
         ))
     }
 
