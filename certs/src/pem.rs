@@ -52,9 +52,17 @@ pub fn load_key(path: &std::path::Path) -> Result<PrivateKeyDer<'static>, CertEr
 
 /// A root store holding every certificate of a PEM file.
 pub fn load_roots(path: &std::path::Path) -> Result<rustls::RootCertStore, CertError> {
+    roots_from(&load_certs(path)?, path)
+}
+
+/// A root store of `certs`, read from `path` (which errors name).
+pub fn roots_from(
+    certs: &[CertificateDer<'static>],
+    path: &std::path::Path,
+) -> Result<rustls::RootCertStore, CertError> {
     let mut roots = rustls::RootCertStore::empty();
-    for c in load_certs(path)? {
-        roots.add(c).map_err(|e| CertError::Content {
+    for c in certs {
+        roots.add(c.clone()).map_err(|e| CertError::Content {
             path: path.display().to_string(),
             what: e.to_string(),
         })?;

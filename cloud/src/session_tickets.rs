@@ -28,7 +28,7 @@
 //! Without the file the key is random per process: edges resume only on the
 //! replica, and within the run, that issued their ticket.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 use ring::rand::{SecureRandom, SystemRandom};
@@ -176,7 +176,8 @@ impl SessionTickets {
 /// Why `leaf`, the certificate a connection's TLS session names, is not valid
 /// at `now` (Unix seconds), if it is not. A full handshake checked this; a
 /// resumed one checked it when its ticket was sealed, perhaps days ago.
-pub fn lapsed(leaf: &CertificateDer<'_>, now: i64) -> Option<String> {
+pub fn lapsed(leaf: &CertificateDer<'_>, now: u64) -> Option<String> {
+    let now = i64::try_from(now).unwrap_or(i64::MAX);
     let (_, cert) = match x509_parser::parse_x509_certificate(leaf.as_ref()) {
         Ok(c) => c,
         Err(e) => return Some(format!("unreadable certificate: {e}")),
@@ -194,15 +195,9 @@ pub fn lapsed(leaf: &CertificateDer<'_>, now: i64) -> Option<String> {
     }
 }
 
-/// The time as [`lapsed`] takes it.
-pub fn unix_secs() -> i64 {
-    i64::try_from(unix_now()).unwrap_or(i64::MAX)
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+/// Unix seconds, as tickets carry them and [`lapsed`] takes them.
+pub fn unix_now() -> u64 {
+    tether_proto::ticket::unix_ms() / 1000
 }
 
 impl rustls::server::ProducesTickets for SessionTickets {
@@ -337,11 +332,11 @@ mod tests {
         let ca = Ca::new("edge-ca", 30 * DAY).unwrap();
         let edge = ca.issue_edge("edge-1", DAY).unwrap();
         let leaf = der(&edge.cert_pem);
-        let now = unix_secs();
+        let now = unix_now();
         assert_eq!(lapsed(&leaf, now), None);
-        let later = now + 2 * DAY.as_secs() as i64;
+        let later = now + 2 * DAY.as_secs();
         assert!(lapsed(&leaf, later).unwrap().contains("expired"));
-        let before = now - 30 * DAY.as_secs() as i64;
+        let before = now - 30 * DAY.as_secs();
         assert!(lapsed(&leaf, before).unwrap().contains("valid only from"));
         assert!(lapsed(&CertificateDer::from(vec![1, 2, 3]), now)
             .unwrap()

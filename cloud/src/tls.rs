@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use rustls::server::WebPkiClientVerifier;
-use tether_certs::pem::{load_certs, load_key, load_roots};
+use tether_certs::pem::{load_certs, load_key, load_roots, roots_from};
 use tether_proto::handshake::ALPN_TUNNEL;
 use tether_proto::quic::QuicSettings;
 
@@ -18,15 +18,16 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 }
 
 /// The QUIC listener's configuration: TLS 1.3, a client certificate signed by
-/// the edge CA required, session tickets (see [`crate::session_tickets`]),
-/// migration allowed.
+/// the edge CA required, session tickets (see [`crate::session_tickets`];
+/// `shared` is the key of `--reset-key-file`), migration allowed.
 pub fn quic_server_config(
     cfg: &CloudConfig,
     settings: &QuicSettings,
     metrics: &CloudMetrics,
+    shared: Option<&ring::hmac::Key>,
 ) -> anyhow::Result<quinn::ServerConfig> {
-    let roots = load_roots(&cfg.edge_ca).context("loading --edge-ca")?;
     let edge_cas = load_certs(&cfg.edge_ca).context("loading --edge-ca")?;
+    let roots = roots_from(&edge_cas, &cfg.edge_ca).context("loading --edge-ca")?;
     let mut builder = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider());
     if cfg.join.is_some() {
         // Joining edges have no certificate yet; the tunnel ALPN still
@@ -61,12 +62,8 @@ pub fn quic_server_config(
     tls.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     tls.send_tls13_tickets = 0;
     if !cfg.tls_ticket_lifetime.is_zero() {
-        let tickets = match &cfg.reset_key_file {
-            Some(path) => SessionTickets::shared(
-                crate::tunnel::reset_key(path)?.as_ref(),
-                &edge_cas,
-                cfg.tls_ticket_lifetime,
-            ),
+        let tickets = match shared {
+            Some(key) => SessionTickets::shared(key, &edge_cas, cfg.tls_ticket_lifetime),
             None => SessionTickets::random(&edge_cas, cfg.tls_ticket_lifetime),
         }
         .context("setting up TLS session tickets")?;

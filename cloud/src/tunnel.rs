@@ -66,8 +66,18 @@ pub fn bind(
     moves: &Arc<crate::migration::Watcher>,
     metrics: &CloudMetrics,
 ) -> anyhow::Result<quinn::Endpoint> {
-    let sc = crate::tls::quic_server_config(cfg, &cfg.quic, metrics)?;
-    let endpoint_config = endpoint_config(cfg.reset_key_file.as_deref(), cfg.reset_interval)?;
+    // Read once: the stateless resets, the connection IDs and the TLS
+    // session tickets all derive their keys from it.
+    let shared = match &cfg.reset_key_file {
+        Some(path) => {
+            let key = reset_key(path)?;
+            info!(file = %path.display(), "stateless resets with the shared key: any replica resets an edge connection it does not know");
+            Some(key)
+        }
+        None => None,
+    };
+    let sc = crate::tls::quic_server_config(cfg, &cfg.quic, metrics, shared.as_deref())?;
+    let endpoint_config = endpoint_config(shared, cfg.reset_interval)?;
     let (socket, buffers) = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
         .with_context(|| format!("binding UDP {}", cfg.tunnel_listen))?;
     match buffers.shortfall(cfg.quic.udp_buffer) {
@@ -94,17 +104,16 @@ pub fn bind(
 }
 
 /// The edge listener's endpoint settings: the stateless-reset key and the
-/// connection-ID generator (shared by all replicas when `reset_key_file` is
-/// given, else random), and the least interval between two resets.
+/// connection-ID generator (shared by all replicas when `shared`, the key of
+/// `--reset-key-file`, is given, else random), and the least interval between
+/// two resets.
 pub fn endpoint_config(
-    reset_key_file: Option<&std::path::Path>,
+    shared: Option<Arc<ring::hmac::Key>>,
     reset_interval: Duration,
 ) -> anyhow::Result<quinn::EndpointConfig> {
-    let mut c = match reset_key_file {
-        Some(path) => {
-            let key = reset_key(path)?;
+    let mut c = match shared {
+        Some(key) => {
             let cids = cid_key(&key);
-            info!(file = %path.display(), "stateless resets with the shared key: any replica resets an edge connection it does not know");
             let mut c = quinn::EndpointConfig::new(key);
             c.cid_generator(move || {
                 Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cids))
@@ -859,16 +868,18 @@ async fn attach(
                 return Err(e);
             }
         };
+        let leaf = leaf_of(&conn).ok();
         // A resumed TLS session names the certificate its ticket sealed,
         // perhaps days ago: it must still be valid.
-        if let Some(why) = leaf_of(&conn).ok().and_then(|leaf| {
-            crate::session_tickets::lapsed(&leaf, crate::session_tickets::unix_secs())
-        }) {
+        if let Some(why) = leaf
+            .as_ref()
+            .and_then(|leaf| crate::session_tickets::lapsed(leaf, unix_ms() / 1000))
+        {
             metrics.refuse_edge("certificate_lapsed");
             conn.close(close_code::REFUSED.into(), b"certificate not valid now");
             anyhow::bail!("refusing node {node}: {why}");
         }
-        if let (Some(j), Ok(leaf)) = (&join, leaf_of(&conn)) {
+        if let (Some(j), Some(leaf)) = (&join, leaf) {
             if let Err(why) = j.revocations.check(&leaf, &node) {
                 metrics.refuse_edge("revoked");
                 conn.close(close_code::REFUSED.into(), b"certificate revoked");
@@ -1851,7 +1862,7 @@ mod renewal_tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("reset.key");
         std::fs::write(&file, "ab".repeat(32)).unwrap();
-        let cfg = endpoint_config(Some(&file), interval).unwrap();
+        let cfg = endpoint_config(Some(reset_key(&file).unwrap()), interval).unwrap();
         let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let server = sock.local_addr().unwrap();
         let _ep = quinn::Endpoint::new(cfg, None, sock, quinn::default_runtime().unwrap()).unwrap();
