@@ -10,7 +10,11 @@
 //! Every other minute the link comes back slow ([`slow_return`]: 1 s RTT, 10 %
 //! loss, for [`SLOW_FOR`] or to the minute's end) instead of clean, and goes
 //! down again for [`FLAP_DOWN`] [`FLAP_AFTER`] into it, so the resumes and
-//! re-attaches of every session run over the hard return too.
+//! re-attaches of every session run over the hard return too. An edge that
+//! lost its connection in the outage and has not connected again by then
+//! keeps the slow link until it has (up to [`SLOW_MAX`]): the report says
+//! when it connected, and a resume that never happened over the slow link
+//! shows as 0.
 //! At the end the writers stop, every session must have echoed exactly what it
 //! wrote, and the cloud's and edge's RSS are compared with their values after
 //! the first minute (every session open, the longest outage and its resume
@@ -46,6 +50,10 @@ pub const OUTAGES: [u64; 10] = [40, 35, 5, 20, 12, 31, 8, 25, 38, 15];
 /// How long the link stays slow after an odd minute's outage (at most to
 /// the minute's end), before it is clean again.
 pub const SLOW_FOR: Duration = Duration::from_secs(20);
+/// The longest the link stays slow while the edge, its connection lost in
+/// the outage, has not connected again (past [`SLOW_FOR`] or the minute's
+/// end). A handshake over the slow link that takes longer is a failure.
+pub const SLOW_MAX: Duration = Duration::from_secs(60);
 /// How long into a slow return the link goes down again ([`FLAP_DOWN`]): a
 /// flap while the sessions are being resumed and re-attached.
 pub const FLAP_AFTER: Duration = Duration::from_secs(3);
@@ -69,6 +77,92 @@ pub fn back_slow(minute: u64) -> bool {
     minute % 2 == 1
 }
 
+/// What happened while the link was slow after one minute's outage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlowReturn {
+    pub minute: u64,
+    /// How many times the edge connected to the cloud while the link was
+    /// slow (0: its connection outlived the outage; 1: every session was
+    /// resumed over the slow link).
+    pub connects: usize,
+    /// From the link's return to the edge's first connection over it.
+    pub connected_after: Option<Duration>,
+    /// How long the link stayed slow.
+    pub slow_for: Duration,
+}
+
+/// Whether the edge's log `since` the outage says its connection was lost
+/// and it has not connected again.
+fn disconnected(since: &str) -> bool {
+    since.rfind("connection to the cloud lost") > since.rfind("connected to the cloud")
+}
+
+/// Brings the link back slow after an outage ([`slow_return`]), flaps it
+/// ([`FLAP_DOWN`], [`FLAP_AFTER`] in), and makes it clean again after
+/// [`SLOW_FOR`] or at the minute's end (`next`): later if the edge lost its
+/// connection in the outage and has not connected again, until it has, up
+/// to [`SLOW_MAX`]. So the resume over the slow link is always exercised
+/// when the outage outlasted the connection, however long its handshake
+/// takes; the soak's check is that it happened. `since_outage` is the
+/// length of the edge's log when the outage began.
+async fn slow_return_of(
+    bed: &Bed,
+    minute: u64,
+    since_outage: usize,
+    next: Instant,
+) -> Result<SlowReturn> {
+    let seen = edge_log(bed).len();
+    bed.link.set(slow_return())?;
+    bed.link.outage(false)?;
+    let restored = Instant::now();
+    let until = (restored + SLOW_FOR)
+        .min(next)
+        .max(restored + FLAP_AFTER + FLAP_DOWN);
+    // The flap: none yet, down, over.
+    let (mut flap_down, mut flapped) = (false, false);
+    let mut connected_after = None;
+    loop {
+        if !flap_down && restored.elapsed() >= FLAP_AFTER {
+            bed.link.outage(true)?;
+            flap_down = true;
+        }
+        if flap_down && !flapped && restored.elapsed() >= FLAP_AFTER + FLAP_DOWN {
+            bed.link.outage(false)?;
+            flapped = true;
+        }
+        let log = edge_log(bed);
+        if connected_after.is_none()
+            && log
+                .get(seen..)
+                .is_some_and(|l| l.contains("connected to the cloud"))
+        {
+            connected_after = Some(restored.elapsed());
+        }
+        let down = log.get(since_outage..).is_some_and(disconnected);
+        if flapped && Instant::now() >= until && (!down || restored.elapsed() >= SLOW_MAX) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let slow_for = restored.elapsed();
+    bed.link.set(Impairment::clean())?;
+    let log = edge_log(bed);
+    let window = log.get(seen..).unwrap_or_default();
+    let connects = window.matches("connected to the cloud").count();
+    if connects == 0 {
+        // What the edge did instead, for whoever reads the report.
+        eprintln!(
+            "tether-bench soak: minute {minute}: the edge did not connect while the link was slow ({slow_for:?}); its log then:\n{window}"
+        );
+    }
+    Ok(SlowReturn {
+        minute,
+        connects,
+        connected_after,
+        slow_for,
+    })
+}
+
 fn pattern_byte(session: u64, i: u64) -> u8 {
     (i.wrapping_add(session.wrapping_mul(7919))
         .wrapping_mul(2654435761)
@@ -89,11 +183,8 @@ pub struct Verdict {
     pub bytes_written: u64,
     pub bytes_wrong: u64,
     pub outages: Vec<u64>,
-    /// For each minute the link came back slow: the minute and how many
-    /// times the edge connected to the cloud again while it was slow (0: its
-    /// connection outlived the outage; 1: the session was resumed over the
-    /// slow link).
-    pub slow_connects: Vec<(u64, usize)>,
+    /// Each minute the link came back slow, in turn.
+    pub slow_returns: Vec<SlowReturn>,
     /// (start, end) KiB.
     pub cloud_rss: (u64, u64),
     pub edge_rss: (u64, u64),
@@ -212,7 +303,7 @@ pub async fn soak(n: usize, minutes: u64) -> Result<Verdict> {
     let mut start_rss = rss(&bed)?;
     let t0 = Instant::now();
     let mut outages = Vec::new();
-    let mut slow_connects = Vec::new();
+    let mut slow_returns = Vec::new();
     let mut samples = Vec::new();
     for minute in 0..minutes {
         let len = OUTAGES[minute as usize % OUTAGES.len()];
@@ -222,29 +313,13 @@ pub async fn soak(n: usize, minutes: u64) -> Result<Verdict> {
             "tether-bench soak: minute {minute}: {len} s outage, back {}",
             if slow { "slow" } else { "clean" }
         );
+        // The edge's log (stderr) up to the outage.
+        let since_outage = edge_log(&bed).len();
         bed.link.outage(true)?;
         tokio::time::sleep(Duration::from_secs(len)).await;
         let next = t0 + Duration::from_secs(60 * (minute + 1));
         if slow {
-            // The edge's log (stderr) up to the restore.
-            let seen = edge_log(&bed).len();
-            bed.link.set(slow_return())?;
-            bed.link.outage(false)?;
-            let until = (Instant::now() + SLOW_FOR).min(next);
-            // The link flaps while the sessions re-attach: down again for
-            // FLAP_DOWN, FLAP_AFTER into the slow return, then slow again.
-            tokio::time::sleep(FLAP_AFTER).await;
-            bed.link.outage(true)?;
-            tokio::time::sleep(FLAP_DOWN).await;
-            bed.link.outage(false)?;
-            tokio::time::sleep_until(until.into()).await;
-            bed.link.set(Impairment::clean())?;
-            let connects = edge_log(&bed)
-                .get(seen..)
-                .unwrap_or_default()
-                .matches("connected to the cloud")
-                .count();
-            slow_connects.push((minute, connects));
+            slow_returns.push(slow_return_of(&bed, minute, since_outage, next).await?);
         } else {
             bed.link.outage(false)?;
         }
@@ -273,7 +348,7 @@ pub async fn soak(n: usize, minutes: u64) -> Result<Verdict> {
         bytes_written: 0,
         bytes_wrong: 0,
         outages,
-        slow_connects,
+        slow_returns,
         cloud_rss: (start_rss.0, end_rss.0),
         edge_rss: (start_rss.1, end_rss.1),
         samples,
@@ -327,11 +402,12 @@ pub async fn run(r: &mut Report, n: usize, minutes: u64) -> Result<bool> {
         "\n### Soak: {n} exec sessions through one edge for {minutes} min, a total outage every minute\n\n\
          Each session writes {CHUNK} bytes a second of a checksummed pattern and checks every echoed byte; \
          outages (s): {:?}; after the outages of minutes 1, 3, 5, … the link comes back slow (1 s RTT, 10 % loss) \
-         for {} s or to the minute's end (down again for {} s {} s into it), then clean. RSS at the start (after the first minute: every session open, the longest outage and its resume behind) and at the end (still open).\n\n",
+         for {} s or to the minute's end (down again for {} s {} s into it), longer while the edge has lost its connection and not connected again (up to {} s), then clean. RSS at the start (after the first minute: every session open, the longest outage and its resume behind) and at the end (still open).\n\n",
         v.outages,
         SLOW_FOR.as_secs(),
         FLAP_DOWN.as_secs(),
-        FLAP_AFTER.as_secs()
+        FLAP_AFTER.as_secs(),
+        SLOW_MAX.as_secs()
     ));
     let mut t = Table::new(
         &[
@@ -378,11 +454,22 @@ pub async fn run(r: &mut Report, n: usize, minutes: u64) -> Result<bool> {
     ));
     r.push(&format!(
         "\nThe edge connected again while the link was slow (0: its connection outlived the outage; 1: every session resumed over the slow link): {}.\n",
-        v.slow_connects
+        v.slow_returns
             .iter()
-            .map(|(m, n)| format!("minute {m}: {n}"))
+            .map(|s| {
+                let after = s
+                    .connected_after
+                    .map(|d| format!(", {:.1} s after the link was back", d.as_secs_f64()))
+                    .unwrap_or_default();
+                format!(
+                    "minute {}: {}{after}, slow for {:.0} s",
+                    s.minute,
+                    s.connects,
+                    s.slow_for.as_secs_f64()
+                )
+            })
             .collect::<Vec<_>>()
-            .join(", ")
+            .join("; ")
     ));
     if let Some(e) = &v.first_error {
         r.push(&format!("\nFirst error: {e}\n"));
@@ -394,4 +481,21 @@ pub async fn run(r: &mut Report, n: usize, minutes: u64) -> Result<bool> {
         ));
     }
     Ok(v.ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disconnected_until_connected_again() {
+        let lost = "x connection to the cloud lost reason=timed out\n";
+        let back = "y connected to the cloud node=e resumed=true\n";
+        assert!(!disconnected(""));
+        assert!(!disconnected(back));
+        assert!(disconnected(lost));
+        assert!(!disconnected(&format!("{lost}{back}")));
+        assert!(disconnected(&format!("{back}{lost}")));
+        assert!(disconnected(&format!("{lost}{back}{lost}")));
+    }
 }

@@ -1,7 +1,8 @@
 //! The soak's short variant (issue "Hardening"): 100 exec sessions through one edge
 //! for 2 minutes with a 40 s total outage, the link back clean, and a 35 s one, the
-//! link back slow (1 s RTT, 10 % loss) for 15 s and down again for 2 s 3 s into
-//! it. Both outlast the QUIC idle timeout,
+//! link back slow (1 s RTT, 10 % loss) for 15 s, longer until the edge has
+//! connected again (up to 60 s), and down again for 2 s 3 s into it. Both
+//! outlast the QUIC idle timeout,
 //! so every session is resumed over a new connection once on each kind of return;
 //! the report says the edge connected again while the link was slow, and the test
 //! checks it did (else the hard return was not exercised). `tether-bench --soak`
