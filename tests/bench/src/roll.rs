@@ -50,6 +50,15 @@ struct Step {
     held: Vec<usize>,
 }
 
+/// Replica `i`'s TLS handshakes with edges so far: (full, resumed).
+async fn handshakes(bed: &Bed, i: usize) -> Result<(f64, f64)> {
+    let kind = |k: &str| format!("tether_cloud_edge_tls_handshakes_total{{kind=\"{k}\"}}");
+    Ok((
+        bed.metric(i, &kind("full")).await?,
+        bed.metric(i, &kind("resumed")).await?,
+    ))
+}
+
 fn flags(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
@@ -203,7 +212,15 @@ async fn roll(bed: &mut Bed) -> Result<(Vec<(String, usize, usize)>, String)> {
         open_sessions(bed, &k, owner, &mut sessions).await?;
     }
     let mut steps = Vec::new();
+    // The edges' TLS handshakes in the roll, (full, resumed), summed over
+    // every replica process: each old one's from here to its SIGTERM (out of
+    // the services by then), each new one's whole count at the end.
+    let mut tls = (0.0, 0.0);
+    let mut base = Vec::with_capacity(REPLICAS);
     for i in 0..REPLICAS {
+        base.push(handshakes(bed, i).await?);
+    }
+    for (i, &(full0, resumed0)) in base.iter().enumerate() {
         let others: Vec<usize> = (0..REPLICAS).filter(|&x| x != i).collect();
         let mut held = Vec::new();
         for e in 0..REPLICAS {
@@ -214,6 +231,9 @@ async fn roll(bed: &mut Bed) -> Result<(Vec<(String, usize, usize)>, String)> {
         // The load balancers follow readiness: out of both services, then SIGTERM.
         bed.set_udp_backends(&others)?;
         bed.set_tcp_backends(&others)?;
+        let (full, resumed) = handshakes(bed, i).await?;
+        tls.0 += full - full0;
+        tls.1 += resumed - resumed0;
         let sigterm = Instant::now();
         bed.sigterm_replica(i)?;
         bed.wait_replica_exit(i, Duration::from_secs(60)).await?;
@@ -233,6 +253,11 @@ async fn roll(bed: &mut Bed) -> Result<(Vec<(String, usize, usize)>, String)> {
     }
     // Let every survivor catch up, then stop appending and judge.
     tokio::time::sleep(Duration::from_secs(5)).await;
+    for i in 0..REPLICAS {
+        let (full, resumed) = handshakes(bed, i).await?;
+        tls.0 += full;
+        tls.1 += resumed;
+    }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let total = appender.await.unwrap_or(0) as usize;
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -310,12 +335,16 @@ async fn roll(bed: &mut Bed) -> Result<(Vec<(String, usize, usize)>, String)> {
         .unwrap_or_default();
     let max = after_exit.last().copied().unwrap_or_default();
     let notes = format!(
-        "Sessions whose edge's holder was rolled: first line after the holder exited {} ms median, {} ms max ({} cases; the edge had moved during the drain, before the exit: lines arrive every {} ms); longest pause between two lines from SIGTERM to 10 s after the exit: {} ms.",
+        "Sessions whose edge's holder was rolled: first line after the holder exited {} ms median, {} ms max ({} cases; the edge had moved during the drain, before the exit: lines arrive every {} ms); longest pause between two lines from SIGTERM to 10 s after the exit: {} ms. \
+         The edges' TLS handshakes at the replicas in the roll (each edge holds one TLS session ticket, \
+         the cloud's default; all replicas share the reset key the tickets are sealed under): {} full, {} resumed.",
         med.as_millis(),
         max.as_millis(),
         after_exit.len(),
         APPEND_EVERY.as_millis(),
-        longest.as_millis()
+        longest.as_millis(),
+        tls.0,
+        tls.1
     );
     Ok((rows, notes))
 }
