@@ -152,12 +152,25 @@ pub struct EdgeArgs {
     /// Time allowed for one connection attempt (QUIC handshake and welcome).
     // After a round in which every attempt timed out, the next round allows
     // twice as long, up to --handshake-timeout-max, so a link slower than
-    // this still gets in.
+    // this still gets in (an attempt that has heard nothing from the cloud
+    // is replaced after --unanswered-attempt-max all the same).
     #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handshake_timeout: Duration,
     /// Cap of --handshake-timeout's doubling (default: 8x --handshake-timeout).
     #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT_MAX", value_parser = parse_duration)]
     pub handshake_timeout_max: Option<Duration>,
+    /// Longest an attempt that has heard nothing from the cloud waits before
+    /// a new one replaces it, whatever the round's handshake limit.
+    // QUIC doubles an unanswered Initial's retransmission timer (Initials
+    // at 0, 0.9, 2.7, 6.3, 13.5, 27.9 s from a 300 ms initial RTT): an
+    // attempt left 40 or 80 s on a dead link sends its last Initials 14 and
+    // 29 s apart, and the edge came back up to 28 s after the link.
+    // Replaced after 20 s, the round's attempts keep them at most ~6 s
+    // apart, for 2.5x the datagrams of a cloud that does not answer; 10 s
+    // halves the wait again for 4x. An attempt that heard from the cloud
+    // keeps the round's limit.
+    #[arg(long, env = "TETHER_UNANSWERED_ATTEMPT_MAX", default_value = "20s", value_parser = parse_duration)]
+    pub unanswered_attempt_max: Duration,
     /// Connection attempts at once (1-8).
     #[arg(long, env = "TETHER_MAX_HANDSHAKES_IN_FLIGHT", default_value = "2")]
     pub max_handshakes_in_flight: usize,
@@ -291,6 +304,9 @@ pub struct EdgeConfig {
     /// What `handshake_timeout` doubles up to after rounds that timed out
     /// (`--handshake-timeout-max`).
     pub handshake_timeout_max: Duration,
+    /// The longest an attempt that heard nothing from the cloud waits
+    /// (`--unanswered-attempt-max`).
+    pub unanswered_attempt_max: Duration,
     /// Connection attempts in flight at once (`--max-handshakes-in-flight`).
     pub max_handshakes_in_flight: usize,
     /// Wait for the answer to a renewal request (`--renewal-answer-timeout`).
@@ -371,6 +387,7 @@ impl EdgeArgs {
             ("--kubelet-pods-timeout", self.kubelet_pods_timeout),
             ("--request-head-timeout", self.request_head_timeout),
             ("--handshake-timeout", self.handshake_timeout),
+            ("--unanswered-attempt-max", self.unanswered_attempt_max),
             ("--silence-timeout", self.silence_timeout),
             ("--renewal-answer-timeout", self.renewal_answer_timeout),
             ("--shutdown-drain", self.shutdown_drain),
@@ -446,6 +463,7 @@ impl EdgeArgs {
             shutdown_drain: self.shutdown_drain,
             handshake_timeout: self.handshake_timeout,
             handshake_timeout_max,
+            unanswered_attempt_max: self.unanswered_attempt_max,
             max_handshakes_in_flight: self.max_handshakes_in_flight,
             renewal_answer_timeout: self.renewal_answer_timeout,
             metrics_listen: self.metrics_listen,
@@ -536,6 +554,7 @@ mod tests {
             "--kubelet-pods-timeout",
             "--request-head-timeout",
             "--handshake-timeout",
+            "--unanswered-attempt-max",
             "--silence-timeout",
             "--renewal-answer-timeout",
             "--shutdown-drain",
@@ -555,6 +574,7 @@ mod tests {
         assert_eq!(c.renewal_answer_timeout, Duration::from_secs(30));
         assert_eq!(c.max_announced_addresses, 64);
         assert_eq!(c.handshake_timeout_max, Duration::from_secs(80));
+        assert_eq!(c.unanswered_attempt_max, Duration::from_secs(20));
         assert_eq!(c.shutdown_drain, Duration::from_secs(2));
         let c = config(&[
             "--kubelet-pods-max-bytes",

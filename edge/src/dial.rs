@@ -35,13 +35,18 @@
 //! Each attempt may take `--handshake-timeout`; after a round in which every
 //! attempt timed out, the next round allows twice as long (up to
 //! `--handshake-timeout-max`, 8× by default), so a link slower than the
-//! setting still gets the edge back.
+//! setting still gets the edge back. An attempt that has heard nothing from
+//! the cloud (its TLS handshake's first flight) is replaced after
+//! `--unanswered-attempt-max` (20 s) all the same: on a dead link a longer
+//! attempt only waits out QUIC's doubling retransmission timer (its last
+//! Initials 14 and 29 s apart in an 80 s round), and the edge came back that
+//! much later after the link.
 //!
 //! Beside each connection runs the certificate renewer
 //! ([`renew_certificate`]); a renewal request not answered yet outlives the
 //! connection ([`PendingRenewal`]) and is asked again with the same key.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -93,7 +98,8 @@ pub struct Dialer {
     /// The last resume ticket the cloud gave this state (welcome, then the
     /// control stream's refreshes): any replica resumes the session with it.
     ticket: Arc<std::sync::Mutex<Option<Ticket>>>,
-    /// Rounds of attempts that all timed out since the last connection.
+    /// Rounds of attempts that all timed out since the last connection (each
+    /// doubles the next round's limit).
     timed_out_rounds: u32,
     /// Reconnect rounds so far (every round after the first dials from a
     /// new UDP source port).
@@ -255,11 +261,7 @@ impl Dialer {
                 }
                 _ => self.disconnected_since = Some(Instant::now()),
             }
-            self.timed_out_rounds = match &ended {
-                Ended::Failed(e) if is_timeout(e) => self.timed_out_rounds.saturating_add(1),
-                Ended::Failed(_) => self.timed_out_rounds,
-                _ => 0,
-            };
+            self.timed_out_rounds = next_timed_out_rounds(self.timed_out_rounds, &ended);
             if let Wait::Spread(wait) = wait {
                 info!(node = %self.node, ?wait, "the cloud shut down; reconnecting after a random part of --reconnect-spread");
                 tokio::time::sleep(wait).await;
@@ -337,13 +339,16 @@ impl Dialer {
         let max_in_flight = self.cfg.max_handshakes_in_flight;
         let mut attempts = tokio::task::JoinSet::new();
         let mut last_error = None;
-        // Each round after one whose attempts all timed out allows twice as long.
+        // Each round after one whose attempts all timed out allows twice as
+        // long; an attempt that hears nothing is replaced sooner.
         let limit = handshake_limit(
             self.cfg.handshake_timeout,
             self.cfg.handshake_timeout_max,
             self.timed_out_rounds,
         );
         let deadline = tokio::time::Instant::now() + limit;
+        // What an attempt that hears nothing from the cloud may take.
+        let unanswered = limit.min(self.cfg.unanswered_attempt_max);
         // When the next attempt may start: `--reconnect-max` after the last
         // one started, whether that one still waits or already failed. An
         // attempt that fails at once (a name that does not resolve, no
@@ -356,15 +361,26 @@ impl Dialer {
             let now = tokio::time::Instant::now();
             if attempts.len() < max_in_flight && now >= next_start && now < deadline {
                 next_start = now + self.cfg.reconnect_max;
-                let this = self.attempt_ctx();
+                let answered = Arc::new(AtomicBool::new(false));
+                let this = self.attempt_ctx(answered.clone());
                 attempts.spawn(async move {
-                    tokio::time::timeout(limit, this.handshake())
+                    let timed_out = |limit, answered| {
+                        Err(AttemptError::Transient(anyhow::Error::new(TimedOut {
+                            limit,
+                            answered,
+                        })))
+                    };
+                    let mut handshake = std::pin::pin!(this.handshake());
+                    match tokio::time::timeout(unanswered, &mut handshake).await {
+                        Ok(r) => return r,
+                        Err(_) if !answered.load(Ordering::Relaxed) => {
+                            return timed_out(unanswered, false)
+                        }
+                        Err(_) => {}
+                    }
+                    tokio::time::timeout(limit.saturating_sub(unanswered), handshake)
                         .await
-                        .unwrap_or_else(|_| {
-                            Err(AttemptError::Transient(anyhow::anyhow!(
-                                "no welcome within {limit:?}"
-                            )))
-                        })
+                        .unwrap_or_else(|_| timed_out(limit, true))
                 });
             }
             // Another attempt will start in this round: there is room for
@@ -411,8 +427,9 @@ impl Dialer {
         }
     }
 
-    fn attempt_ctx(&self) -> Attempt {
+    fn attempt_ctx(&self, answered: Arc<AtomicBool>) -> Attempt {
         Attempt {
+            answered,
             endpoint: self.endpoint.clone(),
             client: self.client.clone(),
             cloud: self.cfg.cloud.clone(),
@@ -722,9 +739,37 @@ fn handshake_limit(base: Duration, max: Duration, timed_out_rounds: u32) -> Dura
     limit.min(max)
 }
 
-fn is_timeout(e: &anyhow::Error) -> bool {
-    e.to_string().starts_with("no welcome within")
+/// `timed_out_rounds` after a round that ended `ended`: one more after a
+/// round whose attempts all timed out (answered or not), the same after
+/// another failure, 0 once connected.
+fn next_timed_out_rounds(rounds: u32, ended: &Ended) -> u32 {
+    match ended {
+        Ended::Failed(e) if e.downcast_ref::<TimedOut>().is_some() => rounds.saturating_add(1),
+        Ended::Failed(_) => rounds,
+        _ => 0,
+    }
 }
+
+/// An attempt ran out of its limit without a welcome: the round's limit if
+/// it heard from the cloud (got its TLS handshake's first flight), else
+/// that limit or `--unanswered-attempt-max`, whichever is less.
+#[derive(Debug)]
+struct TimedOut {
+    limit: Duration,
+    answered: bool,
+}
+
+impl std::fmt::Display for TimedOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.answered {
+            write!(f, "no welcome within {:?}", self.limit)
+        } else {
+            write!(f, "no answer from the cloud within {:?}", self.limit)
+        }
+    }
+}
+
+impl std::error::Error for TimedOut {}
 
 /// How one connection attempt failed.
 enum AttemptError {
@@ -776,6 +821,8 @@ struct Attempt {
     server_name: String,
     hello: Hello,
     max: usize,
+    /// Set once this attempt hears from the cloud.
+    answered: Arc<AtomicBool>,
 }
 
 impl Attempt {
@@ -785,10 +832,16 @@ impl Attempt {
             .with_context(|| format!("resolving {}", self.cloud))?
             .next()
             .with_context(|| format!("{} resolves to no address", self.cloud))?;
-        let connecting = self
+        let mut connecting = self
             .endpoint
             .connect_with(self.client.clone(), addr, &self.server_name)
             .context("starting the QUIC handshake")?;
+        // The cloud's first flight (its TLS handshake data) came: the link
+        // works both ways. An error here is the handshake's, which
+        // `connecting` gives again below.
+        if connecting.handshake_data().await.is_ok() {
+            self.answered.store(true, Ordering::Relaxed);
+        }
         let conn = match connecting.await {
             Ok(c) => c,
             Err(e) if is_tls_refusal(&e) || is_refused(&e) => {
@@ -1791,7 +1844,10 @@ mod tests {
                 .expect("the round did not end")
                 .err()
                 .expect("a silent cloud welcomed the edge");
-            assert!(format!("{e:#}").contains("no welcome"), "{e:#}");
+            assert!(
+                format!("{e:#}").contains("no answer from the cloud within"),
+                "{e:#}"
+            );
             let dialled = seen.lock().unwrap().len();
             assert_eq!(dialled, expected, "{extra:?}: attempts seen by the cloud");
             let _ = std::fs::remove_dir_all(dir);
@@ -1877,9 +1933,9 @@ mod tests {
     }
 
     /// The doubled limit is what a round's attempts get: against a silent
-    /// cloud, the round fails with `no welcome within` the limit for its
-    /// count of timed-out rounds, capped by `--handshake-timeout-max`
-    /// (default 8 × `--handshake-timeout`).
+    /// cloud, the round fails with `no answer from the cloud within` the
+    /// limit for its count of timed-out rounds, capped by
+    /// `--handshake-timeout-max` (default 8 × `--handshake-timeout`).
     #[tokio::test]
     async fn a_rounds_attempts_get_the_doubled_limit_up_to_the_flag() {
         let cases: [(&[&str], u32, &str); 5] = [
@@ -1907,15 +1963,127 @@ mod tests {
                 .expect("the round did not end")
                 .err()
                 .expect("a silent cloud welcomed the edge");
-            let e = format!("{e:#}");
+            let text = format!("{e:#}");
             assert!(
-                e.contains(&format!("no welcome within {within}")),
-                "{extra:?} after {rounds} rounds: {e}"
+                text.contains(&format!("no answer from the cloud within {within}")),
+                "{extra:?} after {rounds} rounds: {text}"
             );
-            assert!(is_timeout(&anyhow::anyhow!(e)));
+            // A round that timed out lengthens the next.
+            let ended = Ended::Failed(e);
+            assert_eq!(next_timed_out_rounds(rounds, &ended), rounds + 1);
             assert!(started.elapsed() < Duration::from_secs(5));
             let _ = std::fs::remove_dir_all(dir);
         }
+    }
+
+    /// `--unanswered-attempt-max`: in a round whose limit is long (here
+    /// 1.6 s, the fourth round of `--handshake-timeout 200ms`), an attempt
+    /// that hears nothing is replaced after 300 ms, so a silent cloud sees a
+    /// new connection every 300 ms rather than one attempt's Initials
+    /// drawn out by QUIC's retransmission timer (which took the edge back
+    /// up to half a minute after a dead link returned); the round still
+    /// lasts its limit, and its error names the unanswered wait.
+    #[tokio::test]
+    async fn an_attempt_that_hears_nothing_is_replaced_after_the_unanswered_limit() {
+        let (cloud, seen) = silent_cloud().await;
+        let (cfg, dir) = test_config(
+            cloud,
+            &[
+                "--handshake-timeout",
+                "200ms",
+                "--handshake-timeout-max",
+                "1600ms",
+                "--unanswered-attempt-max",
+                "300ms",
+                "--reconnect-max",
+                "100ms",
+                "--max-handshakes-in-flight",
+                "1",
+            ],
+        );
+        let mut dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
+        dialer.timed_out_rounds = 3;
+        let started = std::time::Instant::now();
+        let e = tokio::time::timeout(Duration::from_secs(15), dialer.establish())
+            .await
+            .expect("the round did not end")
+            .err()
+            .expect("a silent cloud welcomed the edge");
+        let took = started.elapsed();
+        let text = format!("{e:#}");
+        assert!(
+            text.contains("no answer from the cloud within 300ms"),
+            "{text}"
+        );
+        assert!(
+            took >= Duration::from_millis(1600),
+            "the round took {took:?}"
+        );
+        // One attempt at a time, each replaced after 300 ms within 1.6 s:
+        // five or six (one without the replacement).
+        let attempts = seen.lock().unwrap().len();
+        assert!(
+            (5..=7).contains(&attempts),
+            "{attempts} attempts in {took:?}"
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// An attempt that heard from the cloud keeps the round's whole limit:
+    /// against a cloud that completes the QUIC handshake but never sends the
+    /// welcome (a cloud or link slower than the limit), the one attempt
+    /// waits 1.6 s, not the 300 ms of `--unanswered-attempt-max`, and the
+    /// round fails with `no welcome within` the limit. Any timeout lengthens
+    /// the next round; another failure keeps the count; a connection resets it.
+    #[tokio::test]
+    async fn an_attempt_that_heard_from_the_cloud_keeps_the_rounds_limit() {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let (cfg, dir) = test_config(
+            socket.local_addr().unwrap(),
+            &[
+                "--handshake-timeout",
+                "200ms",
+                "--handshake-timeout-max",
+                "1600ms",
+                "--unanswered-attempt-max",
+                "300ms",
+                "--reconnect-max",
+                "100ms",
+                "--max-handshakes-in-flight",
+                "1",
+            ],
+        );
+        let cloud = hand_driven_cloud(&cfg, socket);
+        // Accepts every connection and holds it, answering nothing.
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        let held = tokio::spawn(async move {
+            let mut conns = Vec::new();
+            while let Some(incoming) = cloud.accept().await {
+                if let Ok(c) = incoming.await {
+                    count.fetch_add(1, Ordering::Relaxed);
+                    conns.push(c);
+                }
+            }
+        });
+        let mut dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
+        dialer.timed_out_rounds = 3;
+        let e = tokio::time::timeout(Duration::from_secs(15), dialer.establish())
+            .await
+            .expect("the round did not end")
+            .err()
+            .expect("a cloud that sends no welcome welcomed the edge");
+        let text = format!("{e:#}");
+        assert!(text.contains("no welcome within 1.6s"), "{text}");
+        assert_eq!(accepted.load(Ordering::Relaxed), 1);
+        let ended = Ended::Failed(e);
+        assert_eq!(next_timed_out_rounds(3, &ended), 4);
+        let other = Ended::Failed(anyhow::anyhow!("the cloud refused this edge"));
+        assert_eq!(next_timed_out_rounds(3, &other), 3);
+        assert_eq!(next_timed_out_rounds(3, &Ended::AfterWelcome), 0);
+        assert_eq!(next_timed_out_rounds(3, &Ended::Reset), 0);
+        held.abort();
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// Whether the leaf of `cert_pem` is for the private key `key_pem`.
@@ -2267,21 +2435,11 @@ mod tests {
         }
     }
 
-    /// `--copy-hello-tries`, `--copy-hello-resend` end to end: on the
-    /// edge's own connection, welcomed by a hand-driven cloud that never
-    /// answers the copy hello, the edge sends it 3 times 50 ms apart,
-    /// doubling (at 0, 50 and 150 ms), and no more in the 2.5 s watched;
-    /// with the defaults (5 tries from 1 s) only 2 would come in that time.
-    #[tokio::test]
-    async fn the_copy_hello_goes_its_configured_tries_on_the_edges_connection() {
-        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-        let (cfg, dir) = test_config(
-            socket.local_addr().unwrap(),
-            &["--copy-hello-tries", "3", "--copy-hello-resend", "50ms"],
-        );
-        // The hand-driven cloud's certificate for the name the edge checks,
-        // from a CA of its own that becomes the edge's --ca (this cloud asks
-        // for no client certificate).
+    /// A hand-driven cloud on `socket`: a QUIC endpoint with a certificate
+    /// for the name the edge checks, from a CA of its own that becomes the
+    /// edge's `--ca` (`cfg.ca` is rewritten); it asks for no client
+    /// certificate.
+    fn hand_driven_cloud(cfg: &EdgeConfig, socket: std::net::UdpSocket) -> quinn::Endpoint {
         let day = Duration::from_secs(86400);
         let cloud_ca = tether_certs::Ca::new("hand-driven cloud CA", day).unwrap();
         let server = cloud_ca.issue_server(&["cloud.test"], &[], day).unwrap();
@@ -2300,9 +2458,22 @@ mod tests {
             quinn::crypto::rustls::QuicServerConfig::try_from(tls).unwrap(),
         ));
         let runtime = quinn::default_runtime().unwrap();
-        let cloud =
-            quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(sc), socket, runtime)
-                .unwrap();
+        quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(sc), socket, runtime).unwrap()
+    }
+
+    /// `--copy-hello-tries`, `--copy-hello-resend` end to end: on the
+    /// edge's own connection, welcomed by a hand-driven cloud that never
+    /// answers the copy hello, the edge sends it 3 times 50 ms apart,
+    /// doubling (at 0, 50 and 150 ms), and no more in the 2.5 s watched;
+    /// with the defaults (5 tries from 1 s) only 2 would come in that time.
+    #[tokio::test]
+    async fn the_copy_hello_goes_its_configured_tries_on_the_edges_connection() {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let (cfg, dir) = test_config(
+            socket.local_addr().unwrap(),
+            &["--copy-hello-tries", "3", "--copy-hello-resend", "50ms"],
+        );
+        let cloud = hand_driven_cloud(&cfg, socket);
         let mut dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
         let edge = tokio::spawn(async move {
             dialer.connect_once().await;

@@ -10,7 +10,8 @@
 //! which doubles) and stay within the maximum (the schedule itself is
 //! unit-tested in `edge/src/backoff.rs`). Each round's attempt may take
 //! twice as long as the last one's, up to `--handshake-timeout-max`: the
-//! edge's log names each round's limit.
+//! edge's log names each round's limit (`no answer from the cloud within`:
+//! below `--unanswered-attempt-max`, an unanswered attempt gets it all).
 //!
 //! The binaries must be built first (`cargo build --workspace --bins`).
 
@@ -139,7 +140,7 @@ async fn reconnect_waits_grow_from_the_minimum_and_stay_within_the_maximum() {
         limits = full
             .lines()
             .filter(|l| l.contains("cannot reach the cloud"))
-            .filter_map(|l| l.split("no welcome within ").nth(1))
+            .filter_map(|l| l.split("no answer from the cloud within ").nth(1))
             .map(|rest| {
                 rest.split(|c: char| !c.is_ascii_alphanumeric() && c != '.')
                     .next()
