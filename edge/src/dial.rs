@@ -1976,6 +1976,34 @@ mod tests {
         }
     }
 
+    /// The flags of the two tests below: one attempt at a time, the fourth
+    /// round's limit 1.6 s (200 ms doubled three times), an unanswered
+    /// attempt replaced after 300 ms, at most every 100 ms.
+    const CAPPED_ROUND: &[&str] = &[
+        "--handshake-timeout",
+        "200ms",
+        "--handshake-timeout-max",
+        "1600ms",
+        "--unanswered-attempt-max",
+        "300ms",
+        "--reconnect-max",
+        "100ms",
+        "--max-handshakes-in-flight",
+        "1",
+    ];
+
+    /// The error of a fourth round (three timed out before it) with `cfg`,
+    /// which must fail within 15 s.
+    async fn fourth_round_fails(cfg: EdgeConfig) -> anyhow::Error {
+        let mut dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
+        dialer.timed_out_rounds = 3;
+        match tokio::time::timeout(Duration::from_secs(15), dialer.establish()).await {
+            Ok(Err(e)) => e,
+            Ok(Ok(_)) => panic!("a cloud that sends no welcome welcomed the edge"),
+            Err(_) => panic!("the round did not end"),
+        }
+    }
+
     /// `--unanswered-attempt-max`: in a round whose limit is long (here
     /// 1.6 s, the fourth round of `--handshake-timeout 200ms`), an attempt
     /// that hears nothing is replaced after 300 ms, so a silent cloud sees a
@@ -1986,29 +2014,9 @@ mod tests {
     #[tokio::test]
     async fn an_attempt_that_hears_nothing_is_replaced_after_the_unanswered_limit() {
         let (cloud, seen) = silent_cloud().await;
-        let (cfg, dir) = test_config(
-            cloud,
-            &[
-                "--handshake-timeout",
-                "200ms",
-                "--handshake-timeout-max",
-                "1600ms",
-                "--unanswered-attempt-max",
-                "300ms",
-                "--reconnect-max",
-                "100ms",
-                "--max-handshakes-in-flight",
-                "1",
-            ],
-        );
-        let mut dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
-        dialer.timed_out_rounds = 3;
+        let (cfg, dir) = test_config(cloud, CAPPED_ROUND);
         let started = std::time::Instant::now();
-        let e = tokio::time::timeout(Duration::from_secs(15), dialer.establish())
-            .await
-            .expect("the round did not end")
-            .err()
-            .expect("a silent cloud welcomed the edge");
+        let e = fourth_round_fails(cfg).await;
         let took = started.elapsed();
         let text = format!("{e:#}");
         assert!(
@@ -2038,21 +2046,7 @@ mod tests {
     #[tokio::test]
     async fn an_attempt_that_heard_from_the_cloud_keeps_the_rounds_limit() {
         let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-        let (cfg, dir) = test_config(
-            socket.local_addr().unwrap(),
-            &[
-                "--handshake-timeout",
-                "200ms",
-                "--handshake-timeout-max",
-                "1600ms",
-                "--unanswered-attempt-max",
-                "300ms",
-                "--reconnect-max",
-                "100ms",
-                "--max-handshakes-in-flight",
-                "1",
-            ],
-        );
+        let (cfg, dir) = test_config(socket.local_addr().unwrap(), CAPPED_ROUND);
         let cloud = hand_driven_cloud(&cfg, socket);
         // Accepts every connection and holds it, answering nothing.
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -2066,13 +2060,7 @@ mod tests {
                 }
             }
         });
-        let mut dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
-        dialer.timed_out_rounds = 3;
-        let e = tokio::time::timeout(Duration::from_secs(15), dialer.establish())
-            .await
-            .expect("the round did not end")
-            .err()
-            .expect("a cloud that sends no welcome welcomed the edge");
+        let e = fourth_round_fails(cfg).await;
         let text = format!("{e:#}");
         assert!(text.contains("no welcome within 1.6s"), "{text}");
         assert_eq!(accepted.load(Ordering::Relaxed), 1);
