@@ -169,8 +169,9 @@ impl Cloud {
         });
         let shutting_down = Arc::new(AtomicBool::new(false));
         let moves = migration::Watcher::new();
-        let endpoint =
-            tunnel::bind(&cfg, &moves, &metrics).context("starting the QUIC listener for edges")?;
+        let shared = tunnel::shared_key(&cfg).context("starting the QUIC listener for edges")?;
+        let endpoint = tunnel::bind(&cfg, shared.clone(), &moves, &metrics)
+            .context("starting the QUIC listener for edges")?;
         let tunnel_addr = endpoint
             .local_addr()
             .context("reading the QUIC listener's address")?;
@@ -242,6 +243,7 @@ impl Cloud {
             metrics.clone(),
             shutting_down.clone(),
             moves,
+            shared,
         ));
         tasks.spawn(front.serve());
         tasks.spawn(async move {

@@ -58,24 +58,29 @@ pub fn cid_key(reset_key: &ring::hmac::Key) -> u64 {
     u64::from_le_bytes(k)
 }
 
-/// Binds the QUIC endpoint, with the shared stateless-reset key when
-/// `--reset-key-file` is set (see [`reset_key`]); its socket tells `moves`
-/// of packets from sources it does not know (see [`crate::migration`]).
+/// The key of `--reset-key-file` (see [`reset_key`]), if set, read once at
+/// start-up: the stateless resets, the connection IDs, the TLS session
+/// tickets ([`bind`]) and the resume tickets ([`serve`]) all derive their
+/// keys from it.
+pub fn shared_key(cfg: &CloudConfig) -> anyhow::Result<Option<Arc<ring::hmac::Key>>> {
+    let Some(path) = &cfg.reset_key_file else {
+        return Ok(None);
+    };
+    let key = reset_key(path)?;
+    info!(file = %path.display(), "stateless resets with the shared key: any replica resets an edge connection it does not know");
+    Ok(Some(key))
+}
+
+/// Binds the QUIC endpoint, with `shared` ([`shared_key`]) for its
+/// stateless resets, connection IDs and TLS session tickets when given; its
+/// socket tells `moves` of packets from sources it does not know (see
+/// [`crate::migration`]).
 pub fn bind(
     cfg: &CloudConfig,
+    shared: Option<Arc<ring::hmac::Key>>,
     moves: &Arc<crate::migration::Watcher>,
     metrics: &CloudMetrics,
 ) -> anyhow::Result<quinn::Endpoint> {
-    // Read once: the stateless resets, the connection IDs and the TLS
-    // session tickets all derive their keys from it.
-    let shared = match &cfg.reset_key_file {
-        Some(path) => {
-            let key = reset_key(path)?;
-            info!(file = %path.display(), "stateless resets with the shared key: any replica resets an edge connection it does not know");
-            Some(key)
-        }
-        None => None,
-    };
     let sc = crate::tls::quic_server_config(cfg, &cfg.quic, metrics, shared.as_deref())?;
     let endpoint_config = endpoint_config(shared, cfg.reset_interval)?;
     let (socket, buffers) = tether_proto::quic::bind_udp(cfg.tunnel_listen, cfg.quic.udp_buffer)
@@ -290,7 +295,8 @@ async fn wait_in_line(
 }
 
 /// Accepts edge connections until the endpoint closes; `moves` is the
-/// migration watcher the endpoint's socket reports to (see [`bind`]).
+/// migration watcher the endpoint's socket reports to (see [`bind`]);
+/// resume tickets are keyed from `shared` ([`shared_key`]) when given.
 pub async fn serve(
     endpoint: quinn::Endpoint,
     cfg: Arc<CloudConfig>,
@@ -298,6 +304,7 @@ pub async fn serve(
     metrics: CloudMetrics,
     draining: Arc<std::sync::atomic::AtomicBool>,
     moves: Arc<crate::migration::Watcher>,
+    shared: Option<Arc<ring::hmac::Key>>,
 ) -> anyhow::Result<()> {
     // Shared by every edge's task (a clone of each metric handle per edge
     // would cost every connected edge a few hundred bytes).
@@ -332,8 +339,8 @@ pub async fn serve(
         }
         None => None,
     };
-    let tickets = Arc::new(match &cfg.reset_key_file {
-        Some(path) => TicketKey::derive(reset_key(path)?.as_ref()),
+    let tickets = Arc::new(match &shared {
+        Some(key) => TicketKey::derive(key),
         None => {
             if cfg.peer.is_some() {
                 warn!("no --reset-key-file: resume tickets are signed with a key of this replica only, so an edge can resume its streams only on the replica that issued its ticket");
@@ -871,10 +878,9 @@ async fn attach(
         let leaf = leaf_of(&conn).ok();
         // A resumed TLS session names the certificate its ticket sealed,
         // perhaps days ago: it must still be valid.
-        if let Some(why) = leaf
-            .as_ref()
-            .and_then(|leaf| crate::session_tickets::lapsed(leaf, unix_ms() / 1000))
-        {
+        if let Some(why) = leaf.as_ref().and_then(|leaf| {
+            crate::session_tickets::lapsed(leaf, crate::session_tickets::unix_now())
+        }) {
             metrics.refuse_edge("certificate_lapsed");
             conn.close(close_code::REFUSED.into(), b"certificate not valid now");
             anyhow::bail!("refusing node {node}: {why}");
