@@ -91,10 +91,15 @@ pub struct SlowReturn {
     pub slow_for: Duration,
 }
 
+/// tether-edge's log lines when it has connected to the cloud, and when its
+/// connection is lost.
+const CONNECTED: &str = "connected to the cloud";
+const LOST: &str = "connection to the cloud lost";
+
 /// Whether the edge's log `since` the outage says its connection was lost
 /// and it has not connected again.
 fn disconnected(since: &str) -> bool {
-    since.rfind("connection to the cloud lost") > since.rfind("connected to the cloud")
+    since.rfind(LOST) > since.rfind(CONNECTED)
 }
 
 /// Brings the link back slow after an outage ([`slow_return`]), flaps it
@@ -131,11 +136,7 @@ async fn slow_return_of(
             flapped = true;
         }
         let log = edge_log(bed);
-        if connected_after.is_none()
-            && log
-                .get(seen..)
-                .is_some_and(|l| l.contains("connected to the cloud"))
-        {
+        if connected_after.is_none() && log.get(seen..).is_some_and(|l| l.contains(CONNECTED)) {
             connected_after = Some(restored.elapsed());
         }
         let down = log.get(since_outage..).is_some_and(disconnected);
@@ -148,7 +149,7 @@ async fn slow_return_of(
     bed.link.set(Impairment::clean())?;
     let log = edge_log(bed);
     let window = log.get(seen..).unwrap_or_default();
-    let connects = window.matches("connected to the cloud").count();
+    let connects = window.matches(CONNECTED).count();
     if connects == 0 {
         // What the edge did instead, for whoever reads the report.
         eprintln!(
