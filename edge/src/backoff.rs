@@ -16,7 +16,14 @@
 //!   handshakes are spread out rather than one storm (with a spread of 0,
 //!   the backoff from `--reconnect-min`);
 //! - after a replica told the edge to move, or a stateless reset (another
-//!   replica awaits it), no wait at all.
+//!   replica awaits it), no wait at all;
+//! - once the cloud has not answered for `--reconnect-patient-after` (the
+//!   session's grace period by default, at least 5 minutes: its streams are
+//!   lost by then), the
+//!   wait is drawn from `[i/2, i]` of `--reconnect-patient-interval` `i`, so
+//!   an edge whose link is up but whose cloud is down for hours does not
+//!   spend its metered data probing every second (with an interval of 0,
+//!   the backoff as before).
 
 use std::ops::RangeInclusive;
 use std::time::Duration;
@@ -26,6 +33,8 @@ use std::time::Duration;
 pub enum RoundEnd {
     /// No welcome: no answer, a refusal, a TLS failure.
     Failed,
+    /// No welcome, and none for longer than `--reconnect-patient-after`.
+    FailedLong,
     /// A connection that got its welcome ended (the link died).
     Lost,
     /// The cloud shut down (closed the connection with its shutdown code).
@@ -44,6 +53,9 @@ pub enum Wait {
     Backoff(Duration),
     /// After a cloud shutdown, drawn from `[0, --reconnect-spread]`.
     Spread(Duration),
+    /// The cloud has not answered for long: drawn from `[i/2, i]` of
+    /// `--reconnect-patient-interval` `i`.
+    Patient(Duration),
 }
 
 impl Wait {
@@ -51,30 +63,35 @@ impl Wait {
     pub fn duration(self) -> Duration {
         match self {
             Wait::Now => Duration::ZERO,
-            Wait::Backoff(d) | Wait::Spread(d) => d,
+            Wait::Backoff(d) | Wait::Spread(d) | Wait::Patient(d) => d,
         }
     }
 }
 
 /// The reconnect schedule (`--reconnect-min`, `--reconnect-max`,
-/// `--reconnect-spread`) and where in it the edge is.
+/// `--reconnect-spread`, `--reconnect-patient-interval`) and where in it
+/// the edge is.
 #[derive(Debug, Clone)]
 pub struct Backoff {
     min: Duration,
     max: Duration,
     spread: Duration,
+    /// The patient wait's nominal length; zero: none.
+    patient: Duration,
     /// The delay the next failed round draws its wait under.
     delay: Duration,
 }
 
 impl Backoff {
     /// A schedule at its start. `min` is at most `max` (checked with the
-    /// configuration).
-    pub fn new(min: Duration, max: Duration, spread: Duration) -> Backoff {
+    /// configuration); a `patient` interval of zero has failed rounds back
+    /// off as usual however long the cloud has not answered.
+    pub fn new(min: Duration, max: Duration, spread: Duration, patient: Duration) -> Backoff {
         Backoff {
             min,
             max,
             spread,
+            patient,
             delay: min,
         }
     }
@@ -87,11 +104,14 @@ impl Backoff {
         end: RoundEnd,
         draw: impl FnOnce(RangeInclusive<Duration>) -> Duration,
     ) -> Wait {
-        if end != RoundEnd::Failed {
+        if !matches!(end, RoundEnd::Failed | RoundEnd::FailedLong) {
             self.delay = self.min;
         }
         match end {
             RoundEnd::Redirected => Wait::Now,
+            RoundEnd::FailedLong if !self.patient.is_zero() => {
+                Wait::Patient(draw(self.patient / 2..=self.patient))
+            }
             RoundEnd::CloudShutdown if !self.spread.is_zero() => {
                 Wait::Spread(draw(Duration::ZERO..=self.spread))
             }
@@ -118,8 +138,10 @@ mod tests {
     const MAX: Duration = Duration::from_millis(1000);
     const SPREAD: Duration = Duration::from_secs(5);
 
+    const PATIENT: Duration = Duration::from_secs(30);
+
     fn schedule() -> Backoff {
-        Backoff::new(MIN, MAX, SPREAD)
+        Backoff::new(MIN, MAX, SPREAD, PATIENT)
     }
 
     /// The nominal delays of failed rounds: 100, 200, 400, 800 ms, then
@@ -154,7 +176,7 @@ mod tests {
         let bottom = failed_rounds(&mut schedule(), DELAYS.len(), |r| *r.start());
         assert_eq!(bottom, ms(&DELAYS.map(|d| d / 2)));
         // A maximum that is no power-of-two multiple of the minimum.
-        let mut odd = Backoff::new(Duration::from_millis(300), MAX, SPREAD);
+        let mut odd = Backoff::new(Duration::from_millis(300), MAX, SPREAD, PATIENT);
         assert_eq!(
             failed_rounds(&mut odd, 4, |r| *r.end()),
             ms(&[300, 600, 1000, 1000])
@@ -230,11 +252,51 @@ mod tests {
         // Spread over the whole range, not bunched at one end.
         assert!(waits.iter().any(|w| *w < SPREAD / 10));
         assert!(waits.iter().any(|w| *w > SPREAD * 9 / 10));
-        let mut none = Backoff::new(MIN, MAX, Duration::ZERO);
+        let mut none = Backoff::new(MIN, MAX, Duration::ZERO, PATIENT);
         failed_rounds(&mut none, 3, |r| *r.end());
         assert_eq!(
             none.after(RoundEnd::CloudShutdown, |r| *r.end()),
             Wait::Backoff(MIN)
+        );
+    }
+
+    /// Once the cloud has not answered for long, each wait is drawn from
+    /// half to all of `--reconnect-patient-interval`, with jitter; the
+    /// backoff's own delay is kept (a short failure after a connection that
+    /// worked climbs from the minimum again). With an interval of 0 a long
+    /// failure backs off like any other.
+    #[test]
+    fn a_cloud_silent_for_long_is_probed_at_the_patient_interval() {
+        let mut b = schedule();
+        failed_rounds(&mut b, 2, |r| *r.end());
+        let mut waits = Vec::new();
+        for _ in 0..2000 {
+            match b.after(RoundEnd::FailedLong, uniform) {
+                Wait::Patient(w) => waits.push(w),
+                other => panic!("a long failure gave {other:?}"),
+            }
+        }
+        assert!(
+            waits.iter().all(|w| PATIENT / 2 <= *w && *w <= PATIENT),
+            "{:?} .. {:?}",
+            waits.iter().min(),
+            waits.iter().max()
+        );
+        assert!(waits.iter().any(|w| *w < PATIENT * 11 / 20));
+        assert!(waits.iter().any(|w| *w > PATIENT * 19 / 20));
+        // The backoff's place is where the short failures left it.
+        assert_eq!(failed_rounds(&mut b, 1, |r| *r.end()), ms(&[400]));
+        assert_eq!(b.after(RoundEnd::Lost, |r| *r.end()), Wait::Backoff(MIN));
+        let mut off = Backoff::new(MIN, MAX, SPREAD, Duration::ZERO);
+        let long: Vec<_> = (0..6)
+            .map(|_| off.after(RoundEnd::FailedLong, |r| *r.end()))
+            .collect();
+        assert_eq!(
+            long,
+            ms(&[100, 200, 400, 800, 1000, 1000])
+                .into_iter()
+                .map(Wait::Backoff)
+                .collect::<Vec<_>>()
         );
     }
 }

@@ -139,6 +139,20 @@ pub struct EdgeArgs {
     /// spread out instead of arriving as one storm. `0s` disables it.
     #[arg(long, env = "TETHER_RECONNECT_SPREAD", default_value = "5s", value_parser = parse_duration)]
     pub reconnect_spread: Duration,
+    /// Once the cloud has not answered for this long, probe it one attempt
+    /// at a time every --reconnect-patient-interval (default: the session's
+    /// grace period the cloud's welcome gives, or 300s if that is shorter).
+    // Within the grace period every second counts: the cloud holds the
+    // session's streams for a resume. After it they are lost, and an edge
+    // whose link is up but whose cloud is down (an outage of hours) spent
+    // ~70 KB a minute probing at the --reconnect-max pace.
+    #[arg(long, env = "TETHER_RECONNECT_PATIENT_AFTER", value_parser = parse_duration)]
+    pub reconnect_patient_after: Option<Duration>,
+    /// Nominal wait between probes of a cloud that has not answered for
+    /// --reconnect-patient-after (each a random part between half and all
+    /// of it). `0s` disables it: probe at the --reconnect-max pace for good.
+    #[arg(long, env = "TETHER_RECONNECT_PATIENT_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub reconnect_patient_interval: Duration,
     /// On SIGTERM, time allowed for the connection's close to reach the cloud.
     // quinn keeps a closed connection for three probe timeouts, answering
     // the cloud's packets with the close again (RFC 9000 §10.2): the cloud
@@ -298,6 +312,12 @@ pub struct EdgeConfig {
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
     pub reconnect_spread: Duration,
+    /// How long the cloud may not answer before the edge probes patiently
+    /// (`--reconnect-patient-after`; `None`: the session's grace period, at least 300 s).
+    pub reconnect_patient_after: Option<Duration>,
+    /// The patient probes' nominal interval (`--reconnect-patient-interval`;
+    /// zero: never patient).
+    pub reconnect_patient_interval: Duration,
     /// On SIGTERM, the wait for the connection's close (`--shutdown-drain`).
     pub shutdown_drain: Duration,
     pub handshake_timeout: Duration,
@@ -430,6 +450,16 @@ impl EdgeArgs {
         if self.reconnect_min > self.reconnect_max || self.reconnect_min.is_zero() {
             return Err("--reconnect-min must be positive and at most --reconnect-max".into());
         }
+        if self.reconnect_patient_after.is_some_and(|d| d.is_zero()) {
+            return Err("--reconnect-patient-after must be more than 0".into());
+        }
+        let patient = self.reconnect_patient_interval;
+        if !patient.is_zero() && patient < self.reconnect_max {
+            return Err(format!(
+                "--reconnect-patient-interval ({patient:?}) must be 0s (off) or at least --reconnect-max ({:?})",
+                self.reconnect_max
+            ));
+        }
         Ok(EdgeConfig {
             server_name: self.server_name.unwrap_or(host),
             cloud: self.cloud,
@@ -460,6 +490,8 @@ impl EdgeArgs {
             reconnect_min: self.reconnect_min,
             reconnect_max: self.reconnect_max,
             reconnect_spread: self.reconnect_spread,
+            reconnect_patient_after: self.reconnect_patient_after,
+            reconnect_patient_interval: self.reconnect_patient_interval,
             shutdown_drain: self.shutdown_drain,
             handshake_timeout: self.handshake_timeout,
             handshake_timeout_max,
@@ -653,6 +685,50 @@ mod tests {
         assert_eq!(join("2s").join_timeout, Duration::from_secs(2));
         let e = join("0s").validate().unwrap_err();
         assert!(e.contains("--join-timeout"), "{e}");
+    }
+
+    /// `--reconnect-patient-after` follows the session's grace period unless
+    /// given; `--reconnect-patient-interval` is 30 s, `0s` turns it off, and
+    /// an interval below `--reconnect-max` (probing faster when patient) or
+    /// a zero wait before patience is refused.
+    #[test]
+    fn patient_probing_has_its_defaults_and_bounds() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.reconnect_patient_after, None);
+        assert_eq!(c.reconnect_patient_interval, Duration::from_secs(30));
+        let c = config(&[
+            "--reconnect-patient-after",
+            "90s",
+            "--reconnect-patient-interval",
+            "0s",
+        ])
+        .unwrap();
+        assert_eq!(c.reconnect_patient_after, Some(Duration::from_secs(90)));
+        assert_eq!(c.reconnect_patient_interval, Duration::ZERO);
+        let c = config(&["--reconnect-patient-interval", "1s"]).unwrap();
+        assert_eq!(c.reconnect_patient_interval, Duration::from_secs(1));
+        for (flags, named) in [
+            (
+                &["--reconnect-patient-interval", "999ms"][..],
+                "--reconnect-patient-interval",
+            ),
+            (
+                &[
+                    "--reconnect-max",
+                    "5s",
+                    "--reconnect-patient-interval",
+                    "4s",
+                ][..],
+                "at least --reconnect-max (5s)",
+            ),
+            (
+                &["--reconnect-patient-after", "0s"][..],
+                "--reconnect-patient-after",
+            ),
+        ] {
+            let e = config(flags).expect_err(named);
+            assert!(e.contains(named), "{flags:?}: {e}");
+        }
     }
 
     /// `tether-edge join --join-max-message-bytes` (was the fixed 64 KiB):

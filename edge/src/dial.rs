@@ -42,6 +42,14 @@
 //! Initials 14 and 29 s apart in an 80 s round), and the edge came back that
 //! much later after the link.
 //!
+//! Once the cloud has not answered for `--reconnect-patient-after` (unless
+//! set, the session's grace period, at least 5 minutes: the cloud no longer
+//! holds its streams by then), the edge probes patiently: a round is one attempt, and rounds
+//! start about every `--reconnect-patient-interval` (30 s) instead of every
+//! second or so. An edge whose link is up while its cloud is down for hours
+//! so spends a fraction of the data the dense probing costs, and is back
+//! within about that interval once the cloud is.
+//!
 //! Beside each connection runs the certificate renewer
 //! ([`renew_certificate`]); a renewal request not answered yet outlives the
 //! connection ([`PendingRenewal`]) and is asked again with the same key.
@@ -105,7 +113,12 @@ pub struct Dialer {
     /// new UDP source port).
     rounds: u64,
     grace: Duration,
-    disconnected_since: Option<Instant>,
+    /// When the edge last had a connection (its end), or started: the cloud
+    /// has not answered since (the grace period and patience count from it).
+    last_contact: Instant,
+    /// Whether the cloud has not answered for `--reconnect-patient-after`:
+    /// the rounds have one attempt each and wait the patient interval.
+    patient: bool,
     metrics: EdgeMetrics,
     /// The certificate file's contents the client config was built from.
     loaded_cert: Vec<u8>,
@@ -220,7 +233,8 @@ impl Dialer {
             timed_out_rounds: 0,
             rounds: 0,
             grace: Duration::from_secs(300),
-            disconnected_since: None,
+            last_contact: Instant::now(),
+            patient: false,
             metrics,
             renewal: std::sync::Mutex::new(None),
         })
@@ -243,43 +257,65 @@ impl Dialer {
             self.cfg.reconnect_min,
             self.cfg.reconnect_max,
             self.cfg.reconnect_spread,
+            self.cfg.reconnect_patient_interval,
         );
         loop {
             let ended = self.connect_once().await;
+            if !matches!(ended, Ended::Failed(_)) {
+                self.last_contact = Instant::now();
+            }
+            self.set_patient(
+                matches!(ended, Ended::Failed(_)),
+                self.last_contact.elapsed(),
+            );
             let end = match &ended {
                 Ended::AfterWelcome => RoundEnd::Lost,
                 Ended::CloudShutdown => RoundEnd::CloudShutdown,
                 // The replica is gone or going, and the new source port
                 // takes the edge to another one.
                 Ended::Moved | Ended::Reset => RoundEnd::Redirected,
+                Ended::Failed(_) if self.patient => RoundEnd::FailedLong,
                 Ended::Failed(_) => RoundEnd::Failed,
             };
             let wait = backoff.after(end, crate::backoff::uniform);
-            match &ended {
-                Ended::Failed(e) => {
-                    warn!(node = %self.node, cloud = %self.cfg.cloud, error = format!("{e:#}"), retry_in = ?wait.duration(), "cannot reach the cloud");
-                }
-                _ => self.disconnected_since = Some(Instant::now()),
+            if let Ended::Failed(e) = &ended {
+                warn!(node = %self.node, cloud = %self.cfg.cloud, error = format!("{e:#}"), retry_in = ?wait.duration(), "cannot reach the cloud");
             }
             self.timed_out_rounds = next_timed_out_rounds(self.timed_out_rounds, &ended);
             if let Wait::Spread(wait) = wait {
                 info!(node = %self.node, ?wait, "the cloud shut down; reconnecting after a random part of --reconnect-spread");
                 tokio::time::sleep(wait).await;
             }
-            if let Some(since) = self.disconnected_since {
-                if since.elapsed() > self.grace && !self.streams.is_empty() {
-                    self.streams.end_all(&format!(
-                        "edge {} could not resume its session within the grace period ({:?})",
-                        self.node, self.grace
-                    ));
-                    self.metrics.sessions_lost.inc();
-                    self.new_state();
-                }
+            if self.last_contact.elapsed() > self.grace && !self.streams.is_empty() {
+                self.streams.end_all(&format!(
+                    "edge {} could not resume its session within the grace period ({:?})",
+                    self.node, self.grace
+                ));
+                self.metrics.sessions_lost.inc();
+                self.new_state();
             }
-            if let Wait::Backoff(wait) = wait {
+            if let Wait::Backoff(wait) | Wait::Patient(wait) = wait {
                 tokio::time::sleep(wait).await;
             }
         }
+    }
+
+    /// After a round that `failed` (no welcome) or not, the cloud `silent`
+    /// since the last connection: whether the edge probes patiently from now
+    /// on (silent for longer than `--reconnect-patient-after`; unless set,
+    /// the session's grace period or 5 minutes, whichever is longer), said
+    /// once in the log and in `tether_edge_reconnect_patient`.
+    fn set_patient(&mut self, failed: bool, silent: Duration) {
+        let after = self
+            .cfg
+            .reconnect_patient_after
+            .unwrap_or(self.grace.max(DEFAULT_PATIENT_AFTER));
+        let patient = failed && !self.cfg.reconnect_patient_interval.is_zero() && silent > after;
+        if patient && !self.patient {
+            warn!(node = %self.node, cloud = %self.cfg.cloud, silent = ?silent, interval = ?self.cfg.reconnect_patient_interval, "the cloud has not answered for longer than --reconnect-patient-after ({after:?}); probing it one attempt at a time about every --reconnect-patient-interval until it does");
+        }
+        self.patient = patient;
+        self.metrics.reconnect_patient.set(i64::from(patient));
     }
 
     /// A control-stream failure on a live connection is a protocol error:
@@ -337,6 +373,10 @@ impl Dialer {
         // (10,000 edges back 24.6 s after the new cloud was ready with four,
         // 14.1 s with two; scripts/bench.sh --only edges).
         let max_in_flight = self.cfg.max_handshakes_in_flight;
+        // Probing patiently, a round is one attempt: its Initials, then the
+        // patient wait (crate::backoff).
+        let round_attempts = if self.patient { 1 } else { usize::MAX };
+        let mut started = 0;
         let mut attempts = tokio::task::JoinSet::new();
         let mut last_error = None;
         // Each round after one whose attempts all timed out allows twice as
@@ -359,7 +399,9 @@ impl Dialer {
         let mut next_start = tokio::time::Instant::now();
         loop {
             let now = tokio::time::Instant::now();
-            if attempts.len() < max_in_flight && now >= next_start && now < deadline {
+            let room = attempts.len() < max_in_flight && started < round_attempts;
+            if room && now >= next_start && now < deadline {
+                started += 1;
                 next_start = now + self.cfg.reconnect_max;
                 let answered = Arc::new(AtomicBool::new(false));
                 let this = self.attempt_ctx(answered.clone());
@@ -385,7 +427,9 @@ impl Dialer {
             }
             // Another attempt will start in this round: there is room for
             // it and its turn comes before the deadline.
-            let another = attempts.len() < max_in_flight && next_start.max(now) < deadline;
+            let another = attempts.len() < max_in_flight
+                && started < round_attempts
+                && next_start.max(now) < deadline;
             if attempts.is_empty() && !another {
                 return Err(
                     last_error.unwrap_or_else(|| anyhow::anyhow!("no handshake attempt succeeded"))
@@ -517,7 +561,6 @@ impl Dialer {
             self.streams.new_session();
         }
         self.session = Some(welcome.session);
-        self.disconnected_since = None;
         info!(node = %self.node, session = %welcome.session, resumed, gen = welcome.gen, streams = self.streams.len(), remote = %conn.remote_address(), "connected to the cloud");
         println!(
             "tether-edge connected node={} session={} resumed={resumed}",
@@ -721,6 +764,12 @@ pub(crate) async fn watch_addresses(
         }
     }
 }
+
+/// `--reconnect-patient-after` when not set and the session's grace period
+/// is shorter: a cloud with a grace of seconds (a test's, or one that keeps
+/// no sessions to speak of) would otherwise have its edges probe every
+/// 15-30 s after an outage of seconds.
+const DEFAULT_PATIENT_AFTER: Duration = Duration::from_secs(300);
 
 /// The time one attempt may take after `timed_out_rounds` rounds whose
 /// attempts all timed out: `base` (`--handshake-timeout`) doubled for each,
@@ -2072,6 +2121,103 @@ mod tests {
         assert_eq!(next_timed_out_rounds(3, &Ended::Reset), 0);
         held.abort();
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Probing patiently, a round is one attempt: against a silent cloud,
+    /// with two attempts in flight allowed, a new one every 100 ms and each
+    /// replaced after 300 ms within a 1.6 s limit, the round ends with its
+    /// one attempt after 300 ms (not five or more attempts in 1.6 s).
+    #[tokio::test]
+    async fn a_patient_round_is_one_attempt() {
+        for (patient, attempts_in) in [(true, 1..=1), (false, 5..=20)] {
+            let (cloud, seen) = silent_cloud().await;
+            let mut args = CAPPED_ROUND.to_vec();
+            args.retain(|a| *a != "--max-handshakes-in-flight" && *a != "1");
+            let (cfg, dir) = test_config(cloud, &args);
+            assert_eq!(cfg.max_handshakes_in_flight, 2);
+            let mut dialer = Dialer::new(cfg, EdgeMetrics::default()).unwrap();
+            dialer.timed_out_rounds = 3;
+            dialer.patient = patient;
+            let started = std::time::Instant::now();
+            let e = match tokio::time::timeout(Duration::from_secs(15), dialer.establish()).await {
+                Ok(Err(e)) => e,
+                Ok(Ok(_)) => panic!("a silent cloud welcomed the edge"),
+                Err(_) => panic!("the round did not end"),
+            };
+            let took = started.elapsed();
+            let attempts = seen.lock().unwrap().len();
+            assert!(
+                attempts_in.contains(&attempts),
+                "patient {patient}: {attempts} attempts in {took:?}: {e:#}"
+            );
+            if patient {
+                assert!(took < Duration::from_millis(1200), "{took:?}");
+                assert!(format!("{e:#}").contains("no answer from the cloud within 300ms"));
+            }
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+
+    /// The edge turns patient after a failed round once the cloud has not
+    /// answered for `--reconnect-patient-after`, or when that is not set the
+    /// session's grace period or 5 minutes, whichever is longer; a round that
+    /// connected, or a patient interval of 0, ends it (the gauge follows).
+    #[tokio::test]
+    async fn the_edge_turns_patient_after_the_cloud_was_silent_for_long() {
+        let (cloud, _seen) = silent_cloud().await;
+        // Flags, the grace period a welcome gave (if any), seconds without
+        // an answer, whether the round failed; whether the edge is patient.
+        type Case<'a> = (&'a [&'a str], Option<Duration>, u64, bool, bool);
+        let cases: [Case; 10] = [
+            (&["--reconnect-patient-after", "10s"], None, 11, true, true),
+            (&["--reconnect-patient-after", "10s"], None, 9, true, false),
+            (
+                &["--reconnect-patient-after", "10s"],
+                None,
+                11,
+                false,
+                false,
+            ),
+            // Set, it holds whatever the grace period.
+            (
+                &["--reconnect-patient-after", "10s"],
+                Some(Duration::from_secs(600)),
+                11,
+                true,
+                true,
+            ),
+            // Default: the grace period (300 s until a welcome says
+            // otherwise), at least 5 minutes.
+            (&[], None, 299, true, false),
+            (&[], None, 301, true, true),
+            (&[], Some(Duration::from_secs(2)), 60, true, false),
+            (&[], Some(Duration::from_secs(600)), 500, true, false),
+            (&[], Some(Duration::from_secs(600)), 601, true, true),
+            (
+                &["--reconnect-patient-interval", "0s"],
+                None,
+                3600,
+                true,
+                false,
+            ),
+        ];
+        for (flags, grace, silent, failed, expect) in cases {
+            let (cfg, dir) = test_config(cloud, flags);
+            let metrics = EdgeMetrics::default();
+            let mut dialer = Dialer::new(cfg, metrics.clone()).unwrap();
+            if let Some(g) = grace {
+                dialer.grace = g;
+            }
+            dialer.set_patient(failed, Duration::from_secs(silent));
+            let case = format!("{flags:?} grace {grace:?}, silent {silent} s, failed {failed}");
+            assert_eq!(dialer.patient, expect, "{case}");
+            assert_eq!(metrics.reconnect_patient.get(), i64::from(expect), "{case}");
+            // A round that connected ends it.
+            dialer.set_patient(false, Duration::from_secs(silent));
+            assert!(!dialer.patient, "{case}");
+            assert_eq!(metrics.reconnect_patient.get(), 0);
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 
     /// Whether the leaf of `cert_pem` is for the private key `key_pem`.

@@ -23,6 +23,9 @@ pub struct EdgeMetrics {
     pub resets_seen: Counter,
     /// Reconnect rounds dialled from a new UDP source port.
     pub source_ports: Counter,
+    /// 1 while the cloud has not answered for `--reconnect-patient-after`
+    /// and the edge probes it at the patient interval.
+    pub reconnect_patient: Gauge,
     pub rtt_seconds: FloatGauge<f64, AtomicU64>,
     /// The adaptive keep-alive's current interval.
     pub keepalive_seconds: FloatGauge<f64, AtomicU64>,
@@ -89,6 +92,11 @@ impl EdgeMetrics {
             "source_port_changes",
             "Reconnect rounds dialled from a new UDP source port",
             m.source_ports.clone(),
+        );
+        r.register(
+            "reconnect_patient",
+            "1 while the cloud has not answered for --reconnect-patient-after and the edge probes it one attempt at a time every --reconnect-patient-interval",
+            m.reconnect_patient.clone(),
         );
         r.register(
             "rtt_seconds",

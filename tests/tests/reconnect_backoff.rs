@@ -13,6 +13,13 @@
 //! edge's log names each round's limit (`no answer from the cloud within`:
 //! below `--unanswered-attempt-max`, an unanswered attempt gets it all).
 //!
+//! Once the cloud has not answered for `--reconnect-patient-after`, the edge
+//! probes patiently: one attempt at a time, rounds about every
+//! `--reconnect-patient-interval` (the second test watches the switch on the
+//! same kind of socket); and it is back soon after the cloud answers again,
+//! resuming its session when the wait was shorter than the grace period (the
+//! third, through a relay that drops every packet for a while).
+//!
 //! The binaries must be built first (`cargo build --workspace --bins`).
 
 mod support;
@@ -20,7 +27,7 @@ mod support;
 use std::net::UdpSocket;
 use std::time::{Duration, Instant};
 
-use support::Env;
+use support::{Env, NodeSpec};
 
 /// The one node: the certificate every [`Env`] mints besides its specs'.
 const NODE: &str = "edge-intruder";
@@ -192,4 +199,178 @@ async fn reconnect_waits_grow_from_the_minimum_and_stay_within_the_maximum() {
         waits[0] + SLACK < MAX / 2,
         "the first wait is not short: {report}"
     );
+}
+
+/// The patient probing's flags for the two tests below: patient after 2 s
+/// of silence, rounds about every 1.6 s (drawn from 0.8 to 1.6 s); before
+/// that, a second attempt 200 ms after the first.
+const PATIENT: &[&str] = &[
+    "--reconnect-min",
+    "50ms",
+    "--reconnect-max",
+    "200ms",
+    "--reconnect-patient-after",
+    "2s",
+    "--reconnect-patient-interval",
+    "1600ms",
+];
+const PATIENT_AFTER: Duration = Duration::from_secs(2);
+const PATIENT_INTERVAL: Duration = Duration::from_millis(1600);
+
+/// Dense probing, then patient: with attempts of 300 ms, in the first 1.5 s
+/// the silent socket sees attempts overlap and follow each other closely; once the edge has gone
+/// 2 s without an answer (plus a round, and slack), one attempt at a time,
+/// each starting between half and all of the patient interval (and its
+/// 300 ms attempt) after the last one ended. The log says so, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cloud_silent_for_long_is_probed_patiently() {
+    let env = Env::start(&[], &[]).await.unwrap();
+    let nothing = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let addr = nothing.local_addr().unwrap().to_string();
+    const WATCH: Duration = Duration::from_secs(10);
+    let watcher = std::thread::spawn(move || watch(nothing, 10_000, WATCH));
+    let pair = &env.pki.edges[NODE];
+    let edge = env
+        .edge_process(
+            NODE,
+            &pair.cert,
+            &pair.key,
+            "http://127.0.0.1:9",
+            &[],
+            &[
+                &["--cloud", &addr][..],
+                PATIENT,
+                &[
+                    "--handshake-timeout",
+                    "300ms",
+                    "--handshake-timeout-max",
+                    "300ms",
+                ],
+            ]
+            .concat(),
+        )
+        .unwrap();
+    let attempts = tokio::task::spawn_blocking(move || watcher.join().unwrap())
+        .await
+        .unwrap();
+    let full = std::fs::read_to_string(edge.log_path()).unwrap_or_default();
+    let log = edge.stderr_tail(30);
+    drop(edge);
+    let said = full
+        .lines()
+        .filter(|l| l.contains("probing it one attempt at a time"))
+        .count();
+    assert_eq!(said, 1, "the patience line, once:\n{log}");
+    let t0 = attempts.first().expect("no attempt at all").first;
+    let report = attempts
+        .iter()
+        .map(|a| {
+            format!(
+                "{:.2}-{:.2}s",
+                a.first.duration_since(t0).as_secs_f64(),
+                a.last.duration_since(t0).as_secs_f64()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    eprintln!("attempts (first-last datagram from the first): {report}");
+    let dense = attempts
+        .iter()
+        .filter(|a| a.first.duration_since(t0) < Duration::from_millis(1500))
+        .count();
+    assert!(dense >= 4, "{dense} attempts in the first 1.5 s: {report}");
+    // Patient from the end of the first round after 2 s (a round lasts at
+    // most 300 ms past its last start); the slack covers the edge's start.
+    let patient: Vec<&Attempt> = attempts
+        .iter()
+        .filter(|a| a.first.duration_since(t0) > PATIENT_AFTER + Duration::from_millis(1000))
+        .collect();
+    assert!(
+        patient.len() >= 3,
+        "{} patient attempts in {WATCH:?}: {report}",
+        patient.len()
+    );
+    for w in patient.windows(2) {
+        let quiet = w[1].first.saturating_duration_since(w[0].last);
+        let apart = w[1].first.duration_since(w[0].first);
+        assert!(
+            w[1].first > w[0].last && quiet + SLACK >= PATIENT_INTERVAL / 2,
+            "patient attempts overlap or follow too soon: {report}"
+        );
+        assert!(
+            apart <= PATIENT_INTERVAL + Duration::from_millis(300) + OVER_MAX,
+            "patient attempts too far apart: {report}"
+        );
+    }
+}
+
+/// Back once the cloud answers: an edge with open-stream state (its
+/// session) probing patiently after 2 s of outage (the grace period is
+/// 60 s) resumes its session within a patient interval, an attempt (2 s
+/// here, so a loaded machine's handshake fits) and slack of the relay
+/// passing packets again, and the tunnel serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_patient_edge_is_back_and_resumes_once_the_cloud_answers() {
+    const ONE: &[NodeSpec<'static>] = &[NodeSpec {
+        name: "edge-1",
+        pods: &["default/p1"],
+        announce: &["10.77.0.1"],
+    }];
+    let fast = ["--idle-timeout", "2s", "--keep-alive", "500ms"];
+    let cloud_args = [&fast[..], &["--grace", "60s"]].concat();
+    const ATTEMPT: Duration = Duration::from_secs(2);
+    let edge_args = [
+        &fast[..],
+        PATIENT,
+        &["--handshake-timeout", "2s", "--handshake-timeout-max", "2s"],
+    ]
+    .concat();
+    let mut env = Env::start_with(ONE, &cloud_args, &edge_args, true)
+        .await
+        .unwrap();
+    env.relay.as_ref().unwrap().set_outage(true);
+    // The connection dies after the 2 s idle timeout; patient 2 s later
+    // (the line is in the edge's log, on stderr).
+    let outage = Instant::now();
+    let log = env.nodes[0].edge.log_path().to_path_buf();
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("probing it one attempt at a time")
+    {
+        assert!(
+            outage.elapsed() < Duration::from_secs(20),
+            "no patience line\n{}",
+            env.nodes[0].edge.stderr_tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let waited = outage.elapsed();
+    // Into the patient rounds, then the link back.
+    tokio::time::sleep(PATIENT_INTERVAL).await;
+    env.relay.as_ref().unwrap().set_outage(false);
+    let back = Instant::now();
+    let edge = &mut env.nodes[0].edge;
+    let line = edge
+        .wait_line("edge resumed", Duration::from_secs(20), |l| {
+            l.starts_with("tether-edge connected")
+        })
+        .await
+        .unwrap();
+    let took = back.elapsed();
+    eprintln!("patient {waited:?} after the outage began; connected {took:?} after the relay passed packets again: {line}");
+    assert!(line.contains("resumed=true"), "{line}");
+    // At worst the link came back just after an attempt's Initial, which
+    // then timed out; the next round starts within the interval and its
+    // handshake goes through at once on loopback.
+    assert!(
+        took <= PATIENT_INTERVAL + ATTEMPT + OVER_MAX,
+        "back {took:?} after the cloud answered again\n{}",
+        edge.stderr_tail(30)
+    );
+    let reply = env
+        .client
+        .get("/containerLogs/default/p1/c", "edge-1", None, &[])
+        .await
+        .unwrap();
+    assert_eq!(reply.status, hyper::StatusCode::OK, "{}", reply.body);
 }

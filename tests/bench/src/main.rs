@@ -16,7 +16,8 @@
 //!    sessions through one edge (see [`concurrent`]);
 //! 6. the edge's footprint (see [`footprint`]);
 //! 7. cellular data: bytes on the wire per idle edge per day, and what path-MTU
-//!    searches add on a path that silently drops larger packets (see [`cellular`]).
+//!    searches add on a path that silently drops larger packets (see [`cellular`]);
+//!    what an edge sends while its cloud does not answer (see [`unreachable`]).
 //!
 //! `tether-bench` runs everything (release build: `scripts/bench.sh`); `--quick` runs a
 //! short variant (clean link, small sizes, 5 s outage, 100 sessions, no idle edges) for CI. Results go to
@@ -36,6 +37,7 @@ mod roll;
 mod scale;
 mod soak;
 mod table;
+mod unreachable;
 
 use std::time::{Duration, Instant};
 
@@ -79,6 +81,8 @@ struct Plan {
     idle_window: Duration,
     /// Idle window of the cellular-data scenario.
     cellular_window: Duration,
+    /// The edges probing a cloud that does not answer.
+    unreachable: unreachable::Timing,
     scale_edges: Vec<usize>,
     /// Exec sessions held open at once through one edge.
     sessions: usize,
@@ -116,6 +120,14 @@ impl Plan {
                 cycle_observe: Duration::from_secs(15),
                 idle_window: Duration::from_secs(5),
                 cellular_window: Duration::from_secs(30),
+                // Patient after 5 s; its first round (10 s) ends first.
+                unreachable: unreachable::Timing {
+                    patient_after: Duration::from_secs(5),
+                    interval: Duration::from_secs(5),
+                    watch: Duration::from_secs(40),
+                    patient_from: Duration::from_secs(12),
+                    tail: Duration::from_secs(18),
+                },
                 scale_edges: Vec::new(),
                 sessions: 100,
                 replica_edges: 150,
@@ -171,6 +183,15 @@ impl Plan {
             cycle_observe: Duration::from_secs(40),
             idle_window: Duration::from_secs(60),
             cellular_window: Duration::from_secs(300),
+            // Patient after 120 s, once its fourth round (80 s, from about
+            // 70 s in) is over; the default interval, 30 s.
+            unreachable: unreachable::Timing {
+                patient_after: Duration::from_secs(120),
+                interval: Duration::from_secs(30),
+                watch: Duration::from_secs(400),
+                patient_from: Duration::from_secs(160),
+                tail: Duration::from_secs(60),
+            },
             scale_edges: vec![1000, 10_000],
             sessions: 1000,
             replica_edges: 1000,
@@ -866,7 +887,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "-h" | "--help" => {
                 println!(
-                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|mtu|scale|sessions|replicas|roll|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--tether-only] [--rounds N] [--out DIR]\n\
+                    "tether-bench [--quick] [--only interactive|outage|cycles|migration|footprint|cellular|mtu|unreachable|scale|sessions|replicas|roll|LINK-TEXT]... [--scale EDGES]... [--sessions N] [--require-peers] [--tether-only] [--rounds N] [--out DIR]\n\
                      (--tether-only: the link scenarios measure Tether and direct only; --rounds N: their bulk rounds, 1-{MAX_ROUNDS}, each round's figures printed)\n\
                      tether-bench --soak MINUTES [--sessions N] [--out DIR]   (exits non-zero unless 0 sessions lost, 0 bytes lost, RSS within 10 %)"
                 );
@@ -901,6 +922,10 @@ async fn run(plan: &Plan, a: &Args, r: &mut Report) -> Result<()> {
     if want("cellular data") {
         let res = cellular::run(r, plan.cellular_window, plan.quick).await;
         scenario(r, "cellular data", res);
+    }
+    if want("cellular data unreachable") {
+        let res = unreachable::run(r, plan.unreachable).await;
+        scenario(r, "unreachable cloud", res);
     }
     if want("cellular data mtu") {
         let res = cellular::mtu_searches(r, plan.quick).await;

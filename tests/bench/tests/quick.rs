@@ -1,7 +1,8 @@
 //! The quick benchmark (clean link, small sizes, 5 s outage, one outage cycle per way the
 //! link comes back, 30 s of idle cellular data at one NAT binding without waiting for the
-//! keep-alive to settle, 100 concurrent sessions, the replicas and the rolling restart,
-//! no idle-edge scale) as a test, so CI keeps the harness from rotting. It fails only
+//! keep-alive to settle, 40 s of two edges probing a cloud that does not answer, 100
+//! concurrent sessions, the replicas and the rolling restart, no idle-edge scale) as a
+//! test, so CI keeps the harness from rotting. It fails only
 //! when the harness breaks — a bed that cannot start, a peer missing, a measurement that
 //! errors, a run past its time bound — never on slow figures: benchmarks print, they do
 //! not assert speed.
@@ -33,6 +34,7 @@ fn quick_benchmark_runs() {
         "### Edge footprint",
         "### Cellular data",
         "### Cellular data: path-MTU searches",
+        "### Cellular data: a cloud that does not answer",
         "### Concurrent sessions",
     ] {
         assert!(md.contains(section), "no {section:?} in the results:\n{md}");
