@@ -161,6 +161,22 @@ impl Pki {
         }
         v
     }
+
+    /// The certificate flags of `tether-edge` for `node` of this set: the cloud's server
+    /// name and CA, the node's certificate and key. `None` for a node not minted.
+    pub fn edge_flags(&self, node: &str) -> Option<Vec<std::ffi::OsString>> {
+        let pair = self.edges.get(node)?;
+        let mut v: Vec<std::ffi::OsString> = vec!["--server-name".into(), CLOUD_SERVER_NAME.into()];
+        for (flag, path) in [
+            ("--ca", &self.tether_ca),
+            ("--cert", &pair.cert),
+            ("--key", &pair.key),
+        ] {
+            v.push(flag.into());
+            v.push(path.into());
+        }
+        Some(v)
+    }
 }
 
 /// Mints the certificates for `nodes` into `dir` (created if needed).

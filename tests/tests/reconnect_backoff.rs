@@ -106,14 +106,19 @@ fn watch(sock: UdpSocket, n: usize, limit: Duration) -> Vec<Attempt> {
     seen
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reconnect_waits_grow_from_the_minimum_and_stay_within_the_maximum() {
-    // The environment's cloud is never dialled: it gives the edge its
-    // certificates and command line.
-    let env = Env::start(&[], &[]).await.unwrap();
+/// A real edge with `flags` dialling a UDP port where nothing answers,
+/// and the attempts [`watch`] saw there (`n`, within `limit`). The
+/// environment's cloud is never dialled: it gives the edge its
+/// certificates and command line.
+async fn edge_against_silence(
+    env: &Env,
+    flags: &[&str],
+    n: usize,
+    limit: Duration,
+) -> (tether_tests::process::Proc, Vec<Attempt>) {
     let nothing = UdpSocket::bind("127.0.0.1:0").unwrap();
     let addr = nothing.local_addr().unwrap().to_string();
-    let watcher = std::thread::spawn(move || watch(nothing, ROUNDS, Duration::from_secs(60)));
+    let watcher = std::thread::spawn(move || watch(nothing, n, limit));
     let pair = &env.pki.edges[NODE];
     let edge = env
         .edge_process(
@@ -122,23 +127,30 @@ async fn reconnect_waits_grow_from_the_minimum_and_stay_within_the_maximum() {
             &pair.key,
             "http://127.0.0.1:9",
             &[],
-            &[
-                "--cloud",
-                &addr,
-                "--reconnect-min",
-                "50ms",
-                "--reconnect-max",
-                "1200ms",
-                "--handshake-timeout",
-                "50ms",
-                "--handshake-timeout-max",
-                "200ms",
-            ],
+            &[&["--cloud", &addr][..], flags].concat(),
         )
         .unwrap();
     let attempts = tokio::task::spawn_blocking(move || watcher.join().unwrap())
         .await
         .unwrap();
+    (edge, attempts)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_waits_grow_from_the_minimum_and_stay_within_the_maximum() {
+    let env = Env::start(&[], &[]).await.unwrap();
+    let flags = [
+        "--reconnect-min",
+        "50ms",
+        "--reconnect-max",
+        "1200ms",
+        "--handshake-timeout",
+        "50ms",
+        "--handshake-timeout-max",
+        "200ms",
+    ];
+    let (edge, attempts) =
+        edge_against_silence(&env, &flags, ROUNDS, Duration::from_secs(60)).await;
     // Each round that got no welcome is logged with its limit; the
     // round's line may trail its last datagram a little.
     let mut limits = Vec::new();
@@ -225,34 +237,18 @@ const PATIENT_INTERVAL: Duration = Duration::from_millis(1600);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cloud_silent_for_long_is_probed_patiently() {
     let env = Env::start(&[], &[]).await.unwrap();
-    let nothing = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let addr = nothing.local_addr().unwrap().to_string();
     const WATCH: Duration = Duration::from_secs(10);
-    let watcher = std::thread::spawn(move || watch(nothing, 10_000, WATCH));
-    let pair = &env.pki.edges[NODE];
-    let edge = env
-        .edge_process(
-            NODE,
-            &pair.cert,
-            &pair.key,
-            "http://127.0.0.1:9",
-            &[],
-            &[
-                &["--cloud", &addr][..],
-                PATIENT,
-                &[
-                    "--handshake-timeout",
-                    "300ms",
-                    "--handshake-timeout-max",
-                    "300ms",
-                ],
-            ]
-            .concat(),
-        )
-        .unwrap();
-    let attempts = tokio::task::spawn_blocking(move || watcher.join().unwrap())
-        .await
-        .unwrap();
+    let flags = [
+        PATIENT,
+        &[
+            "--handshake-timeout",
+            "300ms",
+            "--handshake-timeout-max",
+            "300ms",
+        ],
+    ]
+    .concat();
+    let (edge, attempts) = edge_against_silence(&env, &flags, 10_000, WATCH).await;
     let full = std::fs::read_to_string(edge.log_path()).unwrap_or_default();
     let log = edge.stderr_tail(30);
     drop(edge);

@@ -290,17 +290,10 @@ impl Bed {
                 l.starts_with("tether-cloud ready")
             })
             .await?;
-        let pair = pki.edges.get("edge-1").context("edge-1 certificate")?;
         let mut cmd = link.exec_in_edge(edge_bin()?);
         cmd.arg("--cloud")
             .arg(format!("{cloud_ip}:{TUNNEL_PORT}"))
-            .args(["--server-name", pki::CLOUD_SERVER_NAME])
-            .arg("--ca")
-            .arg(&pki.tether_ca)
-            .arg("--cert")
-            .arg(&pair.cert)
-            .arg("--key")
-            .arg(&pair.key)
+            .args(pki.edge_flags("edge-1").context("edge-1 certificate")?)
             .args(["--kubelet-url", &format!("https://127.0.0.1:{kport}")])
             .arg("--kubelet-ca")
             .arg(&pki.tether_ca)

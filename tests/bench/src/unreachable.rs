@@ -124,17 +124,10 @@ pub async fn run(r: &mut Report, timing: Timing) -> Result<()> {
         let addr = sock.local_addr()?;
         let watch = timing.watch;
         watchers.push(std::thread::spawn(move || record(sock, start, watch)));
-        let pair = pki.edges.get(*node).context("edge certificate")?;
         let mut cmd = tokio::process::Command::new(crate::bed::edge_bin()?);
         cmd.arg("--cloud")
             .arg(addr.to_string())
-            .args(["--server-name", pki::CLOUD_SERVER_NAME])
-            .arg("--ca")
-            .arg(&pki.tether_ca)
-            .arg("--cert")
-            .arg(&pair.cert)
-            .arg("--key")
-            .arg(&pair.key)
+            .args(pki.edge_flags(node).context("edge certificate")?)
             .args(["--kubelet-url", "http://127.0.0.1:9"])
             .args(["--metrics-listen", "127.0.0.1:0"])
             .args(["--announce-address", &format!("{node}.invalid")])

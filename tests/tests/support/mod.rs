@@ -881,17 +881,10 @@ pub async fn spawn_edge_announcing(
     announce: Option<&str>,
     extra: &[&str],
 ) -> Proc {
-    let pair = &pki.edges["edge-1"];
     let mut cmd = link.exec_in_edge(tether_tests::bins::binary("tether-edge").unwrap());
     cmd.arg("--cloud")
         .arg(format!("{}:{TUNNEL_PORT}", link.cloud_ip()))
-        .args(["--server-name", pki::CLOUD_SERVER_NAME])
-        .arg("--ca")
-        .arg(&pki.tether_ca)
-        .arg("--cert")
-        .arg(&pair.cert)
-        .arg("--key")
-        .arg(&pair.key)
+        .args(pki.edge_flags("edge-1").expect("the test PKI has edge-1"))
         .args([
             "--kubelet-url",
             &format!("http://127.0.0.1:{kubelet_port}"),
