@@ -19,11 +19,10 @@
 //!   replica awaits it), no wait at all;
 //! - once the cloud has not answered for `--reconnect-patient-after` (the
 //!   session's grace period by default, at least 5 minutes: its streams are
-//!   lost by then), the
-//!   wait is drawn from `[i/2, i]` of `--reconnect-patient-interval` `i`, so
-//!   an edge whose link is up but whose cloud is down for hours does not
-//!   spend its metered data probing every second (with an interval of 0,
-//!   the backoff as before).
+//!   lost by then), the wait is drawn from `[i/2, i]` of
+//!   `--reconnect-patient-interval` `i`, so an edge whose link is up but
+//!   whose cloud is down for hours does not spend its metered data probing
+//!   every second (with an interval of 0, the backoff as before).
 
 use std::ops::RangeInclusive;
 use std::time::Duration;
