@@ -36,6 +36,10 @@ struct Lines {
     closed: bool,
 }
 
+/// What `tether-edge` prints on stdout each time it connects to the cloud, followed by
+/// its node, the session and whether it resumed.
+pub const EDGE_CONNECTED: &str = "tether-edge connected";
+
 /// A running child process; killed on drop.
 pub struct Proc {
     name: String,
@@ -184,6 +188,23 @@ impl Proc {
                 );
             }
         }
+    }
+
+    /// Waits at most `limit` for `tether-edge`'s next [`EDGE_CONNECTED`] line (see
+    /// [`Proc::wait_line`]) and returns it: it names the session and whether it resumed.
+    pub async fn wait_connected(&mut self, what: &str, limit: Duration) -> Result<String> {
+        self.wait_line(what, limit, |l| l.starts_with(EDGE_CONNECTED))
+            .await
+    }
+
+    /// How many times `tether-edge` has connected so far (its [`EDGE_CONNECTED`] lines).
+    pub fn connects(&self) -> usize {
+        let lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
+        lines
+            .lines
+            .iter()
+            .filter(|l| l.starts_with(EDGE_CONNECTED))
+            .count()
     }
 
     /// Waits at most `limit` until the child printed at least `n` stdout lines in all;

@@ -51,11 +51,7 @@ async fn a_pod_list_larger_than_the_agreed_frame_is_cut_and_the_connection_kept(
         env.wait_routable(&pods[0]).await.unwrap();
         // Several pod reads later (every 200 ms), still the first connection.
         tokio::time::sleep(Duration::from_secs(3)).await;
-        let connects = edge
-            .lines()
-            .iter()
-            .filter(|l| l.starts_with("tether-edge connected"))
-            .count();
+        let connects = edge.connects();
         let log = std::fs::read_to_string(edge.log_path()).unwrap_or_default();
         assert_eq!(
             connects,
@@ -183,11 +179,7 @@ async fn a_pod_report_over_max_pods_per_report_is_cut_by_the_cloud() {
             warnings[0]
         );
     }
-    let connects = edge
-        .lines()
-        .iter()
-        .filter(|l| l.starts_with("tether-edge connected"))
-        .count();
+    let connects = edge.connects();
     assert_eq!(
         connects,
         1,

@@ -329,13 +329,6 @@ impl Traffic {
     }
 }
 
-fn connects(log_lines: &[String]) -> usize {
-    log_lines
-        .iter()
-        .filter(|l| l.starts_with("tether-edge connected"))
-        .count()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_address_change_migrates_without_reconnect() {
     address_change(None).await;
@@ -372,7 +365,7 @@ async fn address_change(link: Option<Impairment>) {
     let stats = link.and_then(|_| env.link.stats().ok());
     let (bytes, lines) = traffic.finish_intact().await;
     assert_eq!(
-        connects(&env.edge.lines()),
+        env.edge.connects(),
         1,
         "no reconnect may happen: {:?}",
         env.edge.lines()
@@ -616,7 +609,7 @@ async fn killed_edge_and_restarted_cloud_end_streams_promptly() {
     let t = Instant::now();
     env.edge
         .wait_line("edge reconnects", Duration::from_secs(30), |l| {
-            l.starts_with("tether-edge connected") && l.contains("resumed=false")
+            l.starts_with(tether_tests::process::EDGE_CONNECTED) && l.contains("resumed=false")
         })
         .await
         .unwrap();

@@ -80,11 +80,7 @@ async fn served_on(env: &Env, edge: &Proc) {
         .unwrap();
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert!(r.body.contains(&format!("{NODE} line 0")), "{}", r.body);
-    let connects = edge
-        .lines()
-        .iter()
-        .filter(|l| l.starts_with("tether-edge connected"))
-        .count();
+    let connects = edge.connects();
     assert_eq!(
         connects,
         1,

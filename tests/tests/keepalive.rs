@@ -21,18 +21,10 @@ use std::time::{Duration, Instant};
 use linkemu::{Link, LinkOptions};
 use support::{client_in_cloud, get_ok, kubelet_in_edge, spawn_cloud, spawn_edge};
 use tether_tests::pki;
-use tether_tests::process::Proc;
 
 const BINDING: Duration = Duration::from_secs(6);
 const MIN: Duration = Duration::from_secs(1);
 const MAX: Duration = Duration::from_secs(20);
-
-fn connects(edge: &Proc) -> usize {
-    edge.lines()
-        .iter()
-        .filter(|l| l.starts_with("tether-edge connected"))
-        .count()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keep_alive_settles_below_the_nat_binding_and_the_session_survives() {
@@ -133,7 +125,7 @@ async fn keep_alive_settles_below_the_nat_binding_and_the_session_survives() {
         .expect("a request after the binding was dropped is routed");
     let reopen = t.elapsed();
     assert_eq!(
-        connects(&edge),
+        edge.connects(),
         1,
         "the session must survive the learning on its first connection: {:?}",
         edge.lines()

@@ -227,11 +227,7 @@ async fn a_path_that_shrinks_under_a_bulk_stream_is_caught_and_the_stream_finish
         dropped.up.0 > 0 && dropped.down.0 > 0,
         "full-size packets must have met the hole both ways (else this proved nothing): {dropped:?}"
     );
-    let connects = edge
-        .lines()
-        .iter()
-        .filter(|l| l.starts_with("tether-edge connected"))
-        .count();
+    let connects = edge.connects();
     assert_eq!(connects, 1, "the edge had to reconnect");
     eprintln!(
         "dropped while the path shrank: {dropped:?}; the last 24 MiB took {:?}",

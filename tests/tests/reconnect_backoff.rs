@@ -347,9 +347,7 @@ async fn a_patient_edge_is_back_and_resumes_once_the_cloud_answers() {
     let back = Instant::now();
     let edge = &mut env.nodes[0].edge;
     let line = edge
-        .wait_line("edge resumed", Duration::from_secs(20), |l| {
-            l.starts_with("tether-edge connected")
-        })
+        .wait_connected("edge resumed", Duration::from_secs(20))
         .await
         .unwrap();
     let took = back.elapsed();

@@ -107,9 +107,7 @@ async fn streams_resume_after_the_connection_dies() {
     let at_restore = received.load(Ordering::Relaxed);
     let edge = &mut env.nodes[0].edge;
     let line = edge
-        .wait_line("edge resumed", Duration::from_secs(20), |l| {
-            l.starts_with("tether-edge connected")
-        })
+        .wait_connected("edge resumed", Duration::from_secs(20))
         .await
         .unwrap();
     assert!(

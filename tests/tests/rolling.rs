@@ -267,11 +267,9 @@ impl Bed {
             format!("tether-edge-{n}")
         };
         let mut edge = Proc::spawn(&name, cmd, self.dir.path(), SpawnOptions::default()).unwrap();
-        edge.wait_line("edge connected", Duration::from_secs(20), |l| {
-            l.starts_with("tether-edge connected")
-        })
-        .await
-        .unwrap();
+        edge.wait_connected("edge connected", Duration::from_secs(20))
+            .await
+            .unwrap();
         (kubelet, edge)
     }
 
@@ -331,11 +329,9 @@ impl Bed {
 
 /// Waits for the edge's next "connected" line; returns how long it took.
 async fn next_connect(edge: &mut Proc, within: Duration, since: Instant) -> Duration {
-    edge.wait_line("edge reconnected", within, |l| {
-        l.starts_with("tether-edge connected")
-    })
-    .await
-    .unwrap();
+    edge.wait_connected("edge reconnected", within)
+        .await
+        .unwrap();
     since.elapsed()
 }
 

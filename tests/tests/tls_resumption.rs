@@ -63,9 +63,7 @@ async fn handshakes(env: &Env) -> (f64, f64) {
 async fn reconnected(env: &mut Env) {
     env.nodes[0]
         .edge
-        .wait_line("edge reconnects", Duration::from_secs(30), |l| {
-            l.starts_with("tether-edge connected")
-        })
+        .wait_connected("edge reconnects", Duration::from_secs(30))
         .await
         .unwrap();
     env.wait_routable("default/p1").await.unwrap();
@@ -149,11 +147,9 @@ async fn a_resumed_session_whose_certificate_expired_since_is_refused() {
             &[],
         )
         .unwrap();
-    edge.wait_line("edge connected", Duration::from_secs(20), |l| {
-        l.starts_with("tether-edge connected")
-    })
-    .await
-    .unwrap();
+    edge.wait_connected("edge connected", Duration::from_secs(20))
+        .await
+        .unwrap();
     env.wait_routable("default/p2").await.unwrap();
 
     // The certificate expires (certificate times have one-second precision).
@@ -185,11 +181,7 @@ async fn a_resumed_session_whose_certificate_expired_since_is_refused() {
         ) >= Some(1.0),
         "{text}"
     );
-    let connected = edge
-        .lines()
-        .iter()
-        .filter(|l| l.starts_with("tether-edge connected"))
-        .count();
+    let connected = edge.connects();
     assert_eq!(
         connected,
         1,

@@ -805,9 +805,7 @@ async fn bad_inputs_get_clear_errors_and_spare_healthy_streams() {
         .edge_process("rogue", &cert, &key, "http://127.0.0.1:9", &[], &[])
         .unwrap();
     let seen = rogue_edge
-        .wait_line("rogue connected", Duration::from_secs(3), |l| {
-            l.starts_with("tether-edge connected")
-        })
+        .wait_connected("rogue connected", Duration::from_secs(3))
         .await;
     assert!(
         seen.is_err(),

@@ -312,10 +312,8 @@ impl Bed {
             &d,
             SpawnOptions::default(),
         )?;
-        edge.wait_line("tether-edge connected", Duration::from_secs(30), |l| {
-            l.starts_with("tether-edge connected")
-        })
-        .await?;
+        edge.wait_connected("the edge's connected line", Duration::from_secs(30))
+            .await?;
         let tether = tether_dial(&link, &pki)?;
         // Routable once the edge's pod report arrived.
         let deadline = Instant::now() + Duration::from_secs(30);

@@ -557,10 +557,8 @@ impl Env {
             .get(node)
             .with_context(|| format!("no certificate for {node}"))?;
         let mut p = self.edge_process(node, &pair.cert, &pair.key, kubelet_url, announce, extra)?;
-        p.wait_line("edge connected line", Duration::from_secs(20), |l| {
-            l.starts_with("tether-edge connected")
-        })
-        .await?;
+        p.wait_connected("edge connected line", Duration::from_secs(20))
+            .await?;
         Ok(p)
     }
 
@@ -908,11 +906,9 @@ pub async fn spawn_edge_announcing(
         SpawnOptions::default(),
     )
     .unwrap();
-    edge.wait_line("edge connected", Duration::from_secs(30), |l| {
-        l.starts_with("tether-edge connected")
-    })
-    .await
-    .unwrap();
+    edge.wait_connected("edge connected", Duration::from_secs(30))
+        .await
+        .unwrap();
     edge
 }
 
