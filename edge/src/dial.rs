@@ -44,9 +44,9 @@
 //!
 //! Once the cloud has not answered for `--reconnect-patient-after` (unless
 //! set, the session's grace period, at least 5 minutes: the cloud no longer
-//! holds its streams by then), the edge probes patiently: a round is one attempt, and rounds
-//! start about every `--reconnect-patient-interval` (30 s) instead of every
-//! second or so. An edge whose link is up while its cloud is down for hours
+//! holds its streams by then), the edge probes patiently: a round is one
+//! attempt, and rounds start about every `--reconnect-patient-interval`
+//! (30 s) instead of every second or so. An edge whose link is up while its cloud is down for hours
 //! so spends a fraction of the data the dense probing costs, and is back
 //! within about that interval once the cloud is.
 //!
@@ -261,13 +261,11 @@ impl Dialer {
         );
         loop {
             let ended = self.connect_once().await;
-            if !matches!(ended, Ended::Failed(_)) {
+            let failed = matches!(ended, Ended::Failed(_));
+            if !failed {
                 self.last_contact = Instant::now();
             }
-            self.set_patient(
-                matches!(ended, Ended::Failed(_)),
-                self.last_contact.elapsed(),
-            );
+            self.set_patient(failed, self.last_contact.elapsed());
             let end = match &ended {
                 Ended::AfterWelcome => RoundEnd::Lost,
                 Ended::CloudShutdown => RoundEnd::CloudShutdown,
@@ -373,10 +371,6 @@ impl Dialer {
         // (10,000 edges back 24.6 s after the new cloud was ready with four,
         // 14.1 s with two; scripts/bench.sh --only edges).
         let max_in_flight = self.cfg.max_handshakes_in_flight;
-        // Probing patiently, a round is one attempt: its Initials, then the
-        // patient wait (crate::backoff).
-        let round_attempts = if self.patient { 1 } else { usize::MAX };
-        let mut started = 0;
         let mut attempts = tokio::task::JoinSet::new();
         let mut last_error = None;
         // Each round after one whose attempts all timed out allows twice as
@@ -399,10 +393,14 @@ impl Dialer {
         let mut next_start = tokio::time::Instant::now();
         loop {
             let now = tokio::time::Instant::now();
-            let room = attempts.len() < max_in_flight && started < round_attempts;
-            if room && now >= next_start && now < deadline {
-                started += 1;
-                next_start = now + self.cfg.reconnect_max;
+            if attempts.len() < max_in_flight && now >= next_start && now < deadline {
+                // Probing patiently, a round is one attempt (its Initials,
+                // then the patient wait, crate::backoff): no next start.
+                next_start = if self.patient {
+                    deadline
+                } else {
+                    now + self.cfg.reconnect_max
+                };
                 let answered = Arc::new(AtomicBool::new(false));
                 let this = self.attempt_ctx(answered.clone());
                 attempts.spawn(async move {
@@ -427,9 +425,7 @@ impl Dialer {
             }
             // Another attempt will start in this round: there is room for
             // it and its turn comes before the deadline.
-            let another = attempts.len() < max_in_flight
-                && started < round_attempts
-                && next_start.max(now) < deadline;
+            let another = attempts.len() < max_in_flight && next_start.max(now) < deadline;
             if attempts.is_empty() && !another {
                 return Err(
                     last_error.unwrap_or_else(|| anyhow::anyhow!("no handshake attempt succeeded"))
